@@ -1,0 +1,70 @@
+"""cupy_memstrat: drop-in GPU memory strategies for CuPy.
+
+    import cupy_memstrat
+    cupy_memstrat.use("device")          # CuPy now allocates with cudaMalloc/cudaFree
+    ...
+    print(cupy_memstrat.stats())          # bytes in use, peak, reserved, counts
+    for a in cupy_memstrat.live_allocations():
+        print(a)
+
+Importing this package does not import CuPy or touch the GPU.
+"""
+
+from .api import (
+    available,
+    create,
+    current,
+    live_allocations,
+    reset_peak,
+    stats,
+    use,
+    using,
+    validate,
+)
+from .errors import (
+    CuPyNotInstalledError,
+    InvalidFreeWarning,
+    MemstratError,
+    NoDeviceError,
+    NoStrategyError,
+)
+from .hookspecs import hookimpl
+from .sizes import format_size, parse_size
+from .stats import Allocation, Origin, Stats
+from .strategies import DeviceStrategy, Strategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "use",
+    "using",
+    "create",
+    "validate",
+    "current",
+    "available",
+    "stats",
+    "reset_peak",
+    "live_allocations",
+    "Strategy",
+    "DeviceStrategy",
+    "Stats",
+    "Allocation",
+    "Origin",
+    "parse_size",
+    "format_size",
+    "hookimpl",
+    "MemstratError",
+    "NoDeviceError",
+    "NoStrategyError",
+    "CuPyNotInstalledError",
+    "InvalidFreeWarning",
+    "OutOfMemoryError",
+]
+
+
+def __getattr__(name):
+    if name == "OutOfMemoryError":  # subclass of CuPy's; built on first use
+        from .errors import _out_of_memory_class
+
+        return _out_of_memory_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Benchmarks, run as commands: ``python -m cupy_memstrat bench GROUP``."""

@@ -1,0 +1,214 @@
+"""``bench alloc``: allocator latency and a small-temporaries workload, every path side by side.
+
+Every path is measured through ``cupy.cuda.alloc`` (CuPy's dispatch included),
+in interleaved rounds so that clock drift touches all paths alike; each
+figure is the median over rounds. Ratios are taken against CuPy's default
+``MemoryPool`` measured in the same run.
+
+Paths: CuPy's default pool (``cupy-default``), no pool (``no-pool``:
+``set_allocator(None)``, raw cudaMalloc/cudaFree), every registered
+strategy, ``device`` with ``track_origins=True``, RMM's
+``rmm_cupy_allocator`` over ``CudaAsyncMemoryResource`` (``rmm-async``) when
+``rmm`` is importable, and CuPy's ``MemoryAsyncPool`` (``cupy-async``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+from ..sizes import format_size
+
+SIZES = (512, 1 << 20, 32 << 20)
+WORKLOAD = "temporaries"
+N_TEMPS = 30
+WORKLOAD_ELEMS = 4096
+
+
+def _paths(cupy, strategies: list[str]):
+    """(label, activate) pairs; ``activate()`` installs the path as CuPy's allocator."""
+    from ..api import create
+
+    cuda = cupy.cuda
+    default_pool = cupy.get_default_memory_pool()
+    paths = [
+        ("cupy-default", lambda: cuda.set_allocator(default_pool.malloc)),
+        ("no-pool", lambda: cuda.set_allocator(None)),
+    ]
+    for name in strategies:
+        s = create(name)
+        paths.append((name, lambda m=s.malloc: cuda.set_allocator(m)))
+    if "device" in strategies:
+        s = create("device", track_origins=True)
+        paths.append(("device+origins", lambda m=s.malloc: cuda.set_allocator(m)))
+    try:
+        import rmm
+        from rmm.allocators.cupy import rmm_cupy_allocator
+
+        rmm_mr = rmm.mr.CudaAsyncMemoryResource()
+
+        def rmm_async():
+            rmm.mr.set_current_device_resource(rmm_mr)
+            cuda.set_allocator(rmm_cupy_allocator)
+
+        paths.append(("rmm-async", rmm_async))
+    except ImportError:
+        pass
+    # Created last: its constructor changes every device's current memory pool
+    # (cudaDeviceSetMemPool), which no path above depends on.
+    async_pool = cuda.MemoryAsyncPool()
+    paths.append(("cupy-async", lambda: cuda.set_allocator(async_pool.malloc)))
+    return paths
+
+
+def _time_pairs(cupy, size: int, n: int) -> float:
+    alloc = cupy.cuda.alloc
+    t0 = time.perf_counter()
+    for _ in range(n):
+        alloc(size)  # the MemoryPointer dies at once: one alloc + one free
+    t1 = time.perf_counter()
+    cupy.cuda.Device().synchronize()
+    return (t1 - t0) / n
+
+
+def _make_workload(cupy):
+    x = cupy.ones(WORKLOAD_ELEMS, dtype=cupy.float32)
+    stream = cupy.cuda.get_current_stream()
+
+    def step():
+        y = x
+        for _ in range(N_TEMPS):
+            y = y + 1.0  # one temporary, one kernel
+        stream.synchronize()
+        return y
+
+    def check(y):
+        if not bool((y == 1.0 + N_TEMPS).all()):
+            raise AssertionError("workload result differs: the allocator corrupted data")
+
+    return step, check
+
+
+def _time_workload(step, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    return (time.perf_counter() - t0) / n
+
+
+def _calibrate(fn, target_s: float) -> int:
+    """Iterations that take about ``target_s`` seconds."""
+    n = 8
+    while True:
+        t = fn(n) * n
+        if t >= target_s / 4 or n >= 1 << 20:
+            return max(8, min(1 << 20, int(n * target_s / max(t, 1e-9))))
+        n *= 4
+
+
+def run(*, rounds: int = 7, target_s: float = 0.03, progress=None, strategies=None) -> dict:
+    """Run the benchmark; return the results dict (times in microseconds).
+
+    Raises:
+        NoDeviceError, CuPyNotInstalledError: nothing to measure on.
+    """
+    from ..cuda import get_backend
+    from ..info import collect
+    from ..registry import get_registry
+
+    get_backend()  # fail fast and clearly without a GPU
+    import cupy
+
+    say = progress or (lambda msg: None)
+    names = list(strategies) if strategies is not None else get_registry().names()
+    prev = cupy.cuda.get_allocator()
+    paths = _paths(cupy, names)
+    labels = [p[0] for p in paths]
+    lat = {lab: {s: [] for s in SIZES} for lab in labels}
+    work = {lab: [] for lab in labels}
+    iters: dict = {}
+    try:
+        for r in range(rounds):
+            for i, (label, activate) in enumerate(paths):
+                say(f"round {r + 1}/{rounds}  path {i + 1}/{len(paths)}  {label}")
+                activate()
+                for size in SIZES:
+                    key = (label, size)
+                    if key not in iters:
+                        iters[key] = _calibrate(lambda n: _time_pairs(cupy, size, n), target_s)
+                    lat[label][size].append(_time_pairs(cupy, size, iters[key]) * 1e6)
+                step, check = _make_workload(cupy)
+                check(step())
+                key = (label, WORKLOAD)
+                if key not in iters:
+                    iters[key] = _calibrate(lambda n: _time_workload(step, n), target_s * 3)
+                work[label].append(_time_workload(step, iters[key]) * 1e6)
+                del step, check
+    finally:
+        try:
+            cupy.cuda.set_allocator(prev)
+        except Exception:  # noqa: BLE001
+            cupy.cuda.set_allocator()
+
+    results = {}
+    for label in labels:
+        row = {str(s): _summary(lat[label][s]) for s in SIZES}
+        row[WORKLOAD] = _summary(work[label])
+        results[label] = row
+    base = results["cupy-default"]
+    ratios = {
+        label: {k: row[k]["median_us"] / base[k]["median_us"] for k in row} for label, row in results.items()
+    }
+    report = {
+        "benchmark": "alloc",
+        "machine": collect(),
+        "params": {
+            "rounds": rounds,
+            "target_seconds_per_measurement": target_s,
+            "sizes": list(SIZES),
+            "workload": f"{N_TEMPS} x (float32[{WORKLOAD_ELEMS}] + 1.0), then stream synchronize",
+            "iterations": {f"{k[0]}/{k[1]}": v for k, v in iters.items()},
+        },
+        "results_us": results,
+        "ratio_to_cupy_default": ratios,
+    }
+    if "device" in results:
+        report["device_vs_no_pool"] = {
+            k: results["device"][k]["median_us"] / results["no-pool"][k]["median_us"] for k in base
+        }
+    return report
+
+
+def _summary(xs: list[float]) -> dict:
+    return {"median_us": statistics.median(xs), "min_us": min(xs), "max_us": max(xs), "runs_us": xs}
+
+
+def format_table(report: dict) -> str:
+    """The report as a fixed-width table of median microseconds and ratios."""
+    cols = [str(s) for s in SIZES] + [WORKLOAD]
+    heads = [format_size(s) for s in SIZES] + [f"{N_TEMPS} temps"]
+    width = max(len(k) for k in report["results_us"]) + 2
+    out = [
+        "alloc+free through cupy.cuda.alloc (median us, ratio to cupy-default); "
+        f"workload: {report['params']['workload']}",
+        "".ljust(width) + "".join(h.rjust(20) for h in heads),
+    ]
+    for label, row in report["results_us"].items():
+        ratios = report["ratio_to_cupy_default"][label]
+        cells = "".join(f"{row[c]['median_us']:>10.2f} ({ratios[c]:5.2f}x)".rjust(20) for c in cols)
+        out.append(label.ljust(width) + cells)
+    if "device_vs_no_pool" in report:
+        dv = report["device_vs_no_pool"]
+        out.append(
+            "device / no-pool: "
+            + ", ".join(f"{h} {dv[c]:.3f}x" for h, c in zip(heads, cols))
+        )
+    return "\n".join(out)
+
+
+def progress_printer(stream=sys.stderr):
+    def say(msg: str) -> None:
+        print(f"[bench alloc] {msg}", file=stream, flush=True)
+
+    return say

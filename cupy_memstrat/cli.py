@@ -1,0 +1,73 @@
+"""``python -m cupy_memstrat``: ``info`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import MemstratError
+
+
+def _cmd_info(args) -> int:
+    from .info import collect, format_report
+
+    report = collect()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+    return 0 if "cuda" in report else 1
+
+
+def _cmd_bench_alloc(args) -> int:
+    from .bench import alloc
+
+    say = None if args.quiet else alloc.progress_printer()
+    try:
+        report = alloc.run(rounds=args.rounds, progress=say)
+    except MemstratError as exc:
+        print(f"bench alloc needs a CUDA device and CuPy: {exc}", file=sys.stderr)
+        return 2
+    print(alloc.format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m cupy_memstrat", description="GPU memory strategies for CuPy."
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    info = sub.add_parser("info", help="devices, versions, memory and feature support")
+    info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    info.set_defaults(func=_cmd_info)
+
+    bench = sub.add_parser("bench", help="benchmarks (need a GPU)")
+    groups = bench.add_subparsers(dest="group", required=True, metavar="GROUP")
+    ba = groups.add_parser(
+        "alloc", help="alloc+free latency and a small-temporaries workload for every allocator path"
+    )
+    ba.add_argument("--json", metavar="PATH", help="also write the results (with machine info) here")
+    ba.add_argument("--rounds", type=_positive_int, default=7, help="interleaved rounds (default 7)")
+    ba.add_argument("--quiet", action="store_true", help="no progress lines")
+    ba.set_defaults(func=_cmd_bench_alloc)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,182 @@
+"""The one seam between cupy_memstrat and CUDA.
+
+Strategies never call CUDA themselves: they call a *backend* object. Two exist:
+
+* :class:`RealBackend` (this module): CuPy's Cython runtime wrappers on the
+  allocation hot path (``cupy.cuda.runtime.malloc`` / ``free`` cost no Python
+  frame of their own), ``cuda.bindings`` where CuPy has no wrapper.
+* :class:`cupy_memstrat.testing.FakeBackend`: a simulator of the CUDA
+  behaviour this project relies on, for machines without a GPU.
+
+The backend interface (both implement it):
+
+``Error``
+    exception class raised by ``malloc``/``free``; instances carry ``status``,
+    the CUDA runtime error code (``cudaError_t``), e.g. ``ERROR_MEMORY_ALLOCATION``.
+``malloc(size) -> int``
+    ``cudaMalloc`` on the current device; ``size`` in bytes.
+``free(ptr) -> None``
+    ``cudaFree``; CUDA finds the owning device from the pointer (unified
+    addressing), as CuPy's own ``Memory.__dealloc__`` relies on.
+``get_device() -> int`` / ``set_device(device)`` / ``device_count() -> int``
+``mem_get_info(device) -> (free_bytes, total_bytes)``
+``device_properties(device) -> dict``
+    ``name``, ``total_memory`` (bytes), ``compute_capability`` ("9.0"),
+    ``concurrent_managed_access``, ``pageable_memory_access``,
+    ``memory_pools_supported`` (ints, CUDA's device attributes).
+``versions() -> dict``
+    ``driver`` and ``runtime`` as CUDA encodes them (13000 = 13.0).
+``clear_last_error() -> int``
+    clears CUDA's sticky "last error" (``cudaGetLastError``) and returns it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+from .errors import CuPyNotInstalledError, NoDeviceError
+
+__all__ = [
+    "ERROR_SUCCESS",
+    "ERROR_INVALID_VALUE",
+    "ERROR_MEMORY_ALLOCATION",
+    "ERROR_INVALID_DEVICE",
+    "ERROR_NO_DEVICE",
+    "ERROR_INSUFFICIENT_DRIVER",
+    "RealBackend",
+    "get_backend",
+    "error_name",
+]
+
+# cudaError_t values (CUDA runtime API, driver_types.h); the same in CUDA 12 and 13.
+ERROR_SUCCESS = 0
+ERROR_INVALID_VALUE = 1
+ERROR_MEMORY_ALLOCATION = 2
+ERROR_INSUFFICIENT_DRIVER = 35
+ERROR_NO_DEVICE = 100
+ERROR_INVALID_DEVICE = 101
+
+_ERROR_NAMES = {
+    ERROR_SUCCESS: "cudaSuccess",
+    ERROR_INVALID_VALUE: "cudaErrorInvalidValue",
+    ERROR_MEMORY_ALLOCATION: "cudaErrorMemoryAllocation",
+    ERROR_INSUFFICIENT_DRIVER: "cudaErrorInsufficientDriver",
+    ERROR_NO_DEVICE: "cudaErrorNoDevice",
+    ERROR_INVALID_DEVICE: "cudaErrorInvalidDevice",
+}
+
+# cudaDeviceAttr values (CUDA runtime API).
+_ATTR_PAGEABLE_MEMORY_ACCESS = 88
+_ATTR_CONCURRENT_MANAGED_ACCESS = 89
+_ATTR_MEMORY_POOLS_SUPPORTED = 115
+
+
+def error_name(status: int) -> str:
+    """Name of a ``cudaError_t`` code, e.g. ``2 -> "cudaErrorMemoryAllocation"``."""
+    return _ERROR_NAMES.get(status, f"cudaError({status})")
+
+
+def _import_runtime():
+    try:
+        from cupy_backends.cuda.api import runtime
+    except ImportError as exc:
+        raise CuPyNotInstalledError(
+            "CuPy is not installed, and cupy_memstrat needs it for GPU memory: install "
+            "a CuPy wheel, e.g. pip install 'cupy-memstrat[cuda13]' (or [cuda12]) "
+            f"({exc})"
+        ) from exc
+    return runtime
+
+
+class RealBackend:
+    """CUDA through CuPy's runtime (hot path) and ``cuda.bindings``.
+
+    Raises:
+        CuPyNotInstalledError: CuPy is not importable.
+        NoDeviceError: CUDA reports no usable device (no driver, no GPU, a
+            driver older than CuPy's runtime); the message carries CUDA's reason.
+    """
+
+    name = "cuda"
+
+    def __init__(self):
+        runtime = _import_runtime()
+        try:
+            n = runtime.getDeviceCount()
+        except runtime.CUDARuntimeError as exc:
+            raise NoDeviceError(f"no CUDA device is available: {exc}") from exc
+        if n == 0:
+            raise NoDeviceError("no CUDA device is available: CUDA reports 0 devices")
+        self._runtime = runtime
+        self.Error = runtime.CUDARuntimeError
+        # Hot path: CuPy's Cython wrappers, bound directly (no Python frame).
+        # CuPy's check_status() calls cudaGetLastError before it raises, so a
+        # failed cudaMalloc through these leaves no sticky error behind
+        # (cupy_backends/cuda/api/runtime.pyx, v14.2.0).
+        self.malloc = runtime.malloc
+        self.free = runtime.free
+        self.get_device = runtime.getDevice
+        self.set_device = runtime.setDevice
+        self.device_count = runtime.getDeviceCount
+
+    def mem_get_info(self, device: int) -> tuple[int, int]:
+        cur = self.get_device()
+        if cur != device:
+            self.set_device(device)
+        try:
+            free, total = self._runtime.memGetInfo()
+        finally:
+            if cur != device:
+                self.set_device(cur)
+        return int(free), int(total)
+
+    def device_properties(self, device: int) -> dict:
+        rt = self._runtime
+        props = rt.getDeviceProperties(device)
+        name = props["name"]
+        if isinstance(name, bytes):
+            name = name.decode(errors="replace")
+        return {
+            "name": name,
+            "total_memory": int(props["totalGlobalMem"]),
+            "compute_capability": f"{props['major']}.{props['minor']}",
+            "concurrent_managed_access": rt.deviceGetAttribute(
+                _ATTR_CONCURRENT_MANAGED_ACCESS, device
+            ),
+            "pageable_memory_access": rt.deviceGetAttribute(_ATTR_PAGEABLE_MEMORY_ACCESS, device),
+            "memory_pools_supported": rt.deviceGetAttribute(_ATTR_MEMORY_POOLS_SUPPORTED, device),
+        }
+
+    def versions(self) -> dict:
+        rt = self._runtime
+        return {"driver": rt.driverGetVersion(), "runtime": rt.runtimeGetVersion()}
+
+    def clear_last_error(self) -> int:
+        # CuPy's runtime already cleared its own copy (see __init__). Code that
+        # also uses cuda.bindings' runtime keeps a separate last-error state:
+        # clear that one too, but only if it is loaded (no import, no init).
+        rt = sys.modules.get("cuda.bindings.runtime")
+        if rt is None:
+            return ERROR_SUCCESS
+        (err,) = rt.cudaGetLastError()
+        return int(err)
+
+
+_backend = None
+_backend_lock = threading.Lock()
+
+
+def get_backend() -> RealBackend:
+    """The process's :class:`RealBackend`, created on first call.
+
+    Raises:
+        CuPyNotInstalledError, NoDeviceError: as :class:`RealBackend`. A failed
+        attempt is not cached: a later call tries again.
+    """
+    global _backend
+    if _backend is None:
+        with _backend_lock:
+            if _backend is None:
+                _backend = RealBackend()
+    return _backend

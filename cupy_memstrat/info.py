@@ -1,0 +1,124 @@
+"""What this machine offers: versions, devices, memory, feature support.
+
+Used by ``python -m cupy_memstrat info`` and stamped into every benchmark JSON.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import platform
+
+from . import __version__
+from .errors import MemstratError
+from .registry import get_registry
+from .sizes import format_size
+
+__all__ = ["collect", "format_report", "package_versions"]
+
+FAULT_COUNTERS_STATUS = "not yet implemented (they come with the managed strategy)"
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def package_versions() -> dict:
+    """Versions of Python and the packages that matter here (``None`` if absent)."""
+    cupy_version = None
+    try:
+        import cupy
+
+        cupy_version = cupy.__version__
+    except ImportError:
+        pass
+    return {
+        "python": platform.python_version(),
+        "cupy_memstrat": __version__,
+        "cupy": cupy_version,
+        "cupy_dist": _dist_version("cupy-cuda13x", "cupy-cuda12x", "cupy"),
+        "cuda_bindings": _dist_version("cuda-bindings"),
+        "pluggy": _dist_version("pluggy"),
+        "numpy": _dist_version("numpy"),
+        "rmm": _dist_version("rmm-cu13", "rmm-cu12", "rmm"),
+    }
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def collect(backend=None) -> dict:
+    """Machine report as a dict: ``packages``, ``date``, and either ``cuda``
+    (``driver``, ``runtime``, ``devices``: one dict per device with
+    ``total_memory``/``free_memory`` in bytes) or ``error`` (why there is no
+    GPU information)."""
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "packages": package_versions(),
+        "strategies": get_registry().describe(),
+        "page_fault_counters": FAULT_COUNTERS_STATUS,
+    }
+    try:
+        if backend is None:
+            from .cuda import get_backend
+
+            backend = get_backend()
+        versions = backend.versions()
+        devices = []
+        for d in range(backend.device_count()):
+            props = backend.device_properties(d)
+            free, total = backend.mem_get_info(d)
+            devices.append(dict(props, device=d, free_memory=free, total_memory=total))
+        report["cuda"] = {
+            "backend": backend.name,
+            "driver": versions["driver"],
+            "runtime": versions["runtime"],
+            "devices": devices,
+        }
+    except MemstratError as exc:
+        report["error"] = str(exc)
+    return report
+
+
+def format_report(report: dict) -> str:
+    """The human-readable form of :func:`collect`'s dict."""
+    pk = report["packages"]
+    lines = [
+        f"cupy-memstrat {pk['cupy_memstrat']}",
+        "packages: "
+        + ", ".join(f"{k} {v}" for k, v in pk.items() if k != "cupy_memstrat" and v is not None),
+    ]
+    missing = [k for k in ("cupy", "cuda_bindings") if pk.get(k) is None]
+    if missing:
+        lines.append("missing: " + ", ".join(missing) + " (pip install 'cupy-memstrat[cuda13]' or [cuda12])")
+    cuda = report.get("cuda")
+    if cuda is None:
+        lines.append(f"GPU: {report.get('error', 'unknown')}")
+    else:
+        lines.append(
+            f"CUDA driver {_cuda_version(cuda['driver'])} ({cuda['driver']}), "
+            f"runtime {_cuda_version(cuda['runtime'])} ({cuda['runtime']}), backend {cuda['backend']}"
+        )
+        for dev in cuda["devices"]:
+            lines.append(f"device {dev['device']}: {dev['name']}, compute capability {dev['compute_capability']}")
+            lines.append(
+                f"  memory: {format_size(dev['total_memory'])} total, {format_size(dev['free_memory'])} free"
+            )
+            lines.append(
+                f"  concurrentManagedAccess {dev['concurrent_managed_access']}, "
+                f"pageableMemoryAccess {dev['pageable_memory_access']}, "
+                f"memoryPoolsSupported {dev['memory_pools_supported']}"
+            )
+    lines.append(f"page-fault counters: {report['page_fault_counters']}")
+    lines.append("strategies:")
+    for name, desc in report["strategies"].items():
+        lines.append(f"  {name}: {desc}")
+    return "\n".join(lines)
+

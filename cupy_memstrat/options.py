@@ -1,0 +1,91 @@
+"""Strategy specs (``"async:release_threshold=4GiB"``) and option declarations.
+
+A spec is ``NAME`` or ``NAME:KEY=VALUE[,KEY=VALUE...]``. Values in a spec are
+strings; each option's parser turns a string or a native Python value into the
+same thing, so ``use("async:release_threshold=4GiB")`` and
+``use("async", release_threshold="4GiB")`` mean the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .sizes import parse_size
+
+__all__ = ["Option", "parse_spec", "as_bool", "as_size", "as_int"]
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """Split ``"NAME:KEY=VALUE,..."`` into ``(name, {key: value})``.
+
+    Raises:
+        TypeError: ``spec`` is not a str.
+        ValueError: empty name, an item without ``=``, an empty key, or a key
+            given twice; the message quotes the spec.
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"strategy: expected a name such as 'device', got {type(spec).__name__} {spec!r}")
+    name, sep, rest = spec.partition(":")
+    name = name.strip()
+    if not name:
+        raise ValueError(f"strategy spec {spec!r}: expected NAME or NAME:KEY=VALUE,... with a name")
+    options: dict[str, str] = {}
+    if sep and rest.strip():
+        for item in rest.split(","):
+            key, eq, value = item.partition("=")
+            key = key.strip()
+            if not eq or not key:
+                raise ValueError(
+                    f"strategy spec {spec!r}: expected KEY=VALUE after ':', got {item.strip()!r}"
+                )
+            if key in options:
+                raise ValueError(f"strategy spec {spec!r}: option {key!r} is given twice")
+            options[key] = value.strip()
+    return name, options
+
+
+def as_bool(value, what: str) -> bool:
+    """``True``/``False``, or the strings 1/0, true/false, yes/no, on/off."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"{what}: expected true or false, got {value!r}")
+
+
+def as_int(value, what: str) -> int:
+    """An int, or a string of one."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what}: expected an integer, got bool {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise ValueError(f"{what}: expected an integer, got {value!r}")
+
+
+def as_size(value, what: str) -> int | str:
+    """Bytes (int or size string). A percentage is kept as the string and
+    resolved against the device's memory by the strategy."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        parse_size(value, total=100, what=what)  # validate the form now
+        return value.strip()
+    return parse_size(value, what=what)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One strategy option: ``parse(value, what) -> value`` validates and
+    converts; ``default`` is used when the option is not given."""
+
+    name: str
+    parse: Callable[[Any, str], Any]
+    default: Any
+    doc: str

@@ -1,0 +1,115 @@
+"""The statistics record every strategy keeps, and the live-allocation table's rows."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+from .sizes import format_size
+
+__all__ = ["Stats", "Allocation", "Origin", "capture_origin"]
+
+
+@dataclass(frozen=True)
+class Stats:
+    """One strategy's memory statistics for one device. Sizes in bytes.
+
+    Attributes:
+        device: CUDA device ordinal.
+        strategy: the strategy's name.
+        bytes_in_use: bytes of live allocations, as requested by CuPy.
+        peak_bytes_in_use: highest ``bytes_in_use`` since creation or the last
+            :meth:`~cupy_memstrat.Strategy.reset_peak`.
+        bytes_reserved: bytes the strategy holds from CUDA (in use + cached).
+            For ``device`` it equals ``bytes_in_use``: nothing is cached.
+        peak_bytes_reserved: highest ``bytes_reserved``, reset likewise.
+        n_allocs, n_frees: successful allocations and frees of non-empty blocks.
+        n_live: allocations not yet freed (``n_allocs - n_frees``).
+        n_failed: allocation requests that raised ``OutOfMemoryError``.
+        n_invalid_frees: frees of pointers the strategy did not own (unknown
+            or already freed); each was warned about and ignored.
+    """
+
+    device: int
+    strategy: str
+    bytes_in_use: int = 0
+    peak_bytes_in_use: int = 0
+    bytes_reserved: int = 0
+    peak_bytes_reserved: int = 0
+    n_allocs: int = 0
+    n_frees: int = 0
+    n_live: int = 0
+    n_failed: int = 0
+    n_invalid_frees: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.strategy} on device {self.device}: "
+            f"in use {format_size(self.bytes_in_use)} (peak {format_size(self.peak_bytes_in_use)}), "
+            f"reserved {format_size(self.bytes_reserved)} (peak {format_size(self.peak_bytes_reserved)}), "
+            f"{self.n_live} live, {self.n_allocs} allocs, {self.n_frees} frees, "
+            f"{self.n_failed} failed"
+        )
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where an allocation was requested: the first Python frame outside CuPy
+    and cupy_memstrat."""
+
+    filename: str
+    lineno: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.lineno} in {self.function}"
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One live allocation. ``size`` in bytes; ``origin`` is ``None`` unless the
+    strategy was created with ``track_origins=True``."""
+
+    ptr: int
+    size: int
+    device: int
+    origin: Origin | None = None
+
+    def __str__(self) -> str:
+        where = f" at {self.origin}" if self.origin else ""
+        return f"{format_size(self.size)} on device {self.device} (0x{self.ptr:x}){where}"
+
+
+_skip_prefixes: tuple[str, ...] | None = None
+
+
+def _skipped_prefixes() -> tuple[str, ...]:
+    global _skip_prefixes
+    if _skip_prefixes is None:
+        prefixes = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+        for name in ("cupy", "cupyx", "cupy_backends"):
+            mod = sys.modules.get(name)
+            if mod is not None and getattr(mod, "__file__", None):
+                prefixes.append(os.path.dirname(os.path.abspath(mod.__file__)) + os.sep)
+        if "cupy" in sys.modules:  # only cache once CuPy's location is known
+            _skip_prefixes = tuple(prefixes)
+        return tuple(prefixes)
+    return _skip_prefixes
+
+
+def capture_origin(skip: int = 1) -> Origin | None:
+    """The first frame, above ``skip`` frames, whose file is outside CuPy and
+    cupy_memstrat; ``None`` if every frame is inside them. Costs a few
+    microseconds: used only when ``track_origins=True``."""
+    prefixes = _skipped_prefixes()
+    f = sys._getframe(skip + 1)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not fn.startswith(prefixes):
+            return Origin(fn, f.f_lineno, f.f_code.co_name)
+        f = f.f_back
+    return None

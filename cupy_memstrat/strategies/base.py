@@ -1,0 +1,420 @@
+"""The :class:`Strategy` base class: CuPy glue, accounting, errors.
+
+A strategy subclass provides two hooks, called with the device it concerns:
+
+* ``_allocate(size, device) -> ptr``: obtain ``size`` bytes (> 0) on
+  ``device`` (CuPy's current device) or raise ``backend.Error``;
+* ``_deallocate(ptr, size, device)``: give them back.
+
+Everything else is here and shared: size validation, the live-allocation
+table, the :class:`~cupy_memstrat.Stats` counters (exact under threads),
+origin tracking, out-of-memory errors, invalid frees, and the CuPy allocator
+callable. Per-allocation work on the hot path is one dict insert or pop and a
+few integer updates under a lock.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+import threading
+import warnings
+from typing import ClassVar
+
+from .. import cuda as _cuda
+from ..errors import InvalidFreeWarning, _out_of_memory_class
+from ..options import Option, as_bool
+from ..sizes import format_size
+from ..stats import Allocation, Stats, capture_origin
+
+__all__ = ["Strategy", "check_size"]
+
+
+def check_size(size) -> int:
+    """Validate an allocation size: an int (or ``__index__`` object) >= 0.
+
+    Raises:
+        TypeError: ``size`` is not an integer (``bool`` and ``float`` included).
+        ValueError: ``size`` is negative.
+    """
+    if isinstance(size, bool) or not isinstance(size, int):
+        if isinstance(size, bool) or not hasattr(size, "__index__"):
+            raise TypeError(
+                f"size: expected an int number of bytes, got {type(size).__name__} {size!r}"
+            )
+        size = operator.index(size)
+    if size < 0:
+        raise ValueError(f"size: expected a number of bytes >= 0, got {size}")
+    return size
+
+
+class _Counters:
+    __slots__ = (
+        "in_use",
+        "peak_in_use",
+        "reserved",
+        "peak_reserved",
+        "n_allocs",
+        "n_frees",
+        "n_failed",
+        "n_invalid_frees",
+    )
+
+    def __init__(self):
+        self.in_use = self.peak_in_use = self.reserved = self.peak_reserved = 0
+        self.n_allocs = self.n_frees = self.n_failed = self.n_invalid_frees = 0
+
+
+class _FakeOwner:
+    """Frees a block when CuPy drops its memory object (fake backend only;
+    with CUDA, CuPy's ``PythonFunctionAllocator`` does this in Cython)."""
+
+    __slots__ = ("free", "ptr", "device")
+
+    def __init__(self, free, ptr, device):
+        self.free, self.ptr, self.device = free, ptr, device
+
+    def __del__(self):
+        self.free(self.ptr, self.device)
+
+
+class Strategy:
+    """A named allocator policy that CuPy can use as its allocator.
+
+    Create one with :func:`cupy_memstrat.use` / :func:`~cupy_memstrat.using`
+    (by name), or directly (``DeviceStrategy(track_origins=True)``).
+
+    Args:
+        backend: the CUDA seam (:mod:`cupy_memstrat.cuda`); default: the real
+            CUDA backend. Pass a :class:`cupy_memstrat.testing.FakeBackend` to
+            run without a GPU.
+        **options: the options of :attr:`option_specs` (every strategy has
+            ``track_origins``, default ``False``: record where each live
+            allocation came from, for :meth:`live_allocations`; it costs a
+            stack walk per allocation).
+
+    Raises:
+        ValueError: an unknown option (the message lists the valid ones) or a
+            bad option value.
+        NoDeviceError: no backend given and no CUDA device is available.
+        CuPyNotInstalledError: no backend given and CuPy is not installed.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    aliases: ClassVar[tuple[str, ...]] = ()
+    #: strategy-specific options, added to the common ones.
+    options: ClassVar[tuple[Option, ...]] = ()
+    #: True if ``bytes_reserved`` always equals ``bytes_in_use`` (no caching).
+    reserved_is_in_use: ClassVar[bool] = False
+
+    common_options: ClassVar[tuple[Option, ...]] = (
+        Option(
+            "track_origins",
+            as_bool,
+            False,
+            "record the first frame outside CuPy and cupy_memstrat for each live allocation",
+        ),
+    )
+
+    def __init__(self, *, backend=None, **options):
+        self.config = self.parse_options(options)
+        if backend is None:
+            backend = _cuda.get_backend()
+        self.backend = backend
+        self._track_origins = self.config["track_origins"]
+        self._Error = backend.Error
+        self._lock = threading.Lock()
+        self._live: dict[int, tuple[int, int, object]] = {}
+        self._counters: dict[int, _Counters] = {}
+        self._cupy_malloc = None
+
+    # -- options ---------------------------------------------------------------
+    @classmethod
+    def option_specs(cls) -> tuple[Option, ...]:
+        """Every option this strategy accepts (common ones first)."""
+        return cls.common_options + cls.options
+
+    @classmethod
+    def parse_options(cls, options: dict) -> dict:
+        """Validate ``options`` and return every option's value (defaults filled in).
+
+        Raises:
+            ValueError: an unknown option (the message lists the valid ones) or
+                a bad value (the message names the option and the value).
+        """
+        specs = {o.name: o for o in cls.option_specs()}
+        unknown = sorted(set(options) - set(specs))
+        if unknown:
+            valid = ", ".join(sorted(specs)) or "(none)"
+            raise ValueError(
+                f"strategy {cls.name!r}: unknown option {unknown[0]!r}; valid options: {valid}"
+            )
+        config = {}
+        for name, spec in specs.items():
+            config[name] = (
+                spec.parse(options[name], f"{cls.name}: option {name}") if name in options else spec.default
+            )
+        return config
+
+    # -- the pointer-level interface (CuPy's PythonFunctionAllocator calls it) --
+    def raw_malloc(self, size: int, device: int | None = None) -> int:
+        """Allocate ``size`` bytes on ``device`` and return the pointer.
+
+        ``device`` must be the current CUDA device (default: read it). A size
+        of 0 returns the null pointer and allocates nothing (CuPy's
+        convention for empty arrays).
+
+        Raises:
+            TypeError, ValueError: ``size`` is not an int >= 0.
+            cupy.cuda.memory.OutOfMemoryError: CUDA (or a strategy's guard)
+                refused; the message names the request and the statistics.
+                Existing allocations are untouched.
+        """
+        if type(size) is not int or size <= 0:
+            size = check_size(size)
+            if size == 0:
+                return 0
+        if device is None:
+            device = self.backend.get_device()
+        try:
+            ptr = self._allocate(size, device)
+        except self._Error as exc:
+            self._allocation_failed(size, device, exc)
+        origin = capture_origin(1) if self._track_origins else None
+        with self._lock:
+            self._live[ptr] = (size, device, origin)
+            c = self._counters.get(device)
+            if c is None:
+                c = self._counters[device] = _Counters()
+            c.in_use += size
+            if c.in_use > c.peak_in_use:
+                c.peak_in_use = c.in_use
+            c.n_allocs += 1
+        return ptr
+
+    def raw_free(self, ptr: int, device: int | None = None) -> None:
+        """Free a pointer from :meth:`raw_malloc`.
+
+        Never raises (CuPy calls it from a finaliser): freeing the null
+        pointer does nothing; an unknown or already-freed pointer is not passed
+        to CUDA, is counted in ``n_invalid_frees`` and warned about with
+        :class:`~cupy_memstrat.InvalidFreeWarning`; a CUDA error from the free
+        is warned about as a ``RuntimeWarning``.
+        """
+        if not ptr:
+            return
+        with self._lock:
+            entry = self._live.pop(ptr, None)
+            if entry is not None:
+                size, dev, _ = entry
+                c = self._counters[dev]
+                c.in_use -= size
+                c.n_frees += 1
+        if entry is None:
+            self._invalid_free(ptr, device)
+            return
+        try:
+            self._deallocate(ptr, size, dev)
+        except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
+            _warn(f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {dev} failed: {exc}", RuntimeWarning)
+
+    # -- hooks ---------------------------------------------------------------
+    def _allocate(self, size: int, device: int) -> int:
+        raise NotImplementedError
+
+    def _deallocate(self, ptr: int, size: int, device: int) -> None:
+        raise NotImplementedError
+
+    # -- failure paths (off the hot path) ------------------------------------
+    def _allocation_failed(self, size: int, device: int, exc: BaseException):
+        self.backend.clear_last_error()
+        with self._lock:
+            c = self._counters.get(device)
+            if c is None:
+                c = self._counters[device] = _Counters()
+            c.n_failed += 1
+        if getattr(exc, "status", None) != _cuda.ERROR_MEMORY_ALLOCATION:
+            raise exc
+        self._raise_out_of_memory(size, device, reason="cuda", cause=exc)
+
+    def _raise_out_of_memory(self, size: int, device: int, *, reason: str, cause=None, detail: str = ""):
+        st = self.stats(device)
+        try:
+            free, total = self.backend.mem_get_info(device)
+            cuda_has = f"CUDA reports {format_size(free)} free of {format_size(total)}"
+        except Exception as exc:  # noqa: BLE001 - the report must not hide the OOM
+            cuda_has = f"free memory unknown ({exc})"
+        msg = (
+            f"{self.name} strategy: out of memory allocating {format_size(size)} ({size:,} bytes) "
+            f"on device {device}{detail}; {cuda_has}; this strategy holds "
+            f"{format_size(st.bytes_in_use)} in use in {st.n_live} allocations "
+            f"(reserved {format_size(st.bytes_reserved)}, peak in use {format_size(st.peak_bytes_in_use)})"
+        )
+        if isinstance(self.backend, _cuda.RealBackend):
+            msg += _cupy_pool_hint(device)
+        oom = _out_of_memory_class()(
+            msg, requested=size, device=device, stats=st, strategy=self.name, reason=reason
+        )
+        raise oom from cause
+
+    def _invalid_free(self, ptr: int, device: int | None):
+        if device is None:
+            try:
+                device = self.backend.get_device()
+            except Exception:  # noqa: BLE001
+                device = -1
+        with self._lock:
+            c = self._counters.get(device)
+            if c is None:
+                c = self._counters[device] = _Counters()
+            c.n_invalid_frees += 1
+        _warn(
+            f"{self.name}: free of pointer 0x{ptr:x} that this strategy does not own "
+            "(unknown or already freed); ignored",
+            InvalidFreeWarning,
+        )
+
+    # -- statistics ------------------------------------------------------------
+    def _device_or_current(self, device):
+        if device is None:
+            return self.backend.get_device()
+        if isinstance(device, bool) or not isinstance(device, int):
+            raise TypeError(f"device: expected an int device ordinal, got {type(device).__name__} {device!r}")
+        n = self.backend.device_count()
+        if not 0 <= device < n:
+            raise ValueError(f"device: expected 0 <= device < {n}, got {device}")
+        return device
+
+    def stats(self, device: int | None = None) -> Stats:
+        """This strategy's :class:`~cupy_memstrat.Stats` for ``device``
+        (default: CuPy's current device).
+
+        Raises:
+            TypeError, ValueError: ``device`` is not a valid device ordinal.
+        """
+        device = self._device_or_current(device)
+        with self._lock:
+            c = self._counters.get(device) or _Counters()
+            n_live = c.n_allocs - c.n_frees
+            fields = dict(
+                bytes_in_use=c.in_use,
+                peak_bytes_in_use=c.peak_in_use,
+                bytes_reserved=c.reserved,
+                peak_bytes_reserved=c.peak_reserved,
+                n_allocs=c.n_allocs,
+                n_frees=c.n_frees,
+                n_live=n_live,
+                n_failed=c.n_failed,
+                n_invalid_frees=c.n_invalid_frees,
+            )
+        if self.reserved_is_in_use:
+            fields["bytes_reserved"] = fields["bytes_in_use"]
+            fields["peak_bytes_reserved"] = fields["peak_bytes_in_use"]
+        return Stats(device=device, strategy=self.name, **fields)
+
+    def reset_peak(self, device: int | None = None) -> None:
+        """Set the peaks (in use, reserved) of ``device`` (default: current)
+        to the present values."""
+        device = self._device_or_current(device)
+        with self._lock:
+            c = self._counters.get(device)
+            if c is not None:
+                c.peak_in_use = c.in_use
+                c.peak_reserved = c.reserved
+
+    def live_allocations(self, device: int | None = None) -> list[Allocation]:
+        """Live allocations, largest first, on ``device`` or on every device
+        (default). ``origin`` is set when ``track_origins=True``."""
+        if device is not None:
+            device = self._device_or_current(device)
+        with self._lock:
+            items = list(self._live.items())
+        rows = [
+            Allocation(ptr=p, size=s, device=d, origin=o)
+            for p, (s, d, o) in items
+            if device is None or d == device
+        ]
+        rows.sort(key=lambda a: (-a.size, a.ptr))
+        return rows
+
+    # -- CuPy -------------------------------------------------------------------
+    def malloc(self, size) -> "cupy.cuda.MemoryPointer":  # noqa: F821
+        """CuPy's allocator interface: ``size`` bytes -> ``cupy.cuda.MemoryPointer``
+        on CuPy's current device. This is what :func:`cupy_memstrat.use`
+        passes to ``cupy.cuda.set_allocator``.
+
+        Raises:
+            TypeError, ValueError: ``size`` is not an int >= 0.
+            cupy.cuda.memory.OutOfMemoryError: as :meth:`raw_malloc`.
+        """
+        if type(size) is not int or size < 0:
+            size = check_size(size)
+        cupy_malloc = self._cupy_malloc
+        if cupy_malloc is None:
+            cupy_malloc = self._cupy_malloc = self._make_cupy_malloc()
+        return cupy_malloc(size)
+
+    def _make_cupy_malloc(self):
+        memory = _cupy_memory()
+        if isinstance(self.backend, _cuda.RealBackend):
+            # CuPy reads the current device, calls raw_malloc(size, device) and,
+            # when the array's memory dies, raw_free(ptr, device), in Cython.
+            return memory.PythonFunctionAllocator(self.raw_malloc, self.raw_free).malloc
+
+        backend, raw_malloc, raw_free = self.backend, self.raw_malloc, self.raw_free
+
+        def fake_malloc(size):
+            device = backend.get_device()
+            ptr = raw_malloc(size, device) if size else 0
+            owner = _FakeOwner(raw_free, ptr, device) if ptr else None
+            return memory.MemoryPointer(memory.UnownedMemory(ptr, size, owner, device), 0)
+
+        return fake_malloc
+
+    def close(self) -> None:
+        """Release resources the strategy holds beyond live allocations
+        (nothing for ``device``). Live allocations stay valid."""
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
+        return f"<{type(self).__name__} {self.name!r} ({opts}) on {self.backend.name}>"
+
+
+def _cupy_memory():
+    try:
+        from cupy.cuda import memory
+    except ImportError as exc:
+        from ..errors import CuPyNotInstalledError
+
+        raise CuPyNotInstalledError(
+            "CuPy is not installed: install a CuPy wheel, e.g. pip install 'cupy-memstrat[cuda13]'"
+        ) from exc
+    return memory
+
+
+def _cupy_pool_hint(device: int) -> str:
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return ""
+    try:
+        from cupy.cuda import Device
+
+        with Device(device):
+            pool = cupy.get_default_memory_pool()
+            cached = pool.total_bytes() - pool.used_bytes()
+    except Exception:  # noqa: BLE001
+        return ""
+    if cached <= 0:
+        return ""
+    return (
+        f". CuPy's default memory pool still caches {format_size(cached)} on this device: "
+        "cupy.get_default_memory_pool().free_all_blocks() gives it back"
+    )
+
+
+def _warn(message: str, category) -> None:
+    try:
+        warnings.warn(message, category, stacklevel=3)
+    except Exception:  # noqa: BLE001 - interpreter shutdown: warnings may be gone
+        pass

@@ -1,0 +1,127 @@
+"""use / using / current through CuPy's allocator switches, on the fake backend.
+
+CuPy is imported (it imports without a GPU); its allocator functions are
+called for real. Memory comes from FakeBackend.
+"""
+
+import gc
+import threading
+
+import pytest
+
+import cupy_memstrat
+from cupy_memstrat import NoStrategyError
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+
+
+@pytest.fixture(autouse=True)
+def _restore(restore_cupy_allocator):
+    yield
+
+
+def test_use_installs_process_wide_and_returns_the_live_strategy(fake):
+    s = cupy_memstrat.use("device", backend=fake)
+    assert cupy_memstrat.current() is s
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(cupy_memstrat.current()))
+    t.start()
+    t.join()
+    assert seen == [s]  # process-wide: other threads see it too
+
+
+def test_cupy_alloc_goes_through_the_strategy_and_frees_on_drop(fake):
+    s = cupy_memstrat.use("device", backend=fake)
+    mp = cupy.cuda.alloc(3000)
+    assert fake.is_allocated(mp.ptr) and s.stats(0).bytes_in_use == 3000
+    ptr = mp.ptr
+    del mp
+    gc.collect()
+    assert not fake.is_allocated(ptr) and s.stats(0).n_frees == 1
+
+
+def test_cupy_alloc_of_zero_bytes_is_null(fake):
+    cupy_memstrat.use("device", backend=fake)
+    mp = cupy.cuda.alloc(0)
+    assert mp.ptr == 0 and fake.n_malloc_calls == 0
+
+
+@pytest.mark.parametrize("bad, exc", [(-1, ValueError), (2.5, TypeError)])
+def test_bad_sizes_through_the_cupy_allocator(fake, bad, exc):
+    s = cupy_memstrat.use("device", backend=fake)
+    keep = cupy.cuda.alloc(100)
+    with pytest.raises(exc, match="size: expected"):
+        s.malloc(bad)
+    assert s.stats(0).n_live == 1 and fake.is_allocated(keep.ptr)
+
+
+def test_arrays_stay_with_their_strategy_after_a_switch(fake):
+    a = cupy_memstrat.use("device", backend=fake)
+    mp = cupy.cuda.alloc(1 << 20)
+    b = cupy_memstrat.use("device", backend=fake)
+    assert cupy_memstrat.current() is b
+    mp2 = cupy.cuda.alloc(1 << 10)
+    assert a.stats(0).n_live == 1 and b.stats(0).n_live == 1
+    del mp
+    gc.collect()
+    assert a.stats(0).n_frees == 1 and b.stats(0).n_frees == 0
+    del mp2
+
+
+def test_using_is_per_thread_and_restores_on_exit_and_on_error(fake):
+    outer = cupy_memstrat.use("device", backend=fake)
+    seen_in_other_thread = []
+    with pytest.raises(KeyError):
+        with cupy_memstrat.using("device", backend=fake) as inner:
+            assert cupy_memstrat.current() is inner
+            t = threading.Thread(target=lambda: seen_in_other_thread.append(cupy_memstrat.current()))
+            t.start()
+            t.join()
+            raise KeyError("boom")
+    assert seen_in_other_thread == [outer]
+    assert cupy_memstrat.current() is outer
+
+
+def test_using_nests(fake):
+    with cupy_memstrat.using("device", backend=fake) as a:
+        with cupy_memstrat.using("device", backend=fake) as b:
+            assert cupy_memstrat.current() is b
+        assert cupy_memstrat.current() is a
+    assert cupy_memstrat.current() is None  # CuPy's default pool again
+
+
+def test_use_inside_using_is_refused_and_installs_nothing(fake):
+    with cupy_memstrat.using("device", backend=fake) as a:
+        before = cupy.cuda.get_allocator()
+        with pytest.raises(RuntimeError, match="forbids inside"):
+            cupy_memstrat.use("device", backend=fake)
+        assert cupy.cuda.get_allocator() == before
+        assert cupy_memstrat.current() is a
+
+
+def test_use_accepts_an_existing_strategy_but_no_options_with_it(fake):
+    s = cupy_memstrat.create("device", backend=fake)
+    assert cupy_memstrat.use(s) is s and cupy_memstrat.current() is s
+    with pytest.raises(ValueError, match="options apply only when a strategy is created by name"):
+        cupy_memstrat.use(s, track_origins=True)
+
+
+def test_bad_spec_leaves_the_allocator_alone(fake):
+    before = cupy.cuda.get_allocator()
+    with pytest.raises(ValueError, match="unknown strategy"):
+        cupy_memstrat.use("nope", backend=fake)
+    assert cupy.cuda.get_allocator() == before
+
+
+def test_module_level_views_follow_current(fake):
+    with pytest.raises(NoStrategyError, match="no cupy_memstrat strategy is installed"):
+        cupy_memstrat.stats()
+    s = cupy_memstrat.use("device", backend=fake, track_origins=True)
+    mp = cupy.cuda.alloc(4096)
+    assert cupy_memstrat.stats().bytes_in_use == 4096
+    [row] = cupy_memstrat.live_allocations()
+    assert row.size == 4096 and row.origin.filename == __file__
+    cupy_memstrat.reset_peak()
+    del mp
+    gc.collect()
+    assert s.stats().peak_bytes_in_use == 4096 and s.stats().bytes_in_use == 0

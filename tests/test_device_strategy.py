@@ -1,0 +1,221 @@
+"""The device strategy's logic on the fake backend: accounting, errors, threads."""
+
+import sys
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+import cupy_memstrat
+from cupy_memstrat import InvalidFreeWarning, Stats
+from cupy_memstrat.cuda import ERROR_SUCCESS
+from cupy_memstrat.testing import FakeBackend
+
+
+@pytest.fixture
+def dev(fake):
+    return cupy_memstrat.DeviceStrategy(backend=fake)
+
+
+def test_one_cuda_malloc_and_free_per_allocation_and_exact_stats(dev, fake):
+    ptrs = [dev.raw_malloc(n, 0) for n in (1000, 2000, 3000)]
+    assert fake.n_malloc_calls == 3
+    st = dev.stats(0)
+    assert (st.bytes_in_use, st.bytes_reserved, st.n_allocs, st.n_live) == (6000, 6000, 3, 3)
+    dev.raw_free(ptrs[1], 0)
+    st = dev.stats(0)
+    assert fake.n_free_calls == 1 and not fake.is_allocated(ptrs[1])
+    assert (st.bytes_in_use, st.peak_bytes_in_use, st.n_frees, st.n_live) == (4000, 6000, 1, 2)
+    assert st.peak_bytes_reserved == 6000 and st.bytes_reserved == 4000
+    for p in (ptrs[0], ptrs[2]):
+        dev.raw_free(p, 0)
+    assert fake.used_bytes(0) == 0
+    assert dev.stats(0) == Stats(
+        device=0, strategy="device", peak_bytes_in_use=6000, peak_bytes_reserved=6000, n_allocs=3, n_frees=3
+    )
+
+
+def test_reset_peak_sets_peaks_to_current(dev):
+    a = dev.raw_malloc(5000, 0)
+    b = dev.raw_malloc(7000, 0)
+    dev.raw_free(b, 0)
+    assert dev.stats(0).peak_bytes_in_use == 12000
+    dev.reset_peak(0)
+    st = dev.stats(0)
+    assert st.peak_bytes_in_use == st.bytes_in_use == 5000
+    assert st.peak_bytes_reserved == 5000
+    dev.raw_free(a, 0)
+
+
+def test_stats_default_to_current_device(fake2):
+    s = cupy_memstrat.DeviceStrategy(backend=fake2)
+    fake2.set_device(1)
+    p = s.raw_malloc(4096)  # device read from the backend: 1
+    assert s.stats().device == 1 and s.stats().bytes_in_use == 4096
+    assert s.stats(0).bytes_in_use == 0
+    s.raw_free(p)
+
+
+def test_size_zero_is_the_null_pointer_and_allocates_nothing(dev, fake):
+    assert dev.raw_malloc(0, 0) == 0
+    assert fake.n_malloc_calls == 0
+    assert dev.stats(0).n_allocs == 0
+    dev.raw_free(0, 0)  # the null pointer frees nothing, silently
+    assert dev.stats(0).n_invalid_frees == 0
+
+
+@pytest.mark.parametrize("bad, exc", [(-1, ValueError), (1.5, TypeError), ("8", TypeError), (True, TypeError), (None, TypeError)])
+def test_bad_sizes_raise_and_lose_nothing(dev, fake, bad, exc):
+    keep = dev.raw_malloc(4096, 0)
+    before = dev.stats(0)
+    with pytest.raises(exc, match="size: expected") as info:
+        dev.raw_malloc(bad, 0)
+    assert repr(bad) in str(info.value) or str(bad) in str(info.value)
+    assert dev.stats(0) == before and fake.is_allocated(keep)
+    assert dev.live_allocations()[0].ptr == keep
+
+
+def test_numpy_integer_sizes_are_accepted(dev):
+    p = dev.raw_malloc(np.int64(2048), 0)
+    assert dev.stats(0).bytes_in_use == 2048
+    dev.raw_free(p, 0)
+
+
+def test_out_of_memory_names_request_and_stats_and_keeps_everything(dev, fake):
+    keep = dev.raw_malloc(512 * 2**20, 0)
+    oom = cupy_memstrat.OutOfMemoryError
+    with pytest.raises(oom) as info:
+        dev.raw_malloc(600 * 2**20, 0)
+    e = info.value
+    msg = str(e)
+    assert "out of memory allocating 600.0 MiB (629,145,600 bytes) on device 0" in msg
+    assert "512.0 MiB in use in 1 allocations" in msg
+    assert "CUDA reports 512.0 MiB free of 1.0 GiB" in msg
+    assert e.requested == 600 * 2**20 and e.device == 0 and e.stats.bytes_in_use == 512 * 2**20
+    assert isinstance(e, MemoryError)
+    # CUDA's sticky error is cleared; nothing was lost; the next request works.
+    assert fake.peek_last_error() == ERROR_SUCCESS
+    assert fake.is_allocated(keep)
+    st = dev.stats(0)
+    assert (st.n_failed, st.n_live, st.bytes_in_use) == (1, 1, 512 * 2**20)
+    p = dev.raw_malloc(256 * 2**20, 0)
+    assert dev.stats(0).n_live == 2
+    dev.raw_free(p, 0)
+    dev.raw_free(keep, 0)
+
+
+def test_oom_is_cupys_error_class_when_cupy_is_present():
+    cupy = pytest.importorskip("cupy")
+    assert issubclass(cupy_memstrat.OutOfMemoryError, cupy.cuda.memory.OutOfMemoryError)
+
+
+def test_unknown_and_double_frees_warn_count_and_never_reach_cuda(dev, fake):
+    p = dev.raw_malloc(4096, 0)
+    dev.raw_free(p, 0)
+    calls = fake.n_free_calls
+    with pytest.warns(InvalidFreeWarning, match="does not own"):
+        dev.raw_free(p, 0)  # double free
+    with pytest.warns(InvalidFreeWarning, match=r"0xdead"):
+        dev.raw_free(0xDEAD, 0)  # never allocated
+    assert fake.n_free_calls == calls
+    assert dev.stats(0).n_invalid_frees == 2
+    assert dev.stats(0).n_frees == 1
+
+
+def test_allocates_on_current_device_and_frees_for_the_owner(fake2):
+    s = cupy_memstrat.DeviceStrategy(backend=fake2)
+    fake2.set_device(1)
+    p = s.raw_malloc(10_000, 1)
+    assert fake2.owner_device(p) == 1
+    fake2.set_device(0)  # another device is current when the array dies
+    s.raw_free(p, 1)
+    assert not fake2.is_allocated(p)
+    assert s.stats(1).bytes_in_use == 0 and s.stats(1).n_frees == 1
+    assert s.stats(0).n_frees == 0
+
+
+def test_bad_device_arguments(dev):
+    with pytest.raises(ValueError, match=r"expected 0 <= device < 1, got 3"):
+        dev.stats(3)
+    with pytest.raises(TypeError, match="expected an int device ordinal"):
+        dev.stats("0")
+
+
+def test_live_allocations_largest_first_with_origins(fake):
+    s = cupy_memstrat.DeviceStrategy(backend=fake, track_origins=True)
+    small = s.raw_malloc(100, 0)
+    big, line = s.raw_malloc(10_000, 0), sys._getframe().f_lineno
+    rows = s.live_allocations()
+    assert [r.ptr for r in rows] == [big, small]
+    assert rows[0].origin.filename == __file__
+    assert rows[0].origin.function == "test_live_allocations_largest_first_with_origins"
+    assert rows[0].origin.lineno == line
+    assert str(rows[0]).startswith("9.8 KiB on device 0") and f"test_device_strategy.py:{line}" in str(rows[0])
+    s.raw_free(small, 0)
+    s.raw_free(big, 0)
+    assert s.live_allocations() == []
+
+
+def test_origins_are_off_by_default(dev):
+    p = dev.raw_malloc(100, 0)
+    assert dev.live_allocations()[0].origin is None
+    dev.raw_free(p, 0)
+
+
+def test_eight_threads_keep_counters_exact():
+    fake = FakeBackend(memory="64GiB")
+    s = cupy_memstrat.DeviceStrategy(backend=fake)
+    n_threads, n_iter = 8, 2000
+    start = threading.Barrier(n_threads)
+
+    def work(seed):
+        rng = np.random.default_rng(seed)
+        held = []
+        start.wait()
+        for i in range(n_iter):
+            held.append(s.raw_malloc(int(rng.integers(1, 1 << 16)), 0))
+            if i % 3 == 2:
+                for p in held:
+                    s.raw_free(p, 0)
+                held.clear()
+        for p in held:
+            s.raw_free(p, 0)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    st = s.stats(0)
+    assert st.n_allocs == st.n_frees == n_threads * n_iter
+    assert st.bytes_in_use == 0 and st.n_live == 0 and fake.used_bytes(0) == 0
+    assert st.n_invalid_frees == 0 and st.peak_bytes_in_use > 0
+
+
+def test_free_failure_in_cuda_is_a_warning_not_a_crash(dev, fake):
+    p = dev.raw_malloc(4096, 0)
+    fake.free(p)  # someone else freed it behind the strategy's back
+    with pytest.warns(RuntimeWarning, match="failed: cudaErrorInvalidValue"):
+        dev.raw_free(p, 0)
+    fake.clear_last_error()
+    assert dev.stats(0).n_live == 0
+
+
+def test_no_gpu_gives_a_clear_error_naming_cuda():
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        n = 0
+    if n:
+        pytest.skip("a GPU is present")
+    with pytest.raises(cupy_memstrat.NoDeviceError, match="no CUDA device is available"):
+        cupy_memstrat.create("device")
+
+
+def test_a_normal_alloc_and_free_emit_no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = cupy_memstrat.DeviceStrategy(backend=FakeBackend())
+        s.raw_free(s.raw_malloc(1, 0), 0)

@@ -1,0 +1,40 @@
+"""The pytest plugin's --gpumem-strategy, run in a child pytest (pytester)."""
+
+import pytest
+
+
+
+def test_no_option_changes_nothing(pytester):
+    pytester.makepyfile("def test_ok():\n    assert True\n")
+    r = pytester.runpytest_subprocess()
+    r.assert_outcomes(passed=1)
+    assert "gpumem" not in r.stdout.str()
+
+
+def test_bad_strategy_is_a_usage_error_naming_the_source(pytester):
+    pytester.makepyfile("def test_ok():\n    pass\n")
+    r = pytester.runpytest_subprocess("--gpumem-strategy=nope")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["*--gpumem-strategy='nope': unknown strategy 'nope'; available: device*"])
+
+
+def test_bad_option_from_ini_names_the_ini_key(pytester):
+    pytester.makeini("[pytest]\ngpumem_strategy = device:track_origins=perhaps\n")
+    pytester.makepyfile("def test_ok():\n    pass\n")
+    r = pytester.runpytest_subprocess()
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["*ini key gpumem_strategy='device:track_origins=perhaps'*expected true or false*"])
+
+
+def test_without_gpu_the_session_runs_and_the_header_says_why(pytester):
+    try:
+        from cupy_memstrat.cuda import get_backend
+
+        get_backend()
+        pytest.skip("a GPU is present")
+    except Exception:
+        pass
+    pytester.makepyfile("def test_ok():\n    pass\n")
+    r = pytester.runpytest_subprocess("--gpumem-strategy=device")
+    r.assert_outcomes(passed=1)
+    r.stdout.fnmatch_lines(["gpumem: strategy 'device' not installed, GPU memory is off: *"])

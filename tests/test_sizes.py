@@ -1,0 +1,62 @@
+import numpy as np
+import pytest
+
+from cupy_memstrat import format_size, parse_size
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("512MiB", 512 * 2**20),
+        ("2 GiB", 2 * 2**30),
+        ("1.5GB", 1_500_000_000),
+        ("4096", 4096),
+        ("10 kB", 10_000),
+        ("10KB", 10_000),
+        ("3kib", 3072),
+        ("1TiB", 2**40),
+        ("0B", 0),
+        ("1e3", 1000),
+    ],
+)
+def test_parse_size_units(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_parse_size_int_and_numpy_int():
+    assert parse_size(123) == 123
+    assert parse_size(np.int64(7)) == 7
+
+
+def test_percentage_needs_total_and_uses_it():
+    assert parse_size("80%", total=1000) == 800
+    with pytest.raises(ValueError, match="needs the device's total memory"):
+        parse_size("80%")
+    with pytest.raises(ValueError, match="between 0% and 100%"):
+        parse_size("120%", total=1000)
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "12 parsecs", "1.2.3GB", "-5MiB", "GiB"])
+def test_parse_size_rejects_garbage_naming_the_value(bad):
+    with pytest.raises(ValueError) as exc:
+        parse_size(bad, what="budget")
+    assert "budget" in str(exc.value) and repr(bad) in str(exc.value)
+
+
+@pytest.mark.parametrize("bad", [1.5, True, None, [1]])
+def test_parse_size_rejects_non_integers(bad):
+    with pytest.raises(TypeError, match="expected an int number of bytes"):
+        parse_size(bad)
+
+
+def test_parse_size_rejects_negative_int():
+    with pytest.raises(ValueError, match=">= 0"):
+        parse_size(-1)
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [(0, "0 B"), (512, "512 B"), (1024, "1.0 KiB"), (812 * 2**20, "812.0 MiB"), (3 * 2**30 // 2, "1.5 GiB")],
+)
+def test_format_size_iec(n, text):
+    assert format_size(n) == text

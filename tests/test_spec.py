@@ -1,0 +1,59 @@
+import pytest
+
+import cupy_memstrat
+from cupy_memstrat.options import parse_spec
+
+
+def test_spec_and_keywords_mean_the_same(fake):
+    a = cupy_memstrat.create("device:track_origins=true", backend=fake)
+    b = cupy_memstrat.create("device", track_origins=True, backend=fake)
+    assert a.config == b.config == {"track_origins": True}
+
+
+def test_parse_spec_splits_options():
+    assert parse_spec("async:release_threshold=4GiB, max_size=8GiB") == (
+        "async",
+        {"release_threshold": "4GiB", "max_size": "8GiB"},
+    )
+    assert parse_spec("device") == ("device", {})
+    assert parse_spec("device:") == ("device", {})
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("", "with a name"),
+        (":a=1", "with a name"),
+        ("device:track_origins", "expected KEY=VALUE"),
+        ("device:=1", "expected KEY=VALUE"),
+        ("device:a=1,a=2", "given twice"),
+    ],
+)
+def test_bad_specs_name_the_spec(spec, message):
+    with pytest.raises(ValueError, match=message) as exc:
+        parse_spec(spec)
+    assert repr(spec) in str(exc.value)
+
+
+def test_spec_must_be_a_string():
+    with pytest.raises(TypeError, match="expected a name"):
+        cupy_memstrat.create(42)
+
+
+def test_unknown_option_lists_valid_ones(fake):
+    with pytest.raises(ValueError, match=r"unknown option 'colour'; valid options: track_origins"):
+        cupy_memstrat.create("device:colour=blue", backend=fake)
+
+
+def test_bad_option_value_names_option_and_value(fake):
+    with pytest.raises(ValueError, match=r"option track_origins: expected true or false, got 'sometimes'"):
+        cupy_memstrat.create("device", track_origins="sometimes", backend=fake)
+
+
+def test_option_in_spec_and_keyword_is_an_error(fake):
+    with pytest.raises(ValueError, match="given both in the spec and as a keyword"):
+        cupy_memstrat.create("device:track_origins=1", track_origins=False, backend=fake)
+
+
+def test_validate_needs_no_gpu():
+    assert cupy_memstrat.validate("malloc:track_origins=on") == ("device", {"track_origins": True})
