@@ -5,7 +5,9 @@ called for real. Memory comes from FakeBackend.
 """
 
 import gc
+import sys
 import threading
+import weakref
 
 import pytest
 
@@ -125,3 +127,60 @@ def test_module_level_views_follow_current(fake):
     del mp
     gc.collect()
     assert s.stats().peak_bytes_in_use == 4096 and s.stats().bytes_in_use == 0
+
+
+def test_a_finaliser_freeing_in_the_middle_of_an_allocation_neither_deadlocks_nor_miscounts(fake):
+    """CuPy frees from finalisers, which the garbage collector can run at any
+    call inside an allocation on the same thread (a lock there hung CuPy's
+    test suite on the H200). A profile hook injects such a free at every C
+    call that raw_malloc makes."""
+    s = cupy_memstrat.create("device", backend=fake)
+    victims = [s.raw_malloc(100, 0) for _ in range(200)]
+    code = cupy_memstrat.Strategy.raw_malloc.__code__
+    injected = []
+
+    def finaliser_at_c_calls(frame, event, arg):
+        if event == "c_call" and frame.f_code is code and victims:
+            injected.append(victims[-1])
+            s.raw_free(victims.pop(), 0)
+
+    done = threading.Event()
+
+    def churn():
+        sys.setprofile(finaliser_at_c_calls)
+        try:
+            for _ in range(100):
+                s.raw_free(s.raw_malloc(256, 0), 0)
+        finally:
+            sys.setprofile(None)
+            done.set()
+
+    threading.Thread(target=churn, daemon=True).start()
+    assert done.wait(30), "an allocation deadlocked against a free from a finaliser"
+    assert injected, "the hook never ran inside raw_malloc"
+    for p in victims:
+        s.raw_free(p, 0)
+    st = s.stats(0)
+    assert st.n_allocs == st.n_frees == 300 and st.bytes_in_use == 0 and fake.used_bytes(0) == 0
+
+
+def test_a_strategy_that_allocated_stays_alive_until_closed(fake):
+    """CuPy frees through the strategy from finalisers. Seen on the H200: a
+    test's traceback cycle held a strategy and its arrays, the collector
+    cleared the strategy first, and the frees then failed. So a strategy that
+    has handed out memory is kept alive by cupy_memstrat until close()."""
+    s = cupy_memstrat.create("device", backend=fake)
+    ref = weakref.ref(s)
+    s.raw_free(s.raw_malloc(4096, 0), 0)
+    del s
+    gc.collect()
+    assert ref() is not None
+    ref().close()
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_strategy_that_never_allocated_is_not_kept(fake):
+    ref = weakref.ref(cupy_memstrat.create("device", backend=fake))
+    gc.collect()
+    assert ref() is None

@@ -40,7 +40,7 @@ if [ -d .cupy_tests/tests ]; then
   SUBSET="tests/cupy_tests/creation_tests tests/cupy_tests/manipulation_tests tests/cupy_tests/cuda_tests/test_memory.py"
   for s in default device; do
     extra=""; [ $s = device ] && extra="--gpumem-strategy=device"
-    ( cd .cupy_tests && timeout 420 python3 -m pytest $SUBSET -n 8 -q -p no:cacheprovider $extra \
+    ( cd .cupy_tests && timeout 420 python3 -m pytest $SUBSET -n 8 -q -p no:cacheprovider --timeout=300 --timeout-method=thread $extra \
         --junitxml=/tmp/cupy_runs/cupy_$s.xml > /tmp/cupy_runs/cupy_$s.log 2>&1; echo "exit $?" >> /tmp/cupy_runs/cupy_$s.log )
     tail -3 /tmp/cupy_runs/cupy_$s.log
   done

@@ -1,16 +1,25 @@
 """The :class:`Strategy` base class: CuPy glue, accounting, errors.
 
-A strategy subclass provides two hooks, called with the device it concerns:
+A strategy subclass provides two hooks:
 
-* ``_allocate(size, device) -> ptr``: obtain ``size`` bytes (> 0) on
-  ``device`` (CuPy's current device) or raise ``backend.Error``;
-* ``_deallocate(ptr, size, device)``: give them back.
+* ``_allocate(size) -> ptr``: obtain ``size`` bytes (> 0) on the current
+  device (CuPy's, which is also the ``device`` that :meth:`Strategy.raw_malloc`
+  records) or raise ``backend.Error``;
+* ``_deallocate(ptr)``: give them back.
 
 Everything else is here and shared: size validation, the live-allocation
 table, the :class:`~cupy_memstrat.Stats` counters (exact under threads),
 origin tracking, out-of-memory errors, invalid frees, and the CuPy allocator
-callable. Per-allocation work on the hot path is one dict insert or pop and a
-few integer updates under a lock.
+callable.
+
+The hot path takes no lock: each allocation is one dict insert and one
+``deque.append`` of its size (a free: one dict pop and one append of minus its
+size), operations that are atomic in CPython. :meth:`Strategy.stats` folds
+that event queue, in order, into the counters, so ``peak_bytes_in_use`` is the
+exact peak of that sequence, also with many threads. Taking no lock also
+matters because CuPy frees memory from finalisers, which the garbage collector
+can run in the middle of an allocation on the same thread: a lock there
+deadlocks (seen on the H200 with CuPy's test suite).
 """
 
 from __future__ import annotations
@@ -19,6 +28,10 @@ import operator
 import sys
 import threading
 import warnings
+from collections import deque
+from itertools import repeat, starmap
+
+import numpy as np
 from typing import ClassVar
 
 from .. import cuda as _cuda
@@ -57,12 +70,11 @@ class _Counters:
         "n_allocs",
         "n_frees",
         "n_failed",
-        "n_invalid_frees",
     )
 
     def __init__(self):
         self.in_use = self.peak_in_use = self.reserved = self.peak_reserved = 0
-        self.n_allocs = self.n_frees = self.n_failed = self.n_invalid_frees = 0
+        self.n_allocs = self.n_frees = self.n_failed = 0
 
 
 class _FakeOwner:
@@ -124,10 +136,16 @@ class Strategy:
         self.backend = backend
         self._track_origins = self.config["track_origins"]
         self._Error = backend.Error
-        self._lock = threading.Lock()
+        n = backend.device_count()
         self._live: dict[int, tuple[int, int, object]] = {}
-        self._counters: dict[int, _Counters] = {}
+        # Per device: +size / -size events appended lock-free, folded into
+        # the counters by _fold() (stats, reset_peak, or a long queue).
+        self._events = [deque() for _ in range(n)]
+        self._counters = [_Counters() for _ in range(n)]
+        self._fold_lock = threading.RLock()
         self._cupy_malloc = None
+        self._pinned = False
+        self._invalid_frees: dict[int, int] = {}  # by device; -1 if unknown
 
     # -- options ---------------------------------------------------------------
     @classmethod
@@ -178,19 +196,22 @@ class Strategy:
         if device is None:
             device = self.backend.get_device()
         try:
-            ptr = self._allocate(size, device)
+            if device < 0:
+                raise IndexError
+            ev = self._events[device]
+        except (IndexError, TypeError):
+            self._device_or_current(device)  # raises the clear TypeError / ValueError
+            raise
+        try:
+            ptr = self._allocate(size)
         except self._Error as exc:
             self._allocation_failed(size, device, exc)
-        origin = capture_origin(1) if self._track_origins else None
-        with self._lock:
-            self._live[ptr] = (size, device, origin)
-            c = self._counters.get(device)
-            if c is None:
-                c = self._counters[device] = _Counters()
-            c.in_use += size
-            if c.in_use > c.peak_in_use:
-                c.peak_in_use = c.in_use
-            c.n_allocs += 1
+        ev.append(size)  # before the insert: the matching -size can only follow it
+        self._live[ptr] = (size, device, capture_origin(1) if self._track_origins else None)
+        if not self._pinned:
+            self._pin()
+        if len(ev) > _FOLD_AT:
+            self._fold(device)
         return ptr
 
     def raw_free(self, ptr: int, device: int | None = None) -> None:
@@ -202,38 +223,63 @@ class Strategy:
         :class:`~cupy_memstrat.InvalidFreeWarning`; a CUDA error from the free
         is warned about as a ``RuntimeWarning``.
         """
-        if not ptr:
-            return
-        with self._lock:
-            entry = self._live.pop(ptr, None)
-            if entry is not None:
-                size, dev, _ = entry
-                c = self._counters[dev]
-                c.in_use -= size
-                c.n_frees += 1
+        entry = self._live.pop(ptr, None)
         if entry is None:
-            self._invalid_free(ptr, device)
+            if ptr:
+                self._invalid_free(ptr, device)
             return
+        size, dev, _ = entry
+        self._events[dev].append(-size)
         try:
-            self._deallocate(ptr, size, dev)
+            self._deallocate(ptr)
         except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
             _warn(f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {dev} failed: {exc}", RuntimeWarning)
 
+    # -- accounting off the hot path -------------------------------------------
+    def _pin(self) -> None:
+        # A strategy that has handed out memory stays reachable from this
+        # module until close(): CuPy frees through it from finalisers, and the
+        # garbage collector must never clear it while arrays that are garbage
+        # in the same cycle still have to be freed (seen on the H200: a test's
+        # traceback cycle held both).
+        with _pinned_lock:
+            _pinned.add(self)
+        self._pinned = True
+
+    def _fold(self, device: int) -> _Counters:
+        with self._fold_lock:
+            c = self._counters[device]
+            ev = self._events[device]
+            # Only _fold pops (under the lock), so len(ev) items are there to
+            # take; appends racing with us land after them. C-level loops only.
+            items = list(starmap(ev.popleft, repeat((), len(ev))))
+            if items:
+                deltas = np.array(items, dtype=np.int64)
+                running = np.cumsum(deltas)
+                c.peak_in_use = max(c.peak_in_use, c.in_use + int(running.max()))
+                c.in_use += int(running[-1])
+                n_allocs = int(np.count_nonzero(deltas > 0))
+                c.n_allocs += n_allocs
+                c.n_frees += len(items) - n_allocs
+            return c
+
     # -- hooks ---------------------------------------------------------------
-    def _allocate(self, size: int, device: int) -> int:
+    # Subclasses set these in __init__ (or define them as methods):
+    #   _allocate(size) -> ptr   on the current device; raise backend.Error
+    #   _deallocate(ptr)         give a pointer from _allocate back
+    # Plain backend functions can be bound directly, which keeps Python
+    # frames off the hot path (the device strategy does this).
+    def _allocate(self, size: int) -> int:
         raise NotImplementedError
 
-    def _deallocate(self, ptr: int, size: int, device: int) -> None:
+    def _deallocate(self, ptr: int) -> None:
         raise NotImplementedError
 
     # -- failure paths (off the hot path) ------------------------------------
     def _allocation_failed(self, size: int, device: int, exc: BaseException):
         self.backend.clear_last_error()
-        with self._lock:
-            c = self._counters.get(device)
-            if c is None:
-                c = self._counters[device] = _Counters()
-            c.n_failed += 1
+        with self._fold_lock:
+            self._counters[device].n_failed += 1
         if getattr(exc, "status", None) != _cuda.ERROR_MEMORY_ALLOCATION:
             raise exc
         self._raise_out_of_memory(size, device, reason="cuda", cause=exc)
@@ -264,11 +310,8 @@ class Strategy:
                 device = self.backend.get_device()
             except Exception:  # noqa: BLE001
                 device = -1
-        with self._lock:
-            c = self._counters.get(device)
-            if c is None:
-                c = self._counters[device] = _Counters()
-            c.n_invalid_frees += 1
+        with self._fold_lock:
+            self._invalid_frees[device] = self._invalid_frees.get(device, 0) + 1
         _warn(
             f"{self.name}: free of pointer 0x{ptr:x} that this strategy does not own "
             "(unknown or already freed); ignored",
@@ -294,8 +337,8 @@ class Strategy:
             TypeError, ValueError: ``device`` is not a valid device ordinal.
         """
         device = self._device_or_current(device)
-        with self._lock:
-            c = self._counters.get(device) or _Counters()
+        with self._fold_lock:
+            c = self._fold(device)
             n_live = c.n_allocs - c.n_frees
             fields = dict(
                 bytes_in_use=c.in_use,
@@ -306,7 +349,7 @@ class Strategy:
                 n_frees=c.n_frees,
                 n_live=n_live,
                 n_failed=c.n_failed,
-                n_invalid_frees=c.n_invalid_frees,
+                n_invalid_frees=self._invalid_frees.get(device, 0),
             )
         if self.reserved_is_in_use:
             fields["bytes_reserved"] = fields["bytes_in_use"]
@@ -317,19 +360,17 @@ class Strategy:
         """Set the peaks (in use, reserved) of ``device`` (default: current)
         to the present values."""
         device = self._device_or_current(device)
-        with self._lock:
-            c = self._counters.get(device)
-            if c is not None:
-                c.peak_in_use = c.in_use
-                c.peak_reserved = c.reserved
+        with self._fold_lock:
+            c = self._fold(device)
+            c.peak_in_use = c.in_use
+            c.peak_reserved = c.reserved
 
     def live_allocations(self, device: int | None = None) -> list[Allocation]:
         """Live allocations, largest first, on ``device`` or on every device
         (default). ``origin`` is set when ``track_origins=True``."""
         if device is not None:
             device = self._device_or_current(device)
-        with self._lock:
-            items = list(self._live.items())
+        items = list(self._live.items())
         rows = [
             Allocation(ptr=p, size=s, device=d, origin=o)
             for p, (s, d, o) in items
@@ -373,12 +414,25 @@ class Strategy:
         return fake_malloc
 
     def close(self) -> None:
-        """Release resources the strategy holds beyond live allocations
-        (nothing for ``device``). Live allocations stay valid."""
+        """Let the strategy be garbage-collected once unreachable, and release
+        what it holds beyond live allocations (nothing for ``device``).
+
+        A strategy that has allocated stays referenced by cupy_memstrat until
+        closed, because CuPy's finalisers free through it. Close it only once
+        its arrays are gone; a later allocation pins it again.
+        """
+        with _pinned_lock:
+            _pinned.discard(self)
+        self._pinned = False
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
         return f"<{type(self).__name__} {self.name!r} ({opts}) on {self.backend.name}>"
+
+
+_FOLD_AT = 1 << 16  # events queued per device before an allocation folds them
+_pinned: set = set()
+_pinned_lock = threading.Lock()
 
 
 def _cupy_memory():

@@ -33,8 +33,8 @@ class DeviceStrategy(Strategy):
     description = "one cudaMalloc per allocation, one cudaFree per free, no caching: exact accounting"
     reserved_is_in_use = True
 
-    def _allocate(self, size: int, device: int) -> int:
-        return self.backend.malloc(size)
-
-    def _deallocate(self, ptr: int, size: int, device: int) -> None:
-        self.backend.free(ptr)
+    def __init__(self, *, backend=None, **options):
+        super().__init__(backend=backend, **options)
+        # cudaMalloc / cudaFree bound directly: no Python frame of our own.
+        self._allocate = self.backend.malloc
+        self._deallocate = self.backend.free

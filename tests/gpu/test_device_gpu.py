@@ -166,3 +166,29 @@ def test_pytest_option_runs_a_session_under_the_strategy(pytester):
     r = pytester.runpytest_subprocess("--gpumem-strategy=device", "-p", "no:cacheprovider")
     r.assert_outcomes(passed=1)
     r.stdout.fnmatch_lines(["gpumem: CuPy allocates with strategy 'device'*"])
+
+
+def test_collector_freeing_arrays_during_allocations_does_not_hang(cp):
+    """Python 3.12 runs the garbage collector at calls inside an allocation;
+    CuPy then frees cyclic garbage arrays through the same strategy."""
+    s = cupy_memstrat.use("device")
+    done = threading.Event()
+
+    def churn():
+        old = gc.get_threshold()
+        gc.set_threshold(1)
+        try:
+            for _ in range(3000):
+                a = cp.empty(16)
+                cycle = [a]
+                cycle.append(cycle)
+                del a, cycle
+        finally:
+            gc.set_threshold(*old)
+            done.set()
+
+    threading.Thread(target=churn, daemon=True).start()
+    assert done.wait(120), "allocation deadlocked against a finaliser's free"
+    gc.collect()
+    st = s.stats()
+    assert st.bytes_in_use == 0 and st.n_allocs == st.n_frees == 3000
