@@ -96,7 +96,7 @@ def validate(strategy: str, **options) -> tuple[str, dict]:
         ValueError, TypeError: as :func:`create`.
     """
     options = dict(options)
-    options.pop("backend", None)
+    options.pop("backend", None)  # an object, not an option: checked when created
     cls, merged = _resolve(strategy, options)
     return cls.name, cls.parse_options(merged)
 

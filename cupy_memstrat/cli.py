@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 
 from .errors import MemstratError
@@ -23,18 +25,33 @@ def _cmd_info(args) -> int:
 def _cmd_bench_alloc(args) -> int:
     from .bench import alloc
 
+    out = None
+    if args.json:
+        try:  # before the run: a bad path must not cost the measurements
+            out = open(args.json, "w")
+        except OSError as exc:
+            print(f"bench alloc: cannot write --json {args.json!r}: {exc.strerror}", file=sys.stderr)
+            return 2
     say = None if args.quiet else alloc.progress_printer()
     try:
-        report = alloc.run(rounds=args.rounds, progress=say)
-    except MemstratError as exc:
-        print(f"bench alloc needs a CUDA device and CuPy: {exc}", file=sys.stderr)
-        return 2
-    print(alloc.format_table(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+        with out if out is not None else _nothing():
+            try:
+                report = alloc.run(rounds=args.rounds, progress=say)
+            except MemstratError as exc:
+                print(f"bench alloc needs a CUDA device and CuPy: {exc}", file=sys.stderr)
+                return 2
+            print(alloc.format_table(report))
+            if out is not None:
+                json.dump(report, out, indent=2)
+                print(f"wrote {args.json}")
+    finally:
+        if out is not None and os.path.getsize(args.json) == 0:
+            os.unlink(args.json)  # no empty file left behind by a failed run
     return 0
+
+
+def _nothing():
+    return contextlib.nullcontext()
 
 
 def _positive_int(text: str) -> int:

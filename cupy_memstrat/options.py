@@ -29,6 +29,8 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     """
     if not isinstance(spec, str):
         raise TypeError(f"strategy: expected a name such as 'device', got {type(spec).__name__} {spec!r}")
+    if len(spec) > 1000:
+        raise ValueError(f"strategy spec: {len(spec)} characters is too long to be a strategy spec")
     name, sep, rest = spec.partition(":")
     name = name.strip()
     if not name:
@@ -49,9 +51,11 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
 
 
 def as_bool(value, what: str) -> bool:
-    """``True``/``False``, or the strings 1/0, true/false, yes/no, on/off."""
+    """``True``/``False``, 1/0, or the strings 1/0, true/false, yes/no, on/off."""
     if isinstance(value, bool):
         return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
     if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
         return value.strip().lower() in _TRUE
     raise ValueError(f"{what}: expected true or false, got {value!r}")

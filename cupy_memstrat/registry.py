@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pluggy
@@ -9,6 +10,8 @@ import pluggy
 from . import hookspecs
 
 __all__ = ["Registry", "get_registry", "plugin_manager"]
+
+_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_.\-]*$")
 
 
 class Registry:
@@ -33,8 +36,14 @@ class Registry:
 
         if not (isinstance(cls, type) and issubclass(cls, Strategy)):
             raise TypeError(f"registry.add: expected a cupy_memstrat.Strategy subclass, got {cls!r}")
-        if not cls.name or not isinstance(cls.name, str):
-            raise ValueError(f"registry.add: {cls.__qualname__} has no name")
+        if not isinstance(cls.aliases, tuple):
+            raise TypeError(f"registry.add: {cls.__qualname__}.aliases must be a tuple of names, got {cls.aliases!r}")
+        for key in (cls.name, *cls.aliases):
+            if not isinstance(key, str) or not _NAME_RE.match(key):
+                raise ValueError(
+                    f"registry.add: {cls.__qualname__} has the name {key!r}; expected letters, digits, "
+                    "'_', '-' or '.', starting with a letter"
+                )
         for key in (cls.name, *cls.aliases):
             taken = self._by_name.get(key) or self._by_name.get(self._aliases.get(key, ""))
             if taken is not None:

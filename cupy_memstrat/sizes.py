@@ -10,6 +10,7 @@ the device's memory.
 from __future__ import annotations
 
 import math
+import operator
 import re
 
 __all__ = ["parse_size", "format_size"]
@@ -26,7 +27,8 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*([A-Za-z]*)\s*$")
+_MAX = 2**64  # no device has more; larger values are typos
 _PCT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
 
@@ -62,10 +64,12 @@ def parse_size(value, *, total: int | None = None, what: str = "size") -> int:
         if value < 0:
             raise ValueError(f"{what}: expected a size >= 0 bytes, got {value}")
         return value
+    if len(value) > 100:
+        raise ValueError(f"{what}: cannot parse a {len(value)}-character string as a size")
     m = _PCT_RE.match(value)
     if m:
         pct = float(m.group(1))
-        if total is None:
+        if total is None or total < 0:
             raise ValueError(
                 f"{what}: a percentage ({value!r}) needs the device's total memory; "
                 "give a size in bytes or units instead"
@@ -79,21 +83,27 @@ def parse_size(value, *, total: int | None = None, what: str = "size") -> int:
             f"{what}: cannot parse {value!r} as a size; expected a number with an optional "
             "unit, e.g. '512MiB', '2 GiB', '1.5GB', '4096', or a percentage such as '80%'"
         )
-    number, unit = m.group(1), m.group(2).lower()
+    number, exponent, unit = m.group(1), m.group(2), m.group(3).lower()
     if unit not in _UNITS:
         raise ValueError(
-            f"{what}: unknown unit {m.group(2)!r} in {value!r}; expected one of "
+            f"{what}: unknown unit {m.group(3)!r} in {value!r}; expected one of "
             "B, kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)"
         )
-    nbytes = float(number) * _UNITS[unit]
-    if not math.isfinite(nbytes):
-        raise ValueError(f"{what}: {value!r} is not a finite size")
-    return int(nbytes)
+    if exponent is None and number.isdigit():
+        nbytes = int(number) * _UNITS[unit]  # exact for large integers
+    else:
+        f = float(number + (exponent or "")) * _UNITS[unit]
+        if not math.isfinite(f):
+            raise ValueError(f"{what}: {value!r} is not a finite size")
+        nbytes = int(f)
+    if nbytes > _MAX:
+        raise ValueError(f"{what}: {value!r} is larger than 16 EiB, more than any device has")
+    return nbytes
 
 
 def format_size(nbytes: int) -> str:
     """Format a byte count in IEC units with one decimal: ``812.0 MiB``, ``512 B``."""
-    n = int(nbytes)
+    n = operator.index(nbytes)
     sign = "-" if n < 0 else ""
     n = abs(n)
     if n < 1024:

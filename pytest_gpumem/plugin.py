@@ -31,8 +31,8 @@ def pytest_addoption(parser):
 
 def _setting(config):
     value = config.getoption("gpumem_strategy")
-    if value:
-        return value, "--gpumem-strategy"
+    if value is not None:  # an empty value switches an ini setting off
+        return (value or None), "--gpumem-strategy"
     value = config.getini("gpumem_strategy")
     if value:
         return value, "ini key gpumem_strategy"
@@ -41,7 +41,7 @@ def _setting(config):
 
 def pytest_configure(config):
     spec, source = _setting(config)
-    state = {"spec": spec, "source": source, "strategy": None, "why_off": None}
+    state = {"spec": spec, "source": source, "strategy": None, "why_off": None, "previous": None}
     config.stash[_KEY] = state
     if spec is None:
         return
@@ -50,9 +50,21 @@ def pytest_configure(config):
     except (ValueError, TypeError) as exc:
         raise pytest.UsageError(f"{source}={spec!r}: {exc}") from None
     try:
+        import cupy
+
+        previous = cupy.cuda.get_allocator()
         state["strategy"] = cupy_memstrat.use(spec)
-    except (cupy_memstrat.NoDeviceError, cupy_memstrat.CuPyNotInstalledError) as exc:
+        state["previous"] = previous
+    except (ImportError, cupy_memstrat.NoDeviceError, cupy_memstrat.CuPyNotInstalledError) as exc:
         state["why_off"] = str(exc)
+
+
+def pytest_unconfigure(config):
+    state = config.stash.get(_KEY, None)
+    if state and state["strategy"] is not None:
+        import cupy
+
+        cupy.cuda.set_allocator(state["previous"])  # what was there before the session
 
 
 def pytest_report_header(config):

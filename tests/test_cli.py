@@ -57,3 +57,9 @@ def test_bad_arguments_are_refused_by_argparse(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "nosuchgroup"])
     assert "invalid choice: 'nosuchgroup'" in capsys.readouterr().err
+
+
+def test_bench_refuses_an_unwritable_json_path_before_running(tmp_path, capsys):
+    assert cli.main(["bench", "alloc", "--json", str(tmp_path / "no" / "such" / "dir.json")]) == 2
+    assert "cannot write --json" in capsys.readouterr().err
+    assert cli.main(["bench", "alloc", "--json", str(tmp_path)]) == 2

@@ -219,3 +219,46 @@ def test_a_normal_alloc_and_free_emit_no_warning():
         warnings.simplefilter("error")
         s = cupy_memstrat.DeviceStrategy(backend=FakeBackend())
         s.raw_free(s.raw_malloc(1, 0), 0)
+
+
+def test_raw_malloc_refuses_a_device_that_is_not_current(fake2):
+    s = cupy_memstrat.DeviceStrategy(backend=fake2)
+    with pytest.raises(ValueError, match=r"allocates on the current device \(0\), got device=1"):
+        s.raw_malloc(4096, 1)
+    assert fake2.used_bytes(0) == fake2.used_bytes(1) == 0 and s.stats(1).n_allocs == 0
+    p = s.raw_malloc(4096, np.int64(0))  # numpy ints are device ordinals too
+    assert s.stats(0).n_live == 1
+    s.raw_free(p)
+
+
+@pytest.mark.parametrize("bad", ["fake", 42, FakeBackend])
+def test_a_bad_backend_is_a_clear_type_error(bad):
+    with pytest.raises(TypeError, match=r"backend: expected a CUDA backend object"):
+        cupy_memstrat.create("device", backend=bad)
+
+
+@pytest.mark.parametrize("bad", [1.5, "0x10", float("nan"), [1], -4])
+def test_raw_free_of_a_non_pointer_warns_and_never_raises(dev, bad):
+    keep = dev.raw_malloc(64, 0)
+    with pytest.warns(InvalidFreeWarning, match="does not own"):
+        dev.raw_free(bad)
+    assert dev.stats(0).n_invalid_frees == 1 and dev.stats(0).n_live == 1
+    dev.raw_free(keep)
+
+
+def test_invalid_free_warning_points_at_the_caller_and_can_be_an_error(dev):
+    with pytest.warns(InvalidFreeWarning) as rec:
+        dev.raw_free(0xBAD)
+    assert rec[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(InvalidFreeWarning):
+            dev.raw_free(0xBAD)
+
+
+def test_close_twice_is_harmless_and_the_strategy_still_works(dev):
+    dev.close()
+    dev.close()
+    p = dev.raw_malloc(10, 0)
+    dev.raw_free(p, 0)
+    assert dev.stats(0).n_frees == 1

@@ -38,3 +38,24 @@ def test_without_gpu_the_session_runs_and_the_header_says_why(pytester):
     r = pytester.runpytest_subprocess("--gpumem-strategy=device")
     r.assert_outcomes(passed=1)
     r.stdout.fnmatch_lines(["gpumem: strategy 'device' not installed, GPU memory is off: *"])
+
+
+def test_an_empty_option_switches_off_the_ini_setting(pytester):
+    pytester.makeini("[pytest]\ngpumem_strategy = nope\n")
+    pytester.makepyfile("def test_ok():\n    pass\n")
+    r = pytester.runpytest_subprocess("--gpumem-strategy=")
+    r.assert_outcomes(passed=1)
+
+
+def test_the_session_allocator_is_restored_afterwards(pytester, monkeypatch):
+    cupy = pytest.importorskip("cupy")
+    import cupy_memstrat
+    import cupy_memstrat.cuda as C
+    from cupy_memstrat.testing import FakeBackend
+
+    monkeypatch.setattr(C, "_backend", FakeBackend())
+    before = cupy.cuda.get_allocator()
+    pytester.makepyfile("import cupy_memstrat\ndef test_ok():\n    assert cupy_memstrat.current().name == 'device'\n")
+    r = pytester.runpytest_inprocess("--gpumem-strategy=device", "-p", "no:cacheprovider")
+    r.assert_outcomes(passed=1)
+    assert cupy.cuda.get_allocator() == before and cupy_memstrat.current() is None

@@ -111,3 +111,10 @@ def test_a_taken_name_is_refused_naming_both(tmp_path, fresh_registry):
 def test_registry_add_rejects_non_strategies():
     with pytest.raises(TypeError, match="expected a cupy_memstrat.Strategy subclass"):
         reg.Registry().add(object)
+
+
+@pytest.mark.parametrize("name, aliases", [("has space", ()), ("a:b", ()), ("ok", "fast2")])
+def test_registry_add_rejects_unreachable_names(name, aliases):
+    cls = type("S", (cupy_memstrat.DeviceStrategy,), {"name": name, "aliases": aliases})
+    with pytest.raises((ValueError, TypeError), match="registry.add"):
+        reg.Registry().add(cls)

@@ -60,3 +60,19 @@ def test_parse_size_rejects_negative_int():
 )
 def test_format_size_iec(n, text):
     assert format_size(n) == text
+
+
+def test_large_integer_strings_are_exact_and_absurd_sizes_refused():
+    assert parse_size("9007199254740993") == 9007199254740993
+    assert parse_size("1.GB") == 10**9 and parse_size(".5GB") == 5 * 10**8
+    with pytest.raises(ValueError, match="larger than 16 EiB"):
+        parse_size("1e300")
+    with pytest.raises(ValueError, match="not a finite size"):
+        parse_size("1e400GB")
+    with pytest.raises(ValueError, match="needs the device's total memory"):
+        parse_size("50%", total=-1000)
+
+
+def test_format_size_needs_an_int():
+    with pytest.raises(TypeError):
+        format_size("10")

@@ -57,3 +57,13 @@ def test_option_in_spec_and_keyword_is_an_error(fake):
 
 def test_validate_needs_no_gpu():
     assert cupy_memstrat.validate("malloc:track_origins=on") == ("device", {"track_origins": True})
+
+
+def test_bool_options_take_0_and_1(fake):
+    assert cupy_memstrat.create("device", track_origins=1, backend=fake).config["track_origins"] is True
+
+
+def test_a_huge_spec_gets_a_short_error():
+    with pytest.raises(ValueError) as exc:
+        cupy_memstrat.validate("device:" + "x" * 100_000)
+    assert len(str(exc.value)) < 200

@@ -13,8 +13,8 @@ origin tracking, out-of-memory errors, invalid frees, and the CuPy allocator
 callable.
 
 The hot path takes no lock: each allocation is one dict insert and one
-``deque.append`` of its size (a free: one dict pop and one append of minus its
-size), operations that are atomic in CPython. :meth:`Strategy.stats` folds
+``array.append`` of its size to a per-device event buffer (a free: one dict
+pop and one append of minus its size), operations that are atomic in CPython. :meth:`Strategy.stats` folds
 that event queue, in order, into the counters, so ``peak_bytes_in_use`` is the
 exact peak of that sequence, also with many threads. Taking no lock also
 matters because CuPy frees memory from finalisers, which the garbage collector
@@ -28,8 +28,7 @@ import operator
 import sys
 import threading
 import warnings
-from collections import deque
-from itertools import repeat, starmap
+from array import array
 
 import numpy as np
 from typing import ClassVar
@@ -133,19 +132,26 @@ class Strategy:
         self.config = self.parse_options(options)
         if backend is None:
             backend = _cuda.get_backend()
+        elif isinstance(backend, type) or not all(hasattr(backend, a) for a in _BACKEND_API):
+            raise TypeError(
+                "backend: expected a CUDA backend object such as cupy_memstrat.testing.FakeBackend() "
+                f"(with {', '.join(_BACKEND_API)}), got {type(backend).__name__} {backend!r}"
+            )
         self.backend = backend
         self._track_origins = self.config["track_origins"]
         self._Error = backend.Error
         n = backend.device_count()
-        self._live: dict[int, tuple[int, int, object]] = {}
-        # Per device: +size / -size events appended lock-free, folded into
-        # the counters by _fold() (stats, reset_peak, or a long queue).
-        self._events = [deque() for _ in range(n)]
+        # Per device: live pointer -> size, and +size / -size events appended
+        # lock-free, folded into the counters by _fold() (stats, reset_peak,
+        # or a long buffer). Origins (track_origins=True) are kept aside.
+        self._live: list[dict[int, int]] = [{} for _ in range(n)]
+        self._origins: dict[int, object] = {}
+        self._events = [array("q") for _ in range(n)]
         self._counters = [_Counters() for _ in range(n)]
         self._fold_lock = threading.RLock()
         self._cupy_malloc = None
         self._pinned = False
-        self._invalid_frees: dict[int, int] = {}  # by device; -1 if unknown
+        self._n_invalid_frees = 0  # not per device: a bad pointer names none
 
     # -- options ---------------------------------------------------------------
     @classmethod
@@ -175,41 +181,60 @@ class Strategy:
             )
         return config
 
-    # -- the pointer-level interface (CuPy's PythonFunctionAllocator calls it) --
+    # -- the pointer-level interface ----------------------------------------------
     def raw_malloc(self, size: int, device: int | None = None) -> int:
-        """Allocate ``size`` bytes on ``device`` and return the pointer.
+        """Allocate ``size`` bytes on the current device and return the pointer.
 
-        ``device`` must be the current CUDA device (default: read it). A size
-        of 0 returns the null pointer and allocates nothing (CuPy's
-        convention for empty arrays).
+        ``device``, if given, must be the current CUDA device (CUDA allocates
+        there). A size of 0 returns the null pointer and allocates nothing
+        (CuPy's convention for empty arrays).
 
         Raises:
-            TypeError, ValueError: ``size`` is not an int >= 0.
+            TypeError, ValueError: ``size`` is not an int >= 0, or ``device``
+                is not the current device.
             cupy.cuda.memory.OutOfMemoryError: CUDA (or a strategy's guard)
                 refused; the message names the request and the statistics.
                 Existing allocations are untouched.
         """
-        if type(size) is not int or size <= 0:
-            size = check_size(size)
-            if size == 0:
-                return 0
-        if device is None:
-            device = self.backend.get_device()
-        try:
-            if device < 0:
-                raise IndexError
-            ev = self._events[device]
-        except (IndexError, TypeError):
-            self._device_or_current(device)  # raises the clear TypeError / ValueError
-            raise
+        size = check_size(size)
+        current = self.backend.get_device()
+        if device is not None and self._device_or_current(device) != current:
+            raise ValueError(
+                f"device: raw_malloc allocates on the current device ({current}), got device={device}; "
+                "make it current first (cupy.cuda.Device(d).use())"
+            )
+        if size == 0:
+            return 0
+        if not self._pinned:
+            self._pin()
+        if self._track_origins:
+            return self._malloc_tracked(size, current)
+        return self._malloc(size, current)
+
+    def _malloc(self, size: int, device: int) -> int:
+        # The hot path: CuPy's PythonFunctionAllocator calls this with a
+        # size_t > 0 and the current device. No lock (see module docstring).
         try:
             ptr = self._allocate(size)
         except self._Error as exc:
             self._allocation_failed(size, device, exc)
+        ev = self._events[device]
         ev.append(size)  # before the insert: the matching -size can only follow it
-        self._live[ptr] = (size, device, capture_origin(1) if self._track_origins else None)
-        if not self._pinned:
-            self._pin()
+        self._live[device][ptr] = size
+        if len(ev) > _FOLD_AT:
+            self._fold(device)
+        return ptr
+
+    def _malloc_tracked(self, size: int, device: int) -> int:
+        # _malloc with track_origins=True.
+        try:
+            ptr = self._allocate(size)
+        except self._Error as exc:
+            self._allocation_failed(size, device, exc)
+        ev = self._events[device]
+        ev.append(size)
+        self._origins[ptr] = capture_origin(1)
+        self._live[device][ptr] = size
         if len(ev) > _FOLD_AT:
             self._fold(device)
         return ptr
@@ -217,25 +242,47 @@ class Strategy:
     def raw_free(self, ptr: int, device: int | None = None) -> None:
         """Free a pointer from :meth:`raw_malloc`.
 
-        Never raises (CuPy calls it from a finaliser): freeing the null
-        pointer does nothing; an unknown or already-freed pointer is not passed
-        to CUDA, is counted in ``n_invalid_frees`` and warned about with
+        Never raises an error of its own (CuPy calls it from a finaliser):
+        freeing the null pointer does nothing; an unknown, already-freed or
+        non-integer pointer is not passed to CUDA, is counted in
+        ``n_invalid_frees`` and warned about with
         :class:`~cupy_memstrat.InvalidFreeWarning`; a CUDA error from the free
-        is warned about as a ``RuntimeWarning``.
+        is warned about as a ``RuntimeWarning``. (With warnings turned into
+        errors, the warning is raised.) ``device`` is ignored: a block is
+        freed for the device that allocated it.
         """
-        entry = self._live.pop(ptr, None)
-        if entry is None:
-            if ptr:
-                self._invalid_free(ptr, device)
-            return
-        size, dev, _ = entry
-        self._events[dev].append(-size)
+        try:
+            size = self._live[device].pop(ptr)  # CuPy passes the allocating device
+        except (KeyError, IndexError, TypeError):
+            device, size = self._find_live(ptr)
+            if size is None:
+                if not (ptr == 0 and type(ptr) is int):
+                    self._invalid_free(ptr)
+                return
+        if self._track_origins:
+            self._origins.pop(ptr, None)
+        self._events[device].append(-size)
         try:
             self._deallocate(ptr)
         except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
-            _warn(f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {dev} failed: {exc}", RuntimeWarning)
+            _warn(
+                f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     # -- accounting off the hot path -------------------------------------------
+    def _find_live(self, ptr) -> tuple[int, int | None]:
+        """(device, size) of a live pointer freed without its device, or (-1, None)."""
+        for device, live in enumerate(self._live):
+            try:
+                size = live.pop(ptr, None)
+            except TypeError:  # unhashable: not a pointer
+                return -1, None
+            if size is not None:
+                return device, size
+        return -1, None
+
     def _pin(self) -> None:
         # A strategy that has handed out memory stays reachable from this
         # module until close(): CuPy frees through it from finalisers, and the
@@ -244,23 +291,24 @@ class Strategy:
         # traceback cycle held both).
         with _pinned_lock:
             _pinned.add(self)
-        self._pinned = True
+            self._pinned = True
 
     def _fold(self, device: int) -> _Counters:
         with self._fold_lock:
             c = self._counters[device]
             ev = self._events[device]
-            # Only _fold pops (under the lock), so len(ev) items are there to
-            # take; appends racing with us land after them. C-level loops only.
-            items = list(starmap(ev.popleft, repeat((), len(ev))))
-            if items:
-                deltas = np.array(items, dtype=np.int64)
+            # Only _fold removes (under the lock) and only the first n items;
+            # appends racing with us land after them. Both are single C calls.
+            n = len(ev)
+            if n:
+                deltas = np.frombuffer(ev[:n], dtype=np.int64)
+                del ev[:n]
                 running = np.cumsum(deltas)
                 c.peak_in_use = max(c.peak_in_use, c.in_use + int(running.max()))
                 c.in_use += int(running[-1])
                 n_allocs = int(np.count_nonzero(deltas > 0))
                 c.n_allocs += n_allocs
-                c.n_frees += len(items) - n_allocs
+                c.n_frees += n - n_allocs
             return c
 
     # -- hooks ---------------------------------------------------------------
@@ -304,26 +352,24 @@ class Strategy:
         )
         raise oom from cause
 
-    def _invalid_free(self, ptr: int, device: int | None):
-        if device is None:
-            try:
-                device = self.backend.get_device()
-            except Exception:  # noqa: BLE001
-                device = -1
+    def _invalid_free(self, ptr) -> None:
         with self._fold_lock:
-            self._invalid_frees[device] = self._invalid_frees.get(device, 0) + 1
+            self._n_invalid_frees += 1
+        shown = f"0x{ptr:x}" if type(ptr) is int and ptr >= 0 else repr(ptr)
         _warn(
-            f"{self.name}: free of pointer 0x{ptr:x} that this strategy does not own "
-            "(unknown or already freed); ignored",
+            f"{self.name}: free of pointer {shown} that this strategy does not own "
+            "(unknown, already freed, or not a pointer); ignored",
             InvalidFreeWarning,
+            stacklevel=4,
         )
 
     # -- statistics ------------------------------------------------------------
     def _device_or_current(self, device):
         if device is None:
             return self.backend.get_device()
-        if isinstance(device, bool) or not isinstance(device, int):
+        if isinstance(device, bool) or not hasattr(device, "__index__"):
             raise TypeError(f"device: expected an int device ordinal, got {type(device).__name__} {device!r}")
+        device = operator.index(device)
         n = self.backend.device_count()
         if not 0 <= device < n:
             raise ValueError(f"device: expected 0 <= device < {n}, got {device}")
@@ -349,7 +395,7 @@ class Strategy:
                 n_frees=c.n_frees,
                 n_live=n_live,
                 n_failed=c.n_failed,
-                n_invalid_frees=self._invalid_frees.get(device, 0),
+                n_invalid_frees=self._n_invalid_frees,
             )
         if self.reserved_is_in_use:
             fields["bytes_reserved"] = fields["bytes_in_use"]
@@ -370,11 +416,12 @@ class Strategy:
         (default). ``origin`` is set when ``track_origins=True``."""
         if device is not None:
             device = self._device_or_current(device)
-        items = list(self._live.items())
+        origins = self._origins
         rows = [
-            Allocation(ptr=p, size=s, device=d, origin=o)
-            for p, (s, d, o) in items
+            Allocation(ptr=p, size=s, device=d, origin=origins.get(p))
+            for d, live in enumerate(self._live)
             if device is None or d == device
+            for p, s in list(live.items())
         ]
         rows.sort(key=lambda a: (-a.size, a.ptr))
         return rows
@@ -386,32 +433,37 @@ class Strategy:
         passes to ``cupy.cuda.set_allocator``.
 
         Raises:
-            TypeError, ValueError: ``size`` is not an int >= 0.
+            TypeError, ValueError: ``size`` is not an int >= 0 (CuPy's own
+                pool raises ``OverflowError`` for a negative size).
             cupy.cuda.memory.OutOfMemoryError: as :meth:`raw_malloc`.
         """
-        if type(size) is not int or size < 0:
+        if size.__class__ is not int or size < 0:
             size = check_size(size)
         cupy_malloc = self._cupy_malloc
         if cupy_malloc is None:
-            cupy_malloc = self._cupy_malloc = self._make_cupy_malloc()
+            cupy_malloc = self._make_cupy_malloc()
         return cupy_malloc(size)
 
     def _make_cupy_malloc(self):
         memory = _cupy_memory()
+        malloc = self._malloc_tracked if self._track_origins else self._malloc
         if isinstance(self.backend, _cuda.RealBackend):
-            # CuPy reads the current device, calls raw_malloc(size, device) and,
-            # when the array's memory dies, raw_free(ptr, device), in Cython.
-            return memory.PythonFunctionAllocator(self.raw_malloc, self.raw_free).malloc
+            # CuPy reads the current device, calls malloc(size, device) for
+            # size > 0 and, when the array's memory dies, raw_free(ptr,
+            # device), all in Cython.
+            cupy_malloc = memory.PythonFunctionAllocator(malloc, self.raw_free).malloc
+        else:
+            backend, raw_free = self.backend, self.raw_free
 
-        backend, raw_malloc, raw_free = self.backend, self.raw_malloc, self.raw_free
+            def cupy_malloc(size):
+                device = backend.get_device()
+                ptr = malloc(size, device) if size else 0
+                owner = _FakeOwner(raw_free, ptr, device) if ptr else None
+                return memory.MemoryPointer(memory.UnownedMemory(ptr, size, owner, device), 0)
 
-        def fake_malloc(size):
-            device = backend.get_device()
-            ptr = raw_malloc(size, device) if size else 0
-            owner = _FakeOwner(raw_free, ptr, device) if ptr else None
-            return memory.MemoryPointer(memory.UnownedMemory(ptr, size, owner, device), 0)
-
-        return fake_malloc
+        self._pin()
+        self._cupy_malloc = cupy_malloc
+        return cupy_malloc
 
     def close(self) -> None:
         """Let the strategy be garbage-collected once unreachable, and release
@@ -419,17 +471,20 @@ class Strategy:
 
         A strategy that has allocated stays referenced by cupy_memstrat until
         closed, because CuPy's finalisers free through it. Close it only once
-        its arrays are gone; a later allocation pins it again.
+        its arrays are gone; using it again pins it again. Closing twice is
+        harmless.
         """
         with _pinned_lock:
             _pinned.discard(self)
-        self._pinned = False
+            self._pinned = False
+            self._cupy_malloc = None
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
         return f"<{type(self).__name__} {self.name!r} ({opts}) on {self.backend.name}>"
 
 
+_BACKEND_API = ("Error", "malloc", "free", "get_device", "device_count", "mem_get_info", "clear_last_error")
 _FOLD_AT = 1 << 16  # events queued per device before an allocation folds them
 _pinned: set = set()
 _pinned_lock = threading.Lock()
@@ -467,8 +522,7 @@ def _cupy_pool_hint(device: int) -> str:
     )
 
 
-def _warn(message: str, category) -> None:
-    try:
-        warnings.warn(message, category, stacklevel=3)
-    except Exception:  # noqa: BLE001 - interpreter shutdown: warnings may be gone
-        pass
+def _warn(message: str, category, stacklevel: int) -> None:
+    if sys.is_finalizing():  # interpreter shutdown: warnings may be half gone
+        return
+    warnings.warn(message, category, stacklevel=stacklevel)
