@@ -49,6 +49,22 @@ def package_versions() -> dict:
     }
 
 
+def _kernel_driver_version() -> str | None:
+    """The NVIDIA driver's own version (e.g. "580.159.04") through NVML, if
+    ``nvidia-ml-py`` is installed; ``None`` otherwise."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            v = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - optional information
+        return None
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
 def _cuda_version(v: int) -> str:
     return f"{v // 1000}.{(v % 1000) // 10}"
 
@@ -78,6 +94,7 @@ def collect(backend=None) -> dict:
             devices.append(dict(props, device=d, free_memory=free, total_memory=total))
         report["cuda"] = {
             "backend": backend.name,
+            "kernel_driver": _kernel_driver_version() if backend.name == "cuda" else None,
             "driver": versions["driver"],
             "runtime": versions["runtime"],
             "devices": devices,
@@ -102,8 +119,9 @@ def format_report(report: dict) -> str:
     if cuda is None:
         lines.append(f"GPU: {report.get('error', 'unknown')}")
     else:
+        kd = f"NVIDIA driver {cuda['kernel_driver']}, " if cuda.get("kernel_driver") else ""
         lines.append(
-            f"CUDA driver {_cuda_version(cuda['driver'])} ({cuda['driver']}), "
+            f"{kd}CUDA driver API {_cuda_version(cuda['driver'])} ({cuda['driver']}), "
             f"runtime {_cuda_version(cuda['runtime'])} ({cuda['runtime']}), backend {cuda['backend']}"
         )
         for dev in cuda["devices"]:

@@ -28,7 +28,7 @@ def test_info_reports_a_fake_device():
     assert "device 1: Fake NVIDIA H200, compute capability 9.0" in text
     assert "memory: 4.0 GiB total, 4.0 GiB free" in text
     assert "concurrentManagedAccess 1, pageableMemoryAccess 0, memoryPoolsSupported 1" in text
-    assert "CUDA driver 13.0 (13000)" in text
+    assert "CUDA driver API 13.0 (13000)" in text
     assert "page-fault counters: not yet implemented" in text
     assert "device: one cudaMalloc per allocation" in text
 

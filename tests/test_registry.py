@@ -118,3 +118,45 @@ def test_registry_add_rejects_unreachable_names(name, aliases):
     cls = type("S", (cupy_memstrat.DeviceStrategy,), {"name": name, "aliases": aliases})
     with pytest.raises((ValueError, TypeError), match="registry.add"):
         reg.Registry().add(cls)
+
+
+def test_the_documented_third_party_example_works(fake, capsys):
+    """docs/strategies.md's example: a Strategy subclass with method hooks and an option."""
+    from cupy_memstrat.options import Option, as_size
+
+    class Chatty(cupy_memstrat.Strategy):
+        name = "chatty"
+        description = "cudaMalloc, printing every request over a threshold"
+        options = (Option("threshold", as_size, 1 << 30, "print requests of at least this many bytes"),)
+
+        def _allocate(self, size):
+            if size >= self.config["threshold"]:
+                print(f"chatty: {size} bytes")
+            return self.backend.malloc(size)
+
+        def _deallocate(self, ptr):
+            self.backend.free(ptr)
+
+    r = reg.Registry()
+    r.add(Chatty)
+    s = r.get("chatty")(threshold="1KiB", backend=fake)
+    p = s.raw_malloc(4096)
+    assert capsys.readouterr().out == "chatty: 4096 bytes\n"
+    s.raw_free(p)
+    assert fake.used_bytes(0) == 0 and s.stats().n_frees == 1
+
+
+def test_a_device_subclass_keeps_its_own_hooks(fake):
+    calls = []
+
+    class Logged(cupy_memstrat.DeviceStrategy):
+        name = "logged"
+        aliases = ()
+
+        def _allocate(self, size):
+            calls.append(size)
+            return self.backend.malloc(size)
+
+    s = Logged(backend=fake)
+    s.raw_free(s.raw_malloc(100))
+    assert calls == [100] and fake.used_bytes(0) == 0

@@ -35,6 +35,9 @@ class DeviceStrategy(Strategy):
 
     def __init__(self, *, backend=None, **options):
         super().__init__(backend=backend, **options)
-        # cudaMalloc / cudaFree bound directly: no Python frame of our own.
-        self._allocate = self.backend.malloc
-        self._deallocate = self.backend.free
+        # cudaMalloc / cudaFree bound directly: no Python frame of our own
+        # (unless a subclass defines its own hooks).
+        if type(self)._allocate is Strategy._allocate:
+            self._allocate = self.backend.malloc
+        if type(self)._deallocate is Strategy._deallocate:
+            self._deallocate = self.backend.free

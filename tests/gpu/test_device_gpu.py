@@ -149,7 +149,7 @@ def test_multi_device_allocates_on_current_and_frees_for_owner(cp, n_devices):
 def test_info_command_reports_the_device():
     r = subprocess.run([sys.executable, "-m", "cupy_memstrat", "info"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert "device 0: " in r.stdout and "memoryPoolsSupported" in r.stdout
+    assert "device 0: " in r.stdout and "memoryPoolsSupported" in r.stdout and "CUDA driver API" in r.stdout
 
 
 def test_pytest_option_runs_a_session_under_the_strategy(pytester):
