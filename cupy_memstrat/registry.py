@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 import threading
 
@@ -65,7 +66,11 @@ class Registry:
         try:
             return self._by_name[canonical]
         except KeyError:
-            raise ValueError(f"unknown strategy {name!r}; available: {self._listing()}") from None
+            near = difflib.get_close_matches(
+                str(name).lower(), [*self._by_name, *self._aliases], n=1, cutoff=0.6
+            )
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ValueError(f"unknown strategy {name!r}{hint}; available: {self._listing()}") from None
 
     def _listing(self) -> str:
         aliases: dict[str, list[str]] = {}

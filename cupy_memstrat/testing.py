@@ -77,7 +77,7 @@ class FakeBackend:
         driver_version: int = 13000,
         runtime_version: int = 13000,
     ):
-        if not isinstance(devices, int) or devices < 1:
+        if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices: expected an int >= 1, got {devices!r}")
         mems = memory if isinstance(memory, (list, tuple)) else [memory] * devices
         if len(mems) != devices:
@@ -122,6 +122,8 @@ class FakeBackend:
         return getattr(self._local, "device", 0)
 
     def set_device(self, device: int) -> None:
+        if isinstance(device, bool) or not isinstance(device, int):
+            raise TypeError(f"device: expected an int device ordinal, got {type(device).__name__} {device!r}")
         if not 0 <= device < len(self._capacity):
             self._fail(_cuda.ERROR_INVALID_DEVICE)
         self._local.device = device

@@ -160,3 +160,8 @@ def test_a_device_subclass_keeps_its_own_hooks(fake):
     s = Logged(backend=fake)
     s.raw_free(s.raw_malloc(100))
     assert calls == [100] and fake.used_bytes(0) == 0
+
+
+def test_a_near_miss_gets_a_suggestion():
+    with pytest.raises(ValueError, match=r"unknown strategy 'DEVICE'; did you mean 'device'\?"):
+        cupy_memstrat.validate("DEVICE")

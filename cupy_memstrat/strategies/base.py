@@ -14,9 +14,10 @@ callable.
 
 The hot path takes no lock: each allocation is one dict insert and one
 ``array.append`` of its size to a per-device event buffer (a free: one dict
-pop and one append of minus its size), operations that are atomic in CPython. :meth:`Strategy.stats` folds
-that event queue, in order, into the counters, so ``peak_bytes_in_use`` is the
-exact peak of that sequence, also with many threads. Taking no lock also
+pop and one append of minus its size), operations that are atomic in CPython.
+:meth:`Strategy.stats` folds that buffer, in order, into the counters, so
+``peak_bytes_in_use`` is the exact peak of that sequence, also with many
+threads. Taking no lock also
 matters because CuPy frees memory from finalisers, which the garbage collector
 can run in the middle of an allocation on the same thread: a lock there
 deadlocks (seen on the H200 with CuPy's test suite).
@@ -29,9 +30,9 @@ import sys
 import threading
 import warnings
 from array import array
+from typing import ClassVar
 
 import numpy as np
-from typing import ClassVar
 
 from .. import cuda as _cuda
 from ..errors import InvalidFreeWarning, _out_of_memory_class
