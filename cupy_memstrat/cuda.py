@@ -32,6 +32,7 @@ The backend interface (both implement it):
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -105,9 +106,9 @@ class RealBackend:
         try:
             n = runtime.getDeviceCount()
         except runtime.CUDARuntimeError as exc:
-            raise NoDeviceError(f"no CUDA device is available: {exc}") from exc
+            raise NoDeviceError(f"no CUDA device is available: {exc}{_no_device_hint()}") from exc
         if n == 0:
-            raise NoDeviceError("no CUDA device is available: CUDA reports 0 devices")
+            raise NoDeviceError(f"no CUDA device is available: CUDA reports 0 devices{_no_device_hint()}")
         self._runtime = runtime
         self.Error = runtime.CUDARuntimeError
         # Hot path: CuPy's Cython wrappers, bound directly (no Python frame).
@@ -161,6 +162,15 @@ class RealBackend:
             return ERROR_SUCCESS
         (err,) = rt.cudaGetLastError()
         return int(err)
+
+
+def _no_device_hint() -> str:
+    if not os.path.exists("/dev/nvidiactl") and sys.platform.startswith("linux"):
+        return (
+            " (this machine has no NVIDIA driver or GPU at all: /dev/nvidiactl is missing; "
+            "to try strategies without a GPU, pass backend=cupy_memstrat.testing.FakeBackend())"
+        )
+    return ""
 
 
 _backend = None

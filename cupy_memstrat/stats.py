@@ -53,6 +53,7 @@ class Stats:
             f"reserved {format_size(self.bytes_reserved)} (peak {format_size(self.peak_bytes_reserved)}), "
             f"{self.n_live} live, {self.n_allocs} allocs, {self.n_frees} frees, "
             f"{self.n_failed} failed"
+            + (f", {self.n_invalid_frees} invalid frees" if self.n_invalid_frees else "")
         )
 
 

@@ -90,7 +90,7 @@ def test_out_of_memory_names_request_and_stats_and_keeps_everything(dev, fake):
     e = info.value
     msg = str(e)
     assert "out of memory allocating 600.0 MiB (629,145,600 bytes) on device 0" in msg
-    assert "512.0 MiB in use in 1 allocations" in msg
+    assert "512.0 MiB in use in 1 allocation (" in msg
     assert "CUDA reports 512.0 MiB free of 1.0 GiB" in msg
     assert e.requested == 600 * 2**20 and e.device == 0 and e.stats.bytes_in_use == 512 * 2**20
     assert isinstance(e, MemoryError)
@@ -262,3 +262,43 @@ def test_close_twice_is_harmless_and_the_strategy_still_works(dev):
     p = dev.raw_malloc(10, 0)
     dev.raw_free(p, 0)
     assert dev.stats(0).n_frees == 1
+
+
+def test_a_user_strategy_without_a_cache_reports_reserved_as_in_use(fake):
+    class Plain(cupy_memstrat.Strategy):
+        name = "plain"
+
+        def _allocate(self, size):
+            return self.backend.malloc(size)
+
+        def _deallocate(self, ptr):
+            self.backend.free(ptr)
+
+    s = Plain(backend=fake)
+    p = s.raw_malloc(4096)
+    assert s.stats().bytes_reserved == 4096
+    s.raw_free(p)
+
+
+def test_a_caching_strategy_reports_what_it_holds_from_cuda(fake):
+    class Hoarder(cupy_memstrat.Strategy):
+        """Takes 1 MiB from CUDA once and never gives it back (a toy pool)."""
+
+        name = "hoarder"
+        reserved_is_in_use = False
+
+        def _allocate(self, size):
+            ptr = self.backend.malloc(1 << 20)
+            self._record_reserved(0, 1 << 20)
+            return ptr
+
+        def _deallocate(self, ptr):
+            self.backend.free(ptr)
+            self._record_reserved(0, -(1 << 20))
+
+    s = Hoarder(backend=fake)
+    p = s.raw_malloc(10)
+    st = s.stats()
+    assert (st.bytes_in_use, st.bytes_reserved, st.peak_bytes_reserved) == (10, 1 << 20, 1 << 20)
+    s.raw_free(p)
+    assert s.stats().bytes_reserved == 0 and s.stats().peak_bytes_reserved == 1 << 20

@@ -24,6 +24,7 @@ def outcomes(path: str) -> tuple[dict[str, str], float]:
         kind = "passed"
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
+                # pytest writes xfail as <skipped type="pytest.xfail">
                 kind = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
                 break
         result[key] = kind
@@ -37,9 +38,10 @@ def compare(base_path: str, cand_path: str) -> dict:
     differ = {k: [base.get(k, "missing"), cand.get(k, "missing")] for k in sorted(set(base) | set(cand)) if base.get(k) != cand.get(k)}
     bad = ("failed", "error", "missing")
     new_failures = [k for k, (b, c) in differ.items() if c in bad and b not in bad]
+    failing = lambda d: sorted(k for k, v in d.items() if v in ("failed", "error"))  # noqa: E731
     return {
-        "baseline": {"file": base_path, "seconds": base_s, **count(base)},
-        "candidate": {"file": cand_path, "seconds": cand_s, **count(cand)},
+        "baseline": {"file": base_path, "seconds": base_s, **count(base), "failing": failing(base)},
+        "candidate": {"file": cand_path, "seconds": cand_s, **count(cand), "failing": failing(cand)},
         "time_ratio": cand_s / base_s if base_s else None,
         "differ": differ,
         "new_failures": new_failures,

@@ -117,8 +117,10 @@ class Strategy:
     aliases: ClassVar[tuple[str, ...]] = ()
     #: strategy-specific options, added to the common ones.
     options: ClassVar[tuple[Option, ...]] = ()
-    #: True if ``bytes_reserved`` always equals ``bytes_in_use`` (no caching).
-    reserved_is_in_use: ClassVar[bool] = False
+    #: True if ``bytes_reserved`` always equals ``bytes_in_use``: the strategy
+    #: caches nothing. A strategy that caches sets it to False and reports
+    #: what it takes from and gives back to CUDA with :meth:`_record_reserved`.
+    reserved_is_in_use: ClassVar[bool] = True
 
     common_options: ClassVar[tuple[Option, ...]] = (
         Option(
@@ -294,6 +296,16 @@ class Strategy:
             _pinned.add(self)
             self._pinned = True
 
+    def _record_reserved(self, device: int, delta: int) -> None:
+        """For caching strategies: ``delta`` bytes were taken from (> 0) or
+        given back to (< 0) CUDA on ``device``. Off the hot path (pool growth
+        and trims), so it takes the lock."""
+        with self._fold_lock:
+            c = self._counters[device]
+            c.reserved += delta
+            if c.reserved > c.peak_reserved:
+                c.peak_reserved = c.reserved
+
     def _fold(self, device: int) -> _Counters:
         with self._fold_lock:
             c = self._counters[device]
@@ -343,7 +355,7 @@ class Strategy:
         msg = (
             f"{self.name} strategy: out of memory allocating {format_size(size)} ({size:,} bytes) "
             f"on device {device}{detail}; {cuda_has}; this strategy holds "
-            f"{format_size(st.bytes_in_use)} in use in {st.n_live} allocations "
+            f"{format_size(st.bytes_in_use)} in use in {st.n_live} allocation{'' if st.n_live == 1 else 's'} "
             f"(reserved {format_size(st.bytes_reserved)}, peak in use {format_size(st.peak_bytes_in_use)})"
         )
         if isinstance(self.backend, _cuda.RealBackend):

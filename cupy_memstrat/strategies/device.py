@@ -31,7 +31,6 @@ class DeviceStrategy(Strategy):
     name = "device"
     aliases = ("malloc",)
     description = "one cudaMalloc per allocation, one cudaFree per free, no caching: exact accounting"
-    reserved_is_in_use = True
 
     def __init__(self, *, backend=None, **options):
         super().__init__(backend=backend, **options)

@@ -58,7 +58,7 @@ def test_oom_is_clear_and_recoverable(cp):
         cp.empty(2 * total, dtype=cp.uint8)
     msg = str(info.value)
     assert f"out of memory allocating {cupy_memstrat.format_size(2 * total)}" in msg
-    assert "in use in 1 allocations" in msg and "CUDA reports" in msg
+    assert "in use in 1 allocation (" in msg and "CUDA reports" in msg
     assert info.value.requested == 2 * total
     assert s.stats().n_failed == 1
     # the existing array is intact, CUDA's last error is clear, the next allocation works
