@@ -73,4 +73,4 @@ def pytest_report_header(config):
         return None
     if state["strategy"] is not None:
         return f"gpumem: CuPy allocates with strategy {state['strategy'].name!r} ({state['source']}={state['spec']!r})"
-    return f"gpumem: strategy {state['spec']!r} not installed, GPU memory is off: {state['why_off']}"
+    return f"gpumem: strategy {state['spec']!r} not installed, tests run with CuPy's own allocator: {state['why_off']}"
