@@ -108,8 +108,8 @@ def format_size(nbytes: int) -> str:
     n = abs(n)
     if n < 1024:
         return f"{sign}{n} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
         n /= 1024.0
-        if n < 1024 or unit == "TiB":
+        if n < 1024 or unit == "EiB":
             return f"{sign}{n:.1f} {unit}"
     raise AssertionError("unreachable")

@@ -302,3 +302,17 @@ def test_a_caching_strategy_reports_what_it_holds_from_cuda(fake):
     assert (st.bytes_in_use, st.bytes_reserved, st.peak_bytes_reserved) == (10, 1 << 20, 1 << 20)
     s.raw_free(p)
     assert s.stats().bytes_reserved == 0 and s.stats().peak_bytes_reserved == 1 << 20
+
+
+def test_sizes_beyond_size_t_are_a_value_error_and_lose_nothing(dev):
+    keep = dev.raw_malloc(64, 0)
+    for huge in (2**64, 2**70):
+        with pytest.raises(ValueError, match="does not fit in size_t"):
+            dev.raw_malloc(huge, 0)
+    assert dev.stats(0).n_live == 1 and dev.stats(0).n_failed == 0
+    dev.raw_free(keep)
+
+
+def test_a_size_just_below_size_t_is_an_out_of_memory_error(dev):
+    with pytest.raises(cupy_memstrat.OutOfMemoryError, match="out of memory allocating 16.0 EiB"):
+        dev.raw_malloc(2**64 - 1, 0)

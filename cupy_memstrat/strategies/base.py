@@ -48,7 +48,7 @@ def check_size(size) -> int:
 
     Raises:
         TypeError: ``size`` is not an integer (``bool`` and ``float`` included).
-        ValueError: ``size`` is negative.
+        ValueError: ``size`` is negative or does not fit in ``size_t``.
     """
     if isinstance(size, bool) or not isinstance(size, int):
         if isinstance(size, bool) or not hasattr(size, "__index__"):
@@ -58,7 +58,12 @@ def check_size(size) -> int:
         size = operator.index(size)
     if size < 0:
         raise ValueError(f"size: expected a number of bytes >= 0, got {size}")
+    if size >= _SIZE_T_LIMIT:
+        raise ValueError(f"size: {size} bytes does not fit in size_t (at most 2**64 - 1)")
     return size
+
+
+_SIZE_T_LIMIT = 1 << 64
 
 
 class _Counters:
@@ -251,8 +256,9 @@ class Strategy:
         ``n_invalid_frees`` and warned about with
         :class:`~cupy_memstrat.InvalidFreeWarning`; a CUDA error from the free
         is warned about as a ``RuntimeWarning``. (With warnings turned into
-        errors, the warning is raised.) ``device`` is ignored: a block is
-        freed for the device that allocated it.
+        errors, the warning is raised.) ``device`` is only a hint (CuPy passes
+        the allocating device): a block is always freed for, and accounted to,
+        the device that allocated it.
         """
         try:
             size = self._live[device].pop(ptr)  # CuPy passes the allocating device
@@ -450,7 +456,7 @@ class Strategy:
                 pool raises ``OverflowError`` for a negative size).
             cupy.cuda.memory.OutOfMemoryError: as :meth:`raw_malloc`.
         """
-        if size.__class__ is not int or size < 0:
+        if size.__class__ is not int or size < 0 or size >= _SIZE_T_LIMIT:
             size = check_size(size)
         cupy_malloc = self._cupy_malloc
         if cupy_malloc is None:
