@@ -456,7 +456,7 @@ class Strategy:
                 pool raises ``OverflowError`` for a negative size).
             cupy.cuda.memory.OutOfMemoryError: as :meth:`raw_malloc`.
         """
-        if size.__class__ is not int or size < 0 or size >= _SIZE_T_LIMIT:
+        if size.__class__ is not int or size < 0:
             size = check_size(size)
         cupy_malloc = self._cupy_malloc
         if cupy_malloc is None:
