@@ -2,6 +2,7 @@
 
     import cupy_memstrat
     cupy_memstrat.use("device")          # CuPy now allocates with cudaMalloc/cudaFree
+    cupy_memstrat.use("async")           # or: a stream-ordered pool of its own
     ...
     print(cupy_memstrat.stats())          # bytes in use, peak, reserved, counts
     for a in cupy_memstrat.live_allocations():
@@ -17,6 +18,7 @@ from .api import (
     live_allocations,
     reset_peak,
     stats,
+    trim,
     use,
     using,
     validate,
@@ -31,7 +33,7 @@ from .errors import (
 from .hookspecs import hookimpl
 from .sizes import format_size, parse_size
 from .stats import Allocation, Origin, Stats
-from .strategies import DeviceStrategy, Strategy
+from .strategies import AsyncPoolStrategy, DeviceStrategy, PoolStats, Strategy
 
 __version__ = "0.1.0"
 
@@ -45,8 +47,11 @@ __all__ = [
     "stats",
     "reset_peak",
     "live_allocations",
+    "trim",
     "Strategy",
     "DeviceStrategy",
+    "AsyncPoolStrategy",
+    "PoolStats",
     "Stats",
     "Allocation",
     "Origin",

@@ -34,6 +34,7 @@ __all__ = [
     "stats",
     "reset_peak",
     "live_allocations",
+    "trim",
 ]
 
 
@@ -208,3 +209,15 @@ def live_allocations(device: int | None = None) -> list[Allocation]:
         NoStrategyError: no strategy is installed in this thread.
     """
     return _require_current().live_allocations(device)
+
+
+def trim(keep_bytes=0, device: int | None = None) -> int:
+    """:meth:`Strategy.trim` of :func:`current`: give cached, unused memory
+    back to CUDA and return the bytes released (always 0 for a strategy that
+    caches nothing, such as ``device``).
+
+    Raises:
+        NoStrategyError: no strategy is installed in this thread.
+        TypeError, ValueError: a bad ``keep_bytes`` or ``device``.
+    """
+    return _require_current().trim(keep_bytes, device)

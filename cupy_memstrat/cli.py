@@ -22,25 +22,27 @@ def _cmd_info(args) -> int:
     return 0 if "cuda" in report else 1
 
 
-def _cmd_bench_alloc(args) -> int:
-    from .bench import alloc
+def _cmd_bench(args) -> int:
+    import importlib
 
+    group = args.group
+    mod = importlib.import_module(f".bench.{_BENCH_MODULES[group]}", __package__)
     out = None
     if args.json:
         try:  # before the run: a bad path must not cost the measurements
             out = open(args.json, "w")
         except OSError as exc:
-            print(f"bench alloc: cannot write --json {args.json!r}: {exc.strerror}", file=sys.stderr)
+            print(f"bench {group}: cannot write --json {args.json!r}: {exc.strerror}", file=sys.stderr)
             return 2
-    say = None if args.quiet else alloc.progress_printer()
+    say = None if args.quiet else mod.progress_printer()
     try:
         with out if out is not None else _nothing():
             try:
-                report = alloc.run(rounds=args.rounds, progress=say)
+                report = mod.run(rounds=args.rounds, progress=say)
             except MemstratError as exc:
-                print(f"bench alloc needs a CUDA device and CuPy: {exc}", file=sys.stderr)
+                print(f"bench {group} needs a CUDA device and CuPy: {exc}", file=sys.stderr)
                 return 2
-            print(alloc.format_table(report))
+            print(mod.format_table(report))
             if out is not None:
                 json.dump(report, out, indent=2)
                 print(f"wrote {args.json}")
@@ -48,6 +50,9 @@ def _cmd_bench_alloc(args) -> int:
         if out is not None and os.path.getsize(args.json) == 0:
             os.unlink(args.json)  # no empty file left behind by a failed run
     return 0
+
+
+_BENCH_MODULES = {"alloc": "alloc", "async": "async_pool"}
 
 
 def _nothing():
@@ -75,13 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (need a GPU)")
     groups = bench.add_subparsers(dest="group", required=True, metavar="GROUP")
-    ba = groups.add_parser(
-        "alloc", help="alloc+free latency and a small-temporaries workload for every allocator path"
-    )
-    ba.add_argument("--json", metavar="PATH", help="also write the results (with machine info) here")
-    ba.add_argument("--rounds", type=_positive_int, default=7, help="interleaved rounds (default 7)")
-    ba.add_argument("--quiet", action="store_true", help="no progress lines")
-    ba.set_defaults(func=_cmd_bench_alloc)
+    helps = {
+        "alloc": "alloc+free latency and a small-temporaries workload for every allocator path",
+        "async": "the async strategy against CuPy's MemoryAsyncPool, RMM and cudaMalloc: latency, "
+        "a 64 MiB sync loop at release threshold 0 and default, pool growth, trim, max_size",
+    }
+    for group, text in helps.items():
+        g = groups.add_parser(group, help=text, description=text)
+        g.add_argument("--json", metavar="PATH", help="also write the results (with machine info) here")
+        g.add_argument("--rounds", type=_positive_int, default=7, help="interleaved rounds (default 7)")
+        g.add_argument("--quiet", action="store_true", help="no progress lines")
+        g.set_defaults(func=_cmd_bench)
     return p
 
 

@@ -28,6 +28,29 @@ The backend interface (both implement it):
     ``driver`` and ``runtime`` as CUDA encodes them (13000 = 13.0).
 ``clear_last_error() -> int``
     clears CUDA's sticky "last error" (``cudaGetLastError``) and returns it.
+``device_synchronize(device)``
+    ``cudaDeviceSynchronize`` on ``device``.
+
+Stream-ordered pools (``cudaMemPool_t``), used by the ``async`` strategy;
+``pool`` and ``stream`` are raw handles (ints):
+
+``current_stream(device) -> stream object``
+    CuPy's current stream for ``device`` (an object with ``.ptr``, the
+    ``cudaStream_t``; weak-referenceable; it destroys its stream when it dies).
+``pool_create(device, max_size) -> pool``
+    ``cudaMemPoolCreate``: a new pool of device memory on ``device``;
+    ``max_size`` bytes (0: no limit besides the device).
+``pool_destroy(pool)``, ``device_default_pool(device) -> pool``,
+``device_current_pool(device) -> pool``
+``malloc_from_pool_async(size, pool, stream) -> int``
+    ``cudaMallocFromPoolAsync``; 0 bytes gives the null pointer.
+``free_async(ptr, stream)``
+    ``cudaFreeAsync``.
+``pool_trim_to(pool, keep_bytes)``
+    ``cudaMemPoolTrimTo``.
+``pool_get_attribute(pool, attr) -> int`` / ``pool_set_attribute(pool, attr, value)``
+    ``cudaMemPoolGetAttribute`` / ``SetAttribute``; ``attr`` is one of the
+    ``POOL_ATTR_*`` values below.
 """
 
 from __future__ import annotations
@@ -43,6 +66,7 @@ __all__ = [
     "ERROR_INVALID_VALUE",
     "ERROR_MEMORY_ALLOCATION",
     "ERROR_INVALID_DEVICE",
+    "ERROR_INVALID_RESOURCE_HANDLE",
     "ERROR_NO_DEVICE",
     "ERROR_INSUFFICIENT_DRIVER",
     "RealBackend",
@@ -57,6 +81,7 @@ ERROR_MEMORY_ALLOCATION = 2
 ERROR_INSUFFICIENT_DRIVER = 35
 ERROR_NO_DEVICE = 100
 ERROR_INVALID_DEVICE = 101
+ERROR_INVALID_RESOURCE_HANDLE = 400
 
 _ERROR_NAMES = {
     ERROR_SUCCESS: "cudaSuccess",
@@ -65,7 +90,17 @@ _ERROR_NAMES = {
     ERROR_INSUFFICIENT_DRIVER: "cudaErrorInsufficientDriver",
     ERROR_NO_DEVICE: "cudaErrorNoDevice",
     ERROR_INVALID_DEVICE: "cudaErrorInvalidDevice",
+    ERROR_INVALID_RESOURCE_HANDLE: "cudaErrorInvalidResourceHandle",
 }
+
+# cudaMemPoolAttr values (CUDA runtime API, driver_types.h).
+POOL_ATTR_RELEASE_THRESHOLD = 4
+POOL_ATTR_RESERVED_MEM_CURRENT = 5
+POOL_ATTR_RESERVED_MEM_HIGH = 6
+POOL_ATTR_USED_MEM_CURRENT = 7
+POOL_ATTR_USED_MEM_HIGH = 8
+#: largest release threshold: the pool keeps all freed memory (cudaMemPoolAttrReleaseThreshold is a cuuint64_t).
+RELEASE_THRESHOLD_MAX = (1 << 64) - 1
 
 # cudaDeviceAttr values (CUDA runtime API).
 _ATTR_PAGEABLE_MEMORY_ACCESS = 88
@@ -120,6 +155,18 @@ class RealBackend:
         self.get_device = runtime.getDevice
         self.set_device = runtime.setDevice
         self.device_count = runtime.getDeviceCount
+        # Stream-ordered pools: also CuPy's Cython wrappers on the hot path.
+        from cupy.cuda.stream import get_current_stream
+
+        self.current_stream = get_current_stream
+        self.malloc_from_pool_async = runtime.mallocFromPoolAsync
+        self.free_async = runtime.freeAsync
+        self.pool_destroy = runtime.memPoolDestroy
+        self.pool_trim_to = runtime.memPoolTrimTo
+        self.pool_get_attribute = runtime.memPoolGetAttribute
+        self.pool_set_attribute = runtime.memPoolSetAttribute
+        self.device_default_pool = runtime.deviceGetDefaultMemPool
+        self.device_current_pool = runtime.deviceGetMemPool
 
     def mem_get_info(self, device: int) -> tuple[int, int]:
         cur = self.get_device()
@@ -131,6 +178,49 @@ class RealBackend:
             if cur != device:
                 self.set_device(cur)
         return int(free), int(total)
+
+    def device_synchronize(self, device: int) -> None:
+        cur = self.get_device()
+        if cur != device:
+            self.set_device(device)
+        try:
+            self._runtime.deviceSynchronize()
+        finally:
+            if cur != device:
+                self.set_device(cur)
+
+    def pool_create(self, device: int, max_size: int = 0) -> int:
+        """``cudaMemPoolCreate`` through ``cuda.bindings`` (CuPy's wrapper
+        cannot set ``maxSize``). Falls back to CuPy's wrapper when
+        ``cuda.bindings`` is missing and no ``max_size`` is asked for.
+
+        Raises:
+            self.Error: CUDA refused (``status`` set).
+            RuntimeError: ``max_size`` given but ``cuda.bindings`` is missing.
+        """
+        try:
+            from cuda.bindings import runtime as cudart
+        except ImportError:
+            if max_size:
+                raise RuntimeError(
+                    "a pool max_size needs cuda.bindings: pip install 'cupy-memstrat[cuda13]' (or [cuda12])"
+                ) from None
+            rt = self._runtime
+            # cudaMemAllocationTypePinned = 1, cudaMemHandleTypeNone = 0,
+            # cudaMemLocationTypeDevice = 1 (driver_types.h)
+            props = rt.MemPoolProps(1, 0, 1, device)
+            return rt.memPoolCreate(props)
+        props = cudart.cudaMemPoolProps()
+        props.allocType = cudart.cudaMemAllocationType.cudaMemAllocationTypePinned
+        props.handleTypes = cudart.cudaMemAllocationHandleType.cudaMemHandleTypeNone
+        props.location.type = cudart.cudaMemLocationType.cudaMemLocationTypeDevice
+        props.location.id = device
+        props.maxSize = max_size
+        err, pool = cudart.cudaMemPoolCreate(props)
+        if int(err) != ERROR_SUCCESS:
+            cudart.cudaGetLastError()
+            raise self.Error(int(err))
+        return int(pool)
 
     def device_properties(self, device: int) -> dict:
         rt = self._runtime

@@ -21,8 +21,37 @@ What it simulates (``cudaMalloc`` path):
   ``cudaErrorInvalidValue`` (and sets the last error); ``free(0)`` is a no-op.
 * ``free`` finds the owning device from the pointer, whatever device is current.
 
+Streams (CuPy's current stream, per thread and device):
+
+* :meth:`FakeBackend.stream` makes a stream; ``with s:`` makes it current;
+  ``s.destroy()`` (or the stream object dying, as CuPy's ``Stream`` does)
+  destroys its handle. Each device has a null stream (handle 0).
+* Work on a destroyed handle fails with ``cudaErrorInvalidResourceHandle``
+  (real CUDA gives undefined behaviour: the fake makes it visible).
+
+Stream-ordered pools (``cudaMallocFromPoolAsync`` path, FACTS.md):
+
+* Each device has a default pool (also its current pool until
+  :meth:`FakeBackend.device_set_pool`); :meth:`FakeBackend.pool_create` makes
+  more. A pool reserves device memory in 32 MiB steps (1 B -> 32 MiB,
+  40 MiB + 7 B -> 64 MiB) and ``max_size`` acts as rounded up to 32 MiB.
+* A 0-byte request gives the null pointer; a failed one sets the sticky
+  last error, as ``cudaMalloc`` does.
+* A block freed with ``free_async`` is reused at once by the same stream; by
+  other streams only after a synchronisation (``stream_synchronize`` /
+  ``device_synchronize``) has ordered the free before them.
+* At each synchronisation a pool releases idle memory down to its release
+  threshold (CUDA's default threshold is 0: everything idle goes back);
+  ``pool_trim_to`` releases idle, synchronised memory down to a floor.
+* Attributes: release threshold, reserved and used current/high; a high can
+  be reset by setting it to 0.
+
 What it does not simulate: memory contents, the driver's page-size rounding of
-large ``cudaMalloc`` calls (not measured; the fake rounds to 256 bytes).
+large ``cudaMalloc`` calls (not measured; the fake rounds to 256 bytes), and
+how a pool splits and coalesces its blocks: it reuses only same-size blocks,
+and a request it cannot grow for fails even when idle blocks of other sizes
+add up to enough, until a trim releases them (checked against the H200 in
+tests/gpu/test_async_gpu.py).
 """
 
 from __future__ import annotations
@@ -32,9 +61,15 @@ import threading
 from . import cuda as _cuda
 from .sizes import parse_size
 
-__all__ = ["FakeBackend", "FakeCUDAError"]
+__all__ = ["FakeBackend", "FakeCUDAError", "FakeStream"]
 
 _ALIGN = 256
+_POOL_GRANULE = 32 << 20  # a pool reserves device memory in 32 MiB steps (FACTS.md)
+_UINT64_MAX = (1 << 64) - 1
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
 _DEVICE_STRIDE = 1 << 40  # each fake device's addresses live in their own TiB
 
 
@@ -44,6 +79,57 @@ class FakeCUDAError(RuntimeError):
     def __init__(self, status: int):
         self.status = status
         super().__init__(f"{_cuda.error_name(status)} (simulated by FakeBackend)")
+
+
+class FakeStream:
+    """A simulated CUDA stream, standing in for ``cupy.cuda.Stream``: ``ptr``
+    (the handle), ``device_id``; ``with s:`` makes it the current stream of
+    its device in this thread; destroyed by :meth:`destroy` or when it dies."""
+
+    def __init__(self, backend: "FakeBackend", device: int, ptr: int):
+        self._backend = backend
+        self.device_id = device
+        self.ptr = ptr
+
+    @property
+    def destroyed(self) -> bool:
+        return self.ptr in self._backend._destroyed_streams
+
+    def destroy(self) -> None:
+        """``cudaStreamDestroy`` (the null stream cannot be destroyed)."""
+        if self.ptr:
+            self._backend._destroyed_streams.add(self.ptr)
+
+    def synchronize(self) -> None:
+        self._backend.stream_synchronize(self.ptr)
+
+    def __enter__(self):
+        self._backend._stream_stack(self.device_id).append(self)
+        return self
+
+    def __exit__(self, *exc):
+        self._backend._stream_stack(self.device_id).pop()
+
+    def __del__(self):
+        try:
+            self.destroy()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        return f"<FakeStream 0x{self.ptr:x} on device {self.device_id}>"
+
+
+class _FakePool:
+    def __init__(self, handle: int, device: int, max_size: int, is_default: bool):
+        self.handle, self.device, self.is_default = handle, device, is_default
+        self.max_size = _round_up(max_size, _POOL_GRANULE) if max_size else 0
+        self.release_threshold = 0  # CUDA's default for every pool
+        self.reserved = self.used = self.idle = 0
+        self.reserved_high = self.used_high = 0
+        self.free: list[list] = []  # [ptr, size, tag]; tag None once a sync ordered the free
+        self.live: dict[int, int] = {}  # ptr -> rounded size
+        self.destroyed = False
 
 
 class FakeBackend:
@@ -99,6 +185,15 @@ class FakeBackend:
         self._versions = {"driver": driver_version, "runtime": runtime_version}
         self.n_malloc_calls = 0
         self.n_free_calls = 0
+        # streams and pools
+        self._null_streams = [FakeStream(self, d, 0) for d in range(devices)]
+        self._destroyed_streams: set[int] = set()
+        self._stream_device: dict[int, int] = {}
+        self._next_handle = 0x1000
+        self._pools: dict[int, _FakePool] = {}
+        self._default_pool = [self._new_pool(d, 0, is_default=True).handle for d in range(devices)]
+        self._current_pool = list(self._default_pool)
+        self.n_device_synchronize_calls = 0
 
     # -- errors ---------------------------------------------------------------
     def _fail(self, status: int):
@@ -168,7 +263,219 @@ class FakeBackend:
             if entry is None:
                 self._fail(_cuda.ERROR_INVALID_VALUE)
             rounded, device = entry
+            for p in self._pools.values():  # cudaFree of a pool block: synchronous, back to its pool
+                if p.live.pop(ptr, None) is not None:
+                    p.used -= rounded
+                    p.free.append([ptr, rounded, None])
+                    p.idle += rounded
+                    return
             self._used[device] -= rounded
+
+    def device_synchronize(self, device: int) -> None:
+        """``cudaDeviceSynchronize``: orders every pending free on ``device``
+        and applies its pools' release thresholds."""
+        with self._lock:
+            self.n_device_synchronize_calls += 1
+            for pool in self._pools.values():
+                if pool.device == device:
+                    for block in pool.free:
+                        block[2] = None
+                    self._apply_threshold(pool)
+
+    # -- streams --------------------------------------------------------------
+    def stream(self, device: int | None = None) -> FakeStream:
+        """A new stream on ``device`` (default: the current device)."""
+        device = self.get_device() if device is None else device
+        if not 0 <= device < len(self._capacity):
+            self._fail(_cuda.ERROR_INVALID_DEVICE)
+        with self._lock:
+            self._next_handle += 0x100
+            self._stream_device[self._next_handle] = device
+            return FakeStream(self, device, self._next_handle)
+
+    def _stream_stack(self, device: int) -> list:
+        stacks = getattr(self._local, "streams", None)
+        if stacks is None:
+            stacks = self._local.streams = [[] for _ in self._capacity]
+        return stacks[device]
+
+    def current_stream(self, device: int = -1) -> FakeStream:
+        """The calling thread's current stream on ``device`` (CuPy's
+        ``get_current_stream``): the innermost ``with`` stream, else the null stream."""
+        if device == -1:
+            device = self.get_device()
+        stack = self._stream_stack(device)
+        return stack[-1] if stack else self._null_streams[device]
+
+    def _stream_key(self, stream: int):
+        if stream in self._destroyed_streams:
+            self._fail(_cuda.ERROR_INVALID_RESOURCE_HANDLE)
+        # handles 0-2 (legacy / per-thread default) mean the current device's
+        return (self.get_device(), 0) if stream <= 2 else stream
+
+    def stream_synchronize(self, stream: int) -> None:
+        """``cudaStreamSynchronize``: orders the frees queued on ``stream``
+        and applies the release thresholds of its device's pools."""
+        with self._lock:
+            key = self._stream_key(stream)
+            device = key[0] if isinstance(key, tuple) else self._stream_device[key]
+            for pool in self._pools.values():
+                if pool.device == device:
+                    for block in pool.free:
+                        if block[2] == key:
+                            block[2] = None
+                    self._apply_threshold(pool)
+
+    # -- stream-ordered pools -----------------------------------------------
+    def _new_pool(self, device: int, max_size: int, is_default: bool = False) -> _FakePool:
+        self._next_handle += 0x100
+        pool = _FakePool(self._next_handle, device, max_size, is_default)
+        self._pools[pool.handle] = pool
+        return pool
+
+    def _pool(self, handle: int) -> _FakePool:
+        pool = self._pools.get(handle)
+        if pool is None or pool.destroyed:
+            self._fail(_cuda.ERROR_INVALID_VALUE)
+        return pool
+
+    def pool_create(self, device: int, max_size: int = 0) -> int:
+        if not 0 <= device < len(self._capacity):
+            self._fail(_cuda.ERROR_INVALID_DEVICE)
+        if max_size < 0:
+            self._fail(_cuda.ERROR_INVALID_VALUE)
+        with self._lock:
+            return self._new_pool(device, max_size).handle
+
+    def pool_destroy(self, pool: int) -> None:
+        with self._lock:
+            p = self._pool(pool)
+            if p.is_default:
+                self._fail(_cuda.ERROR_INVALID_VALUE)
+            p.destroyed = True
+            if not p.live:  # else CUDA releases it once the last block is freed
+                self._used[p.device] -= p.reserved
+                p.reserved = p.idle = 0
+                p.free.clear()
+
+    def device_default_pool(self, device: int) -> int:
+        return self._default_pool[device]
+
+    def device_current_pool(self, device: int) -> int:
+        return self._current_pool[device]
+
+    def device_set_pool(self, device: int, pool: int) -> None:
+        """``cudaDeviceSetMemPool`` (what CuPy's ``MemoryAsyncPool()`` does to every device)."""
+        self._pool(pool)
+        self._current_pool[device] = pool
+
+    def malloc_from_pool_async(self, size: int, pool: int, stream: int) -> int:
+        if size < 0:
+            self._fail(_cuda.ERROR_INVALID_VALUE)
+        with self._lock:
+            p = self._pool(pool)
+            key = self._stream_key(stream)
+            if size == 0:
+                return 0
+            self.n_malloc_calls += 1
+            rounded = _round_up(size, _ALIGN)
+            ptr = self._reuse(p, rounded, key)
+            if ptr is None:
+                if not self._make_room(p, rounded, key):
+                    self._fail(_cuda.ERROR_MEMORY_ALLOCATION)
+                ptr = self._next[p.device]
+                self._next[p.device] += rounded
+            p.used += rounded
+            p.used_high = max(p.used_high, p.used)
+            p.live[ptr] = rounded
+            self._live[ptr] = (rounded, p.device)
+            return ptr
+
+    @staticmethod
+    def _reuse(p: _FakePool, rounded: int, key):
+        for i, (ptr, size, tag) in enumerate(p.free):
+            if size == rounded and tag in (None, key):
+                del p.free[i]
+                p.idle -= size
+                return ptr
+        return None
+
+    def _make_room(self, p: _FakePool, rounded: int, key) -> bool:
+        slack = p.reserved - p.used - p.idle
+        if slack >= rounded:
+            return True
+        grow = _round_up(rounded - slack, _POOL_GRANULE)
+        fits_pool = not p.max_size or p.reserved + grow <= p.max_size
+        if not fits_pool or self._used[p.device] + grow > self._capacity[p.device]:
+            return False  # idle blocks of other sizes stay idle until a trim
+        p.reserved += grow
+        p.reserved_high = max(p.reserved_high, p.reserved)
+        self._used[p.device] += grow
+        return True
+
+    def _shrink(self, p: _FakePool, floor: int) -> None:
+        # Release idle memory (blocks whose free a sync has ordered) until
+        # reserved <= max(floor, what is in use or still pending), in 32 MiB steps.
+        pending = sum(b[1] for b in p.free if b[2] is not None)
+        target = max(_round_up(p.used + pending, _POOL_GRANULE), _round_up(min(floor, p.reserved), _POOL_GRANULE))
+        if target >= p.reserved:
+            return
+        if target < p.used + p.idle:
+            p.free[:] = [b for b in p.free if b[2] is not None]
+            p.idle = pending
+        self._used[p.device] -= p.reserved - target
+        p.reserved = target
+
+    def _apply_threshold(self, p: _FakePool) -> None:
+        if p.reserved > p.release_threshold:
+            self._shrink(p, p.release_threshold)
+
+    def free_async(self, ptr: int, stream: int) -> None:
+        if ptr == 0:
+            return
+        with self._lock:
+            key = self._stream_key(stream)
+            self.n_free_calls += 1
+            for p in self._pools.values():
+                size = p.live.pop(ptr, None)
+                if size is not None:
+                    break
+            else:
+                self._fail(_cuda.ERROR_INVALID_VALUE)
+            del self._live[ptr]
+            p.used -= size
+            p.free.append([ptr, size, key])
+            p.idle += size
+            if p.destroyed and not p.live:
+                self._used[p.device] -= p.reserved
+                p.reserved = p.idle = 0
+                p.free.clear()
+
+    def pool_trim_to(self, pool: int, keep_bytes: int) -> None:
+        with self._lock:
+            self._shrink(self._pool(pool), keep_bytes)
+
+    def pool_get_attribute(self, pool: int, attr: int) -> int:
+        p = self._pool(pool)
+        try:
+            name = _POOL_ATTRS[attr]
+        except KeyError:
+            self._fail(_cuda.ERROR_INVALID_VALUE)
+        return getattr(p, name)
+
+    def pool_set_attribute(self, pool: int, attr: int, value: int) -> None:
+        p = self._pool(pool)
+        if not 0 <= value <= _UINT64_MAX:
+            self._fail(_cuda.ERROR_INVALID_VALUE)
+        if attr == _cuda.POOL_ATTR_RELEASE_THRESHOLD:
+            p.release_threshold = value
+        elif attr in (_cuda.POOL_ATTR_RESERVED_MEM_HIGH, _cuda.POOL_ATTR_USED_MEM_HIGH) and value == 0:
+            if attr == _cuda.POOL_ATTR_RESERVED_MEM_HIGH:
+                p.reserved_high = p.reserved
+            else:
+                p.used_high = p.used
+        else:
+            self._fail(_cuda.ERROR_INVALID_VALUE)
 
     # -- inspection, for tests ------------------------------------------------
     def is_allocated(self, ptr: int) -> bool:
@@ -182,3 +489,12 @@ class FakeBackend:
     def owner_device(self, ptr: int) -> int:
         """Device that holds ``ptr``; KeyError if it is not live."""
         return self._live[ptr][1]
+
+
+_POOL_ATTRS = {
+    _cuda.POOL_ATTR_RELEASE_THRESHOLD: "release_threshold",
+    _cuda.POOL_ATTR_RESERVED_MEM_CURRENT: "reserved",
+    _cuda.POOL_ATTR_RESERVED_MEM_HIGH: "reserved_high",
+    _cuda.POOL_ATTR_USED_MEM_CURRENT: "used",
+    _cuda.POOL_ATTR_USED_MEM_HIGH: "used_high",
+}

@@ -136,7 +136,7 @@ def test_a_finaliser_freeing_in_the_middle_of_an_allocation_neither_deadlocks_no
     call that the allocation path makes."""
     s = cupy_memstrat.create("device", backend=fake)
     victims = [s.raw_malloc(100, 0) for _ in range(200)]
-    code = cupy_memstrat.Strategy._malloc.__code__  # the hot path CuPy calls
+    code = s._build_hot_path()[0].__code__  # the hot path CuPy calls
     injected = []
 
     def finaliser_at_c_calls(frame, event, arg):

@@ -15,7 +15,7 @@ def test_bad_strategy_is_a_usage_error_naming_the_source(pytester):
     pytester.makepyfile("def test_ok():\n    pass\n")
     r = pytester.runpytest_subprocess("--gpumem-strategy=nope")
     assert r.ret == pytest.ExitCode.USAGE_ERROR
-    r.stderr.fnmatch_lines(["*--gpumem-strategy='nope': unknown strategy 'nope'; available: device*"])
+    r.stderr.fnmatch_lines(["*--gpumem-strategy='nope': unknown strategy 'nope'; available: async*device*"])
 
 
 def test_bad_option_from_ini_names_the_ini_key(pytester):

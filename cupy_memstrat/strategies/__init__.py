@@ -3,12 +3,14 @@
 third-party package implements."""
 
 from ..hookspecs import hookimpl
+from .async_pool import AsyncPoolStrategy, PoolStats
 from .base import Strategy
 from .device import DeviceStrategy
 
-__all__ = ["Strategy", "DeviceStrategy"]
+__all__ = ["Strategy", "DeviceStrategy", "AsyncPoolStrategy", "PoolStats"]
 
 
 @hookimpl
 def memstrat_register_strategies(registry):
     registry.add(DeviceStrategy)
+    registry.add(AsyncPoolStrategy)

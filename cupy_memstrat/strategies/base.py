@@ -37,7 +37,7 @@ import numpy as np
 from .. import cuda as _cuda
 from ..errors import InvalidFreeWarning, _out_of_memory_class
 from ..options import Option, as_bool
-from ..sizes import format_size
+from ..sizes import format_size, parse_size
 from ..stats import Allocation, Stats, capture_origin
 
 __all__ = ["Strategy", "check_size"]
@@ -158,6 +158,7 @@ class Strategy:
         self._counters = [_Counters() for _ in range(n)]
         self._fold_lock = threading.RLock()
         self._cupy_malloc = None
+        self._malloc = self._free = None  # the hot path, built on first use
         self._pinned = False
         self._n_invalid_frees = 0  # not per device: a bad pointer names none
 
@@ -215,37 +216,7 @@ class Strategy:
             return 0
         if not self._pinned:
             self._pin()
-        if self._track_origins:
-            return self._malloc_tracked(size, current)
-        return self._malloc(size, current)
-
-    def _malloc(self, size: int, device: int) -> int:
-        # The hot path: CuPy's PythonFunctionAllocator calls this with a
-        # size_t > 0 and the current device. No lock (see module docstring).
-        try:
-            ptr = self._allocate(size)
-        except self._Error as exc:
-            self._allocation_failed(size, device, exc)
-        ev = self._events[device]
-        ev.append(size)  # before the insert: the matching -size can only follow it
-        self._live[device][ptr] = size
-        if len(ev) > _FOLD_AT:
-            self._fold(device)
-        return ptr
-
-    def _malloc_tracked(self, size: int, device: int) -> int:
-        # _malloc with track_origins=True.
-        try:
-            ptr = self._allocate(size)
-        except self._Error as exc:
-            self._allocation_failed(size, device, exc)
-        ev = self._events[device]
-        ev.append(size)
-        self._origins[ptr] = capture_origin(1)
-        self._live[device][ptr] = size
-        if len(ev) > _FOLD_AT:
-            self._fold(device)
-        return ptr
+        return (self._malloc or self._build_hot_path()[0])(size, current)
 
     def raw_free(self, ptr: int, device: int | None = None) -> None:
         """Free a pointer from :meth:`raw_malloc`.
@@ -260,27 +231,72 @@ class Strategy:
         the allocating device): a block is always freed for, and accounted to,
         the device that allocated it.
         """
-        try:
-            size = self._live[device].pop(ptr)  # CuPy passes the allocating device
-        except (KeyError, IndexError, TypeError):
-            device, size = self._find_live(ptr)
-            if size is None:
-                if not (ptr == 0 and type(ptr) is int):
-                    self._invalid_free(ptr)
-                return
-        if self._track_origins:
-            self._origins.pop(ptr, None)
-        self._events[device].append(-size)
-        try:
-            self._deallocate(ptr)
-        except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
-            _warn(
-                f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        (self._free or self._build_hot_path()[1])(ptr, device, 2)
+
+    def _build_hot_path(self):
+        """Build ``malloc(size, device) -> ptr`` and ``free(ptr, device)``,
+        the two functions CuPy's ``PythonFunctionAllocator`` calls, and keep
+        them as ``self._malloc`` / ``self._free``.
+
+        They are closures over the strategy's tables (no attribute lookups)
+        and take no lock (see the module docstring). ``malloc`` gets a size_t
+        > 0 and the current device; ``free`` gets the allocating device as a
+        hint. A strategy with a faster way may override this; it must keep
+        the same accounting: ``events[device].append(+size)`` before the
+        ``live`` insert, ``append(-size)`` after the ``live`` pop.
+        """
+        allocate, deallocate, Error = self._allocate, self._deallocate, self._Error
+        events, live, origins = self._events, self._live, self._origins
+        failed, fold, track = self._allocation_failed, self._fold, self._track_origins
+        unknown_free, name = self._unknown_free, self.name
+
+        def malloc(size, device):
+            try:
+                ptr = allocate(size)
+            except Error as exc:
+                failed(size, device, exc)
+            ev = events[device]
+            ev.append(size)  # before the insert: the matching -size can only follow it
+            if track:
+                origins[ptr] = capture_origin(1)
+            live[device][ptr] = size
+            if len(ev) > _FOLD_AT:
+                fold(device)
+            return ptr
+
+        def free(ptr, device, stacklevel=1):
+            # stacklevel: extra frames between the user and this function for
+            # warnings (1 when CuPy calls it, 2 through raw_free)
+            try:
+                size = live[device].pop(ptr)  # CuPy passes the allocating device
+            except (KeyError, IndexError, TypeError):
+                device, size = unknown_free(ptr, stacklevel)
+                if size is None:
+                    return
+            if track:
+                origins.pop(ptr, None)
+            events[device].append(-size)
+            try:
+                deallocate(ptr)
+            except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
+                _warn(
+                    f"{name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}",
+                    RuntimeWarning,
+                    stacklevel=2 + stacklevel,
+                )
+
+        self._malloc, self._free = malloc, free
+        return malloc, free
 
     # -- accounting off the hot path -------------------------------------------
+    def _unknown_free(self, ptr, stacklevel: int = 1) -> tuple[int, int | None]:
+        """A free whose device hint was wrong: (device, size) of the live
+        block, popped; else counts and warns an invalid free, (-1, None)."""
+        device, size = self._find_live(ptr)
+        if size is None and not (ptr == 0 and type(ptr) is int):
+            self._invalid_free(ptr, 4 + stacklevel)
+        return device, size
+
     def _find_live(self, ptr) -> tuple[int, int | None]:
         """(device, size) of a live pointer freed without its device, or (-1, None)."""
         for device, live in enumerate(self._live):
@@ -343,13 +359,13 @@ class Strategy:
         raise NotImplementedError
 
     # -- failure paths (off the hot path) ------------------------------------
-    def _allocation_failed(self, size: int, device: int, exc: BaseException):
+    def _allocation_failed(self, size: int, device: int, exc: BaseException, detail: str = ""):
         self.backend.clear_last_error()
         with self._fold_lock:
             self._counters[device].n_failed += 1
         if getattr(exc, "status", None) != _cuda.ERROR_MEMORY_ALLOCATION:
             raise exc
-        self._raise_out_of_memory(size, device, reason="cuda", cause=exc)
+        self._raise_out_of_memory(size, device, reason="cuda", cause=exc, detail=detail)
 
     def _raise_out_of_memory(self, size: int, device: int, *, reason: str, cause=None, detail: str = ""):
         st = self.stats(device)
@@ -371,7 +387,7 @@ class Strategy:
         )
         raise oom from cause
 
-    def _invalid_free(self, ptr) -> None:
+    def _invalid_free(self, ptr, stacklevel: int) -> None:
         with self._fold_lock:
             self._n_invalid_frees += 1
         shown = f"0x{ptr:x}" if type(ptr) is int and ptr >= 0 else repr(ptr)
@@ -379,7 +395,7 @@ class Strategy:
             f"{self.name}: free of pointer {shown} that this strategy does not own "
             "(unknown, already freed, or not a pointer); ignored",
             InvalidFreeWarning,
-            stacklevel=4,
+            stacklevel=stacklevel,
         )
 
     # -- statistics ------------------------------------------------------------
@@ -445,6 +461,28 @@ class Strategy:
         rows.sort(key=lambda a: (-a.size, a.ptr))
         return rows
 
+    def trim(self, keep_bytes=0, device: int | None = None) -> int:
+        """Give memory the strategy caches but does not use back to CUDA.
+
+        A strategy that caches nothing (``reserved_is_in_use``, e.g.
+        ``device``) has nothing to give back: this is a no-op that returns 0
+        (the arguments are still checked). Caching strategies override it.
+
+        Args:
+            keep_bytes: bytes to keep cached (int, size string or ``"N%"``).
+            device: a device ordinal, or ``None`` for every device.
+
+        Returns:
+            int: bytes given back to CUDA.
+
+        Raises:
+            TypeError, ValueError: a bad ``keep_bytes`` or ``device``.
+        """
+        if device is not None:
+            self._device_or_current(device)
+        parse_size(keep_bytes, total=100, what="keep_bytes")  # validated; nothing to keep
+        return 0
+
     # -- CuPy -------------------------------------------------------------------
     def malloc(self, size) -> "cupy.cuda.MemoryPointer":  # noqa: F821
         """CuPy's allocator interface: ``size`` bytes -> ``cupy.cuda.MemoryPointer``
@@ -465,14 +503,14 @@ class Strategy:
 
     def _make_cupy_malloc(self):
         memory = _cupy_memory()
-        malloc = self._malloc_tracked if self._track_origins else self._malloc
+        malloc, free = self._build_hot_path() if self._malloc is None else (self._malloc, self._free)
         if isinstance(self.backend, _cuda.RealBackend):
             # CuPy reads the current device, calls malloc(size, device) for
             # size > 0 and, when the array's memory dies, raw_free(ptr,
             # device), all in Cython.
-            cupy_malloc = memory.PythonFunctionAllocator(malloc, self.raw_free).malloc
+            cupy_malloc = memory.PythonFunctionAllocator(malloc, free).malloc
         else:
-            backend, raw_free = self.backend, self.raw_free
+            backend, raw_free = self.backend, free
 
             def cupy_malloc(size):
                 device = backend.get_device()

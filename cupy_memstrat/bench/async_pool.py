@@ -1,0 +1,233 @@
+"""``bench async``: the ``async`` strategy against CuPy's ``MemoryAsyncPool``,
+RMM's ``CudaAsyncMemoryResource`` and plain cudaMalloc, side by side in one run.
+
+Parts:
+
+* ``latency``: alloc+free pairs through ``cupy.cuda.alloc`` (512 B, 1 MiB,
+  32 MiB) and the small-temporaries workload: :func:`cupy_memstrat.bench.alloc.run`
+  restricted to the ``async`` strategy, with ratios to ``cupy-async`` and
+  ``rmm-async`` added.
+* ``sync_loop``: a 64 MiB alloc / free / stream-synchronize loop under the
+  ``async`` strategy at its default release threshold (keep) and at
+  threshold 0, CuPy's ``MemoryAsyncPool``, RMM's ``CudaAsyncMemoryResource``
+  (default options) and no pool; interleaved rounds, medians.
+* ``growth``: device memory a fresh own pool reserves for one allocation of
+  each size (the 32 MiB steps).
+* ``trim``: reserved bytes of a pool that held 8 x 64 MiB, after
+  synchronisation, after ``trim(keep_bytes=128MiB)`` and after ``trim()``.
+* ``max_size``: the largest single allocation a pool with each ``max_size``
+  grants (searched in 1 MiB steps).
+"""
+
+from __future__ import annotations
+
+import time
+
+from . import alloc as _alloc
+
+MiB = 1 << 20
+LOOP_BYTES = 64 * MiB
+GROWTH_SIZES = (1, MiB, 32 * MiB - 1, 32 * MiB, 32 * MiB + 1, 40 * MiB + 7, 100_000_000, 1 << 30)
+MAX_SIZES = (MiB, 33 * MiB, 100_000_000)
+
+
+def _loop_paths(cupy):
+    from ..api import create
+
+    cuda = cupy.cuda
+    keep = create("async")
+    zero = create("async", release_threshold=0)
+    paths = [
+        ("async", keep, lambda: cuda.set_allocator(keep.malloc)),
+        ("async:release_threshold=0", zero, lambda: cuda.set_allocator(zero.malloc)),
+        ("no-pool", None, lambda: cuda.set_allocator(None)),
+    ]
+    try:
+        import rmm
+        from rmm.allocators.cupy import rmm_cupy_allocator
+
+        mr = rmm.mr.CudaAsyncMemoryResource()
+
+        def rmm_async():
+            rmm.mr.set_current_device_resource(mr)
+            cuda.set_allocator(rmm_cupy_allocator)
+
+        paths.append(("rmm-async", None, rmm_async))
+    except ImportError:
+        pass
+    pool = cuda.MemoryAsyncPool()  # last: it changes the device's current pool
+    paths.append(("cupy-async", None, lambda: cuda.set_allocator(pool.malloc)))
+    return paths
+
+
+def _time_sync_loop(cupy, n: int) -> float:
+    alloc = cupy.cuda.alloc
+    stream = cupy.cuda.get_current_stream()
+    stream.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        m = alloc(LOOP_BYTES)
+        del m
+        stream.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
+def _sync_loop(cupy, rounds: int, target_s: float, say) -> dict:
+    paths = _loop_paths(cupy)
+    times = {label: [] for label, _, _ in paths}
+    iters = {}
+    for r in range(rounds):
+        for label, _, activate in paths:
+            say(f"sync loop round {r + 1}/{rounds}  {label}")
+            activate()
+            if label not in iters:
+                iters[label] = _alloc._calibrate(lambda n: _time_sync_loop(cupy, n), target_s)
+            times[label].append(_time_sync_loop(cupy, iters[label]) * 1e6)
+    out = {label: _alloc._summary(xs) for label, xs in times.items()}
+    for label, strat, _ in paths:
+        if strat is not None:
+            out[label]["reserved_after_bytes"] = strat.pool_stats().reserved_bytes
+            strat.trim()
+    return {"results_us": out, "iterations": iters}
+
+
+def _growth(cupy) -> list[dict]:
+    from ..api import create
+
+    rows = []
+    for size in GROWTH_SIZES:
+        s = create("async")
+        p = s.raw_malloc(size)
+        rows.append({"size": size, "reserved_bytes": s.pool_stats().reserved_bytes})
+        s.raw_free(p)
+        s.close()
+    return rows
+
+
+def _trim(cupy) -> dict:
+    from ..api import create
+
+    s = create("async")
+    ptrs = [s.raw_malloc(64 * MiB) for _ in range(8)]
+    for p in ptrs:
+        s.raw_free(p)
+    cupy.cuda.Device().synchronize()
+    out = {"allocated_then_freed_bytes": 8 * 64 * MiB, "reserved_after_sync": s.pool_stats().reserved_bytes}
+    t0 = time.perf_counter()
+    out["released_by_trim_keep_128MiB"] = s.trim(keep_bytes=128 * MiB)
+    out["trim_seconds"] = time.perf_counter() - t0
+    out["reserved_after_trim_keep_128MiB"] = s.pool_stats().reserved_bytes
+    out["released_by_trim_0"] = s.trim()
+    out["reserved_after_trim_0"] = s.pool_stats().reserved_bytes
+    s.close()
+    return out
+
+
+def _max_size(cupy) -> list[dict]:
+    from ..api import create
+    from ..errors import _out_of_memory_class
+
+    oom = _out_of_memory_class()
+    rows = []
+    for limit in MAX_SIZES:
+        s = create("async", max_size=limit)
+        lo, hi = 0, 256  # MiB: lo granted, hi refused
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            try:
+                s.raw_free(s.raw_malloc(mid * MiB))
+                lo = mid
+            except oom:
+                hi = mid
+            s.trim()
+        rows.append({"max_size": limit, "largest_granted_MiB": lo, "smallest_refused_MiB": hi})
+        s.close()
+    return rows
+
+
+def run(*, rounds: int = 7, target_s: float = 0.03, progress=None) -> dict:
+    """Run every part; return the report (times in microseconds).
+
+    Raises:
+        NoDeviceError, CuPyNotInstalledError: nothing to measure on.
+    """
+    from ..cuda import get_backend
+
+    get_backend()
+    import cupy
+
+    say = progress or (lambda msg: None)
+    prev = cupy.cuda.get_allocator()
+    try:
+        lat = _alloc.run(rounds=rounds, target_s=target_s, progress=say, strategies=["async"])
+        res = lat["results_us"]
+        lat["ratios"] = {
+            f"async/{other}": {k: res["async"][k]["median_us"] / res[other][k]["median_us"] for k in res["async"]}
+            for other in ("cupy-async", "rmm-async", "no-pool")
+            if other in res
+        }
+        cupy.cuda.set_allocator(prev)
+        loop = _sync_loop(cupy, rounds, target_s * 3, say)
+        lr = loop["results_us"]
+        loop["threshold_0_over_default"] = (
+            lr["async:release_threshold=0"]["median_us"] / lr["async"]["median_us"]
+        )
+        cupy.cuda.set_allocator(prev)
+        say("pool growth steps")
+        growth = _growth(cupy)
+        say("trim")
+        trim = _trim(cupy)
+        say("max_size granularity")
+        max_size = _max_size(cupy)
+    finally:
+        cupy.cuda.set_allocator(prev)
+    return {
+        "benchmark": "async",
+        "machine": lat.pop("machine"),
+        "params": {"rounds": rounds, "loop_bytes": LOOP_BYTES, "latency": lat.pop("params")},
+        "latency": lat,
+        "sync_loop": loop,
+        "growth": growth,
+        "trim": trim,
+        "max_size": max_size,
+    }
+
+
+def format_table(report: dict) -> str:
+    from ..sizes import format_size
+
+    lat = report["latency"]
+    out = [_alloc.format_table(lat)]
+    for key, row in lat["ratios"].items():
+        out.append(f"{key}: " + ", ".join(f"{k} {v:.3f}x" for k, v in row.items()))
+    out.append("")
+    out.append(f"{format_size(LOOP_BYTES)} alloc / free / synchronize loop (median us per iteration)")
+    for label, row in report["sync_loop"]["results_us"].items():
+        extra = f"  reserved after: {format_size(row['reserved_after_bytes'])}" if "reserved_after_bytes" in row else ""
+        out.append(f"  {label:<28}{row['median_us']:>10.2f}{extra}")
+    out.append(f"  threshold 0 / default: {report['sync_loop']['threshold_0_over_default']:.1f}x slower")
+    out.append("")
+    out.append("pool growth (fresh own pool, one allocation): " + ", ".join(
+        f"{format_size(r['size'])} -> {format_size(r['reserved_bytes'])}" for r in report["growth"]
+    ))
+    t = report["trim"]
+    out.append(
+        f"trim: {format_size(t['reserved_after_sync'])} reserved after freeing 8 x 64 MiB; "
+        f"trim(keep_bytes=128MiB) -> {format_size(t['reserved_after_trim_keep_128MiB'])}; "
+        f"trim() -> {format_size(t['reserved_after_trim_0'])}"
+    )
+    out.append("max_size: " + ", ".join(
+        f"{format_size(r['max_size'])} grants up to {r['largest_granted_MiB']} MiB" for r in report["max_size"]
+    ))
+    return "\n".join(out)
+
+
+def progress_printer(stream=None):
+    import sys
+
+    stream = stream or sys.stderr
+
+    def say(msg: str) -> None:
+        print(f"[bench async] {msg}", file=stream, flush=True)
+
+    return say

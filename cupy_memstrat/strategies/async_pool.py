@@ -1,0 +1,438 @@
+"""The ``async`` strategy: a stream-ordered pool on ``cudaMallocFromPoolAsync``."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, replace
+
+from .. import cuda as _cuda
+from ..options import Option, as_size
+from ..sizes import format_size, parse_size
+from ..stats import Stats, capture_origin
+from .base import _FOLD_AT, Strategy, _warn
+
+__all__ = ["AsyncPoolStrategy", "PoolStats"]
+
+_POOL_KINDS = ("own", "default", "current")
+_KEEP = ("max", "keep", "inf", "unlimited")
+
+
+def _as_pool(value, what: str) -> str:
+    if isinstance(value, str) and value.strip().lower() in _POOL_KINDS:
+        return value.strip().lower()
+    raise ValueError(f"{what}: expected one of {', '.join(map(repr, _POOL_KINDS))}, got {value!r}")
+
+
+def _as_threshold(value, what: str):
+    """None (the default), ``"max"`` (keep everything), bytes, a size string, or ``"N%"``."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() in _KEEP:
+        return _cuda.RELEASE_THRESHOLD_MAX
+    if value == _cuda.RELEASE_THRESHOLD_MAX and type(value) is int:
+        return value
+    return as_size(value, what)
+
+
+def _as_max_size(value, what: str):
+    """0 / None (no limit), bytes, a size string, or ``"N%"``."""
+    if value is None:
+        return 0
+    return as_size(value, what)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """What the CUDA pool behind an ``async`` strategy reports for one device
+    (``cudaMemPoolGetAttribute``), plus the strategy's own pool events.
+
+    All sizes in bytes. With ``pool="default"`` or ``"current"`` the pool is
+    shared with whoever else allocates from it in the process, and its
+    attributes count their memory too.
+
+    Attributes:
+        device: the device ordinal.
+        pool: ``"own"``, ``"default"`` or ``"current"`` (the strategy's option).
+        handle: the ``cudaMemPool_t`` handle (0 while no pool was needed yet).
+        reserved_bytes / peak_reserved_bytes: device memory the pool holds
+            (``cudaMemPoolAttrReservedMemCurrent`` / ``High``); grows in 32 MiB
+            steps (measured on the H200).
+        used_bytes / peak_used_bytes: memory in allocations handed out
+            (``cudaMemPoolAttrUsedMemCurrent`` / ``High``), as the pool rounds it.
+        release_threshold: bytes the pool keeps at a synchronisation
+            (``cudaMemPoolAttrReleaseThreshold``; 2**64 - 1 keeps everything).
+        max_size: the pool's size limit as asked for (0: none).
+        n_oom_recoveries: allocations that first failed, then succeeded after
+            a synchronize + trim.
+        n_frees_after_stream_destroyed: blocks freed after the stream they
+            were allocated on was destroyed, or whose stream handle CUDA
+            refused (each such free synchronises the device first, see
+            :class:`AsyncPoolStrategy`).
+    """
+
+    device: int
+    pool: str
+    handle: int
+    reserved_bytes: int
+    peak_reserved_bytes: int
+    used_bytes: int
+    peak_used_bytes: int
+    release_threshold: int
+    max_size: int
+    n_oom_recoveries: int
+    n_frees_after_stream_destroyed: int
+
+    def __str__(self) -> str:
+        thr = "keep all" if self.release_threshold == _cuda.RELEASE_THRESHOLD_MAX else format_size(
+            self.release_threshold
+        )
+        return (
+            f"{self.pool} pool on device {self.device}: reserved {format_size(self.reserved_bytes)} "
+            f"(peak {format_size(self.peak_reserved_bytes)}), used {format_size(self.used_bytes)} "
+            f"(peak {format_size(self.peak_used_bytes)}), release threshold {thr}"
+        )
+
+
+class AsyncPoolStrategy(Strategy):
+    """Stream-ordered allocation from a CUDA memory pool (``cudaMallocFromPoolAsync``).
+
+    Each allocation is made on CuPy's current stream of the current device
+    and freed with ``cudaFreeAsync`` on that same stream, so a block returns
+    to the pool in stream order and the pool can hand it out again at once to
+    later work on that stream. Memory freed on one stream is reused by another
+    only once CUDA knows the free happened before (a synchronisation, or
+    event dependencies): no data race through the allocator.
+
+    By default each device gets a pool of its own, created with
+    ``cudaMemPoolCreate`` on first use. Installing the strategy does not
+    change the device's default or current pool (``cudaDeviceSetMemPool``),
+    so other libraries in the process keep theirs; CuPy's own
+    ``MemoryAsyncPool`` does change it (FACTS.md).
+
+    Options (besides ``track_origins``):
+        pool: ``"own"`` (default) a dedicated pool per device;
+            ``"default"`` the device's default pool
+            (``cudaDeviceGetDefaultMemPool``); ``"current"`` the device's
+            current pool when the strategy first allocates there
+            (``cudaDeviceGetMemPool``). The last two share the pool with the
+            rest of the process: its statistics and trims then cover everyone.
+        release_threshold: memory the pool keeps reserved at a
+            synchronisation: bytes, a size string (``"4GiB"``), ``"N%"`` of the
+            device's memory, or ``"max"`` to keep everything. Default: ``"max"``
+            for an own pool (memory stays in the pool until :meth:`trim`);
+            shared pools keep their setting unless one is given. At threshold
+            0 every synchronisation hands idle memory back to CUDA: a
+            64 MiB alloc/free/synchronize loop was measured 54x slower than
+            with the memory kept (164 us against 3.0 us per iteration, FACTS.md).
+        max_size: the most device memory an own pool may reserve: bytes, a
+            size string or ``"N%"``; default 0, no limit. CUDA reserves pool
+            memory in 32 MiB steps and the limit acts as rounded up to
+            32 MiB (measured on the H200, see docs/async.md).
+
+    Frees: a block is freed on the stream it was allocated on, whatever
+    stream is current. If that stream was destroyed in the meantime (the
+    ``cupy.cuda.Stream`` object died), its handle is not used: the device is
+    synchronised, so all work the stream had queued is finished, and the
+    block is freed on the device's null stream; these frees are counted in
+    :meth:`pool_stats` (``n_frees_after_stream_destroyed``). A stream
+    wrapped with ``cupy.cuda.ExternalStream`` must outlive the memory
+    allocated on it, as CUDA requires.
+
+    Out of memory: a failed allocation synchronises the device, trims the
+    pool to 0 and retries once; if that fails too it raises
+    ``cupy.cuda.memory.OutOfMemoryError`` naming the request, the bytes in
+    use and reserved. CUDA's sticky last error is cleared and existing
+    allocations are untouched.
+
+    Raises (at creation, so at ``use()``):
+        ValueError: a bad option: an unknown ``pool``; a ``release_threshold``
+            or ``max_size`` that is negative, unparsable or above the device's
+            memory; ``max_size`` with a shared pool.
+        RuntimeError: a device without memory-pool support
+            (``cudaDevAttrMemoryPoolsSupported`` = 0).
+    """
+
+    name = "async"
+    aliases = ("malloc_async",)
+    description = "stream-ordered pool (cudaMallocFromPoolAsync), own pool per device, release threshold and trim"
+    reserved_is_in_use = False
+    options = (
+        Option("pool", _as_pool, "own", "own | default | current: which cudaMemPool_t to allocate from"),
+        Option(
+            "release_threshold",
+            _as_threshold,
+            None,
+            "bytes kept reserved at a synchronisation (size, N%, or max); default: keep all (own pool)",
+        ),
+        Option("max_size", _as_max_size, 0, "most bytes an own pool may reserve (size or N%); 0: no limit"),
+    )
+
+    def __init__(self, *, backend=None, **options):
+        super().__init__(backend=backend, **options)
+        cfg, b = self.config, self.backend
+        n = b.device_count()
+        thr, max_size = cfg["release_threshold"], cfg["max_size"]
+        if cfg["pool"] != "own" and max_size:
+            raise ValueError(
+                f"async: option max_size={max_size!r} applies only to pool='own'; a {cfg['pool']} pool "
+                "is shared with the rest of the process and keeps its own limit"
+            )
+        if thr is None and cfg["pool"] == "own":
+            thr = _cuda.RELEASE_THRESHOLD_MAX
+        self._threshold: list[int | None] = []
+        self._max_size: list[int] = []
+        for d in range(n):
+            props = b.device_properties(d)
+            if not props.get("memory_pools_supported", 1):
+                raise RuntimeError(
+                    f"async: device {d} ({props.get('name')}) does not support stream-ordered memory pools "
+                    "(cudaDevAttrMemoryPoolsSupported = 0); use the 'device' strategy"
+                )
+            total = props["total_memory"]
+            self._threshold.append(_resolve(thr, total, d, "release_threshold", allow_max=True))
+            self._max_size.append(_resolve(max_size, total, d, "max_size"))
+        self._pools = [0] * n  # cudaMemPool_t per device, made on first use
+        self._owned = [False] * n
+        self._pool_lock = threading.Lock()
+        self._stream_of: dict[int, object] = {}  # ptr -> weakref to the allocating stream
+        self._n_recoveries = [0] * n
+        self._n_orphan_frees = [0] * n
+
+    # -- pools ------------------------------------------------------------------
+    def _ensure_pool(self, device: int) -> int:
+        with self._pool_lock:
+            pool = self._pools[device]
+            if pool:
+                return pool
+            kind, b = self.config["pool"], self.backend
+            if kind == "own":
+                pool = b.pool_create(device, self._max_size[device])
+            elif kind == "default":
+                pool = b.device_default_pool(device)
+            else:
+                pool = b.device_current_pool(device)
+            if self._threshold[device] is not None:
+                b.pool_set_attribute(pool, _cuda.POOL_ATTR_RELEASE_THRESHOLD, self._threshold[device])
+            self._owned[device] = kind == "own"
+            self._pools[device] = pool
+            return pool
+
+    def _recover(self, size: int, device: int, stream, pool: int, exc: BaseException) -> int:
+        """A pool allocation failed: synchronise, trim, retry once (or raise)."""
+        b = self.backend
+        b.clear_last_error()
+        if getattr(exc, "status", None) != _cuda.ERROR_MEMORY_ALLOCATION:
+            self._allocation_failed(size, device, exc)
+        b.device_synchronize(device)  # frees still queued on streams become idle memory
+        b.pool_trim_to(pool, 0)
+        try:
+            ptr = b.malloc_from_pool_async(size, pool, stream.ptr)
+        except self._Error as exc2:
+            self._allocation_failed(size, device, exc2, detail=self._oom_detail(size, device))
+        with self._fold_lock:
+            self._n_recoveries[device] += 1
+        return ptr
+
+    def _oom_detail(self, size: int, device: int) -> str:
+        detail = " (after synchronizing the device and trimming the pool)"
+        limit = self._max_size[device]
+        if limit:
+            detail += f"; this pool's max_size is {format_size(limit)}"
+        return detail
+
+    # -- the hot path ----------------------------------------------------------------
+    def _build_hot_path(self):
+        # The base class's closures with the pool inlined: the allocation needs
+        # the current stream, which a plain allocate(size) hook does not get,
+        # and an extra Python frame per call is measurable next to a ~1.3 us
+        # cudaMallocFromPoolAsync + cudaFreeAsync pair. Same accounting as the base.
+        b = self.backend
+        current_stream, pool_malloc, free_async = b.current_stream, b.malloc_from_pool_async, b.free_async
+        get_device, Error = b.get_device, self._Error
+        events, live, stream_of, pools = self._events, self._live, self._stream_of, self._pools
+        origins, track = self._origins, self._track_origins
+        ensure_pool, recover, fold, unknown_free = self._ensure_pool, self._recover, self._fold, self._unknown_free
+        free_off_path, ref = self._free_off_path, weakref.ref
+
+        def malloc(size, device):
+            stream = current_stream(device)
+            pool = pools[device] or ensure_pool(device)
+            try:
+                ptr = pool_malloc(size, pool, stream.ptr)
+            except Error as exc:
+                ptr = recover(size, device, stream, pool, exc)
+            ev = events[device]
+            ev.append(size)
+            if track:
+                origins[ptr] = capture_origin(1)
+            live[device][ptr] = size
+            stream_of[ptr] = ref(stream)
+            if len(ev) > _FOLD_AT:
+                fold(device)
+            return ptr
+
+        def free(ptr, device, stacklevel=1):
+            try:
+                size = live[device].pop(ptr)
+            except (KeyError, IndexError, TypeError):
+                device, size = unknown_free(ptr, stacklevel)
+                if size is None:
+                    return
+            if track:
+                origins.pop(ptr, None)
+            events[device].append(-size)
+            stream = stream_of.pop(ptr)()
+            if stream is not None:
+                sptr = stream.ptr
+                # handles 0-2 name the *current* device's default stream
+                if sptr > 2 or get_device() == device:
+                    try:
+                        free_async(ptr, sptr)
+                        return
+                    except Exception:  # noqa: BLE001 - CUDA refused the handle:
+                        stream = None  # treat it as destroyed
+            free_off_path(ptr, size, device, stream, stacklevel)
+
+        self._malloc, self._free = malloc, free
+        return malloc, free
+
+    def _free_off_path(self, ptr: int, size: int, device: int, stream, stacklevel: int = 1) -> None:
+        """Frees the hot path does not do: on another device's default
+        stream, or (``stream`` None) after the stream was destroyed or CUDA
+        refused its handle."""
+        b = self.backend
+        b.clear_last_error()
+        cur = b.get_device()
+        try:
+            if cur != device:
+                b.set_device(device)
+            try:
+                if stream is None:
+                    # The stream's handle is gone; its queued work may still use
+                    # the block. Wait for all of it, then free on the null stream.
+                    b.device_synchronize(device)
+                    with self._fold_lock:
+                        self._n_orphan_frees[device] += 1
+                    b.free_async(ptr, 0)
+                else:
+                    b.free_async(ptr, stream.ptr)
+            finally:
+                if cur != device:
+                    b.set_device(cur)
+        except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
+            b.clear_last_error()
+            _warn(
+                f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}",
+                RuntimeWarning,
+                stacklevel=3 + stacklevel,
+            )
+
+    # -- statistics and control ---------------------------------------------------------
+    def _pool_attr(self, device: int, attr: int) -> int:
+        pool = self._pools[device]
+        return int(self.backend.pool_get_attribute(pool, attr)) if pool else 0
+
+    def stats(self, device: int | None = None) -> Stats:
+        """As :meth:`Strategy.stats`; ``bytes_reserved`` / ``peak_bytes_reserved``
+        are the pool's (``cudaMemPoolAttrReservedMemCurrent`` / ``High``)."""
+        st = super().stats(device)
+        return replace(
+            st,
+            bytes_reserved=self._pool_attr(st.device, _cuda.POOL_ATTR_RESERVED_MEM_CURRENT),
+            peak_bytes_reserved=self._pool_attr(st.device, _cuda.POOL_ATTR_RESERVED_MEM_HIGH),
+        )
+
+    def pool_stats(self, device: int | None = None) -> PoolStats:
+        """The pool's own attributes on ``device`` (default: current); see :class:`PoolStats`.
+
+        Raises:
+            TypeError, ValueError: ``device`` is not a valid device ordinal.
+        """
+        d = self._device_or_current(device)
+        pool = self._pools[d]
+        thr = self._pool_attr(d, _cuda.POOL_ATTR_RELEASE_THRESHOLD) if pool else self._threshold[d] or 0
+        return PoolStats(
+            device=d,
+            pool=self.config["pool"],
+            handle=pool,
+            reserved_bytes=self._pool_attr(d, _cuda.POOL_ATTR_RESERVED_MEM_CURRENT),
+            peak_reserved_bytes=self._pool_attr(d, _cuda.POOL_ATTR_RESERVED_MEM_HIGH),
+            used_bytes=self._pool_attr(d, _cuda.POOL_ATTR_USED_MEM_CURRENT),
+            peak_used_bytes=self._pool_attr(d, _cuda.POOL_ATTR_USED_MEM_HIGH),
+            release_threshold=thr,
+            max_size=self._max_size[d],
+            n_oom_recoveries=self._n_recoveries[d],
+            n_frees_after_stream_destroyed=self._n_orphan_frees[d],
+        )
+
+    def reset_peak(self, device: int | None = None) -> None:
+        """Reset this strategy's peaks and the pool's high-water marks
+        (reserved and used) on ``device`` (default: current) to present values."""
+        d = self._device_or_current(device)
+        super().reset_peak(d)
+        pool = self._pools[d]
+        if pool:
+            self.backend.pool_set_attribute(pool, _cuda.POOL_ATTR_RESERVED_MEM_HIGH, 0)
+            self.backend.pool_set_attribute(pool, _cuda.POOL_ATTR_USED_MEM_HIGH, 0)
+
+    def trim(self, keep_bytes=0, device: int | None = None) -> int:
+        """Give idle pool memory back to CUDA (``cudaMemPoolTrimTo``).
+
+        The device is synchronised first, so blocks whose frees are still
+        queued on streams count as idle. Memory in use is never released.
+
+        Args:
+            keep_bytes: the pool keeps at least this much reserved: bytes, a
+                size string or ``"N%"`` of device memory (default 0).
+            device: one device, or ``None`` (default) for every device this
+                strategy has a pool on.
+
+        Returns:
+            int: bytes of device memory released.
+
+        Raises:
+            TypeError, ValueError: a bad ``keep_bytes`` or ``device``.
+        """
+        devices = range(len(self._pools)) if device is None else [self._device_or_current(device)]
+        released = 0
+        for d in devices:
+            total = self.backend.device_properties(d)["total_memory"] if isinstance(keep_bytes, str) else None
+            keep = parse_size(keep_bytes, total=total, what="keep_bytes")
+            pool = self._pools[d]
+            if not pool:
+                continue
+            before = self._pool_attr(d, _cuda.POOL_ATTR_RESERVED_MEM_CURRENT)
+            self.backend.device_synchronize(d)
+            self.backend.pool_trim_to(pool, keep)
+            released += before - self._pool_attr(d, _cuda.POOL_ATTR_RESERVED_MEM_CURRENT)
+        return released
+
+    def close(self) -> None:
+        """As :meth:`Strategy.close`; also destroys each own pool that has no
+        live allocations (a pool with live ones stays until the process ends)."""
+        super().close()
+        with self._pool_lock:
+            for d, pool in enumerate(self._pools):
+                if pool and self._owned[d] and not self._live[d]:
+                    self.backend.device_synchronize(d)
+                    self.backend.pool_destroy(pool)
+                    self._pools[d] = 0
+                    self._owned[d] = False
+
+
+def _resolve(value, total: int, device: int, what: str, allow_max: bool = False):
+    """A parsed size option for one device: a percentage resolved against
+    ``total``; anything above the device's memory refused."""
+    if value is None:
+        return None
+    if allow_max and value == _cuda.RELEASE_THRESHOLD_MAX:
+        return value
+    if isinstance(value, str):  # "N%"
+        value = parse_size(value, total=total, what=f"async: option {what}")
+    if value > total:
+        raise ValueError(
+            f"async: option {what}={value} bytes ({format_size(value)}) is above device {device}'s "
+            f"memory ({format_size(total)})" + ("; use 'max' to keep all freed memory" if allow_max else "")
+        )
+    return value
