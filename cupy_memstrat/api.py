@@ -122,7 +122,7 @@ def use(strategy: str | Strategy, **options) -> Strategy:
         raise RuntimeError(_USE_INSIDE_USING)
     s = create(strategy, **options)
     try:
-        cuda.set_allocator(s.malloc)
+        cuda.set_allocator(s.cupy_allocator())
     except ValueError as exc:  # CuPy's own check, should the one above miss
         s.close()
         raise RuntimeError(_USE_INSIDE_USING) from exc
@@ -148,7 +148,7 @@ def using(strategy: str | Strategy, **options) -> Iterator[Strategy]:
     """
     cuda = _cupy_cuda()
     s = create(strategy, **options)
-    with cuda.using_allocator(s.malloc):
+    with cuda.using_allocator(s.cupy_allocator()):
         yield s
 
 
@@ -159,8 +159,7 @@ def current() -> Strategy | None:
         import cupy.cuda
     except ImportError:
         return None
-    owner = getattr(cupy.cuda.get_allocator(), "__self__", None)
-    return owner if isinstance(owner, Strategy) else None
+    return Strategy._owner_of(cupy.cuda.get_allocator())
 
 
 def _require_current() -> Strategy:

@@ -207,18 +207,40 @@ def test_trim_through_the_module_and_as_a_no_op_for_device(fake, restore_cupy_al
         cupy_memstrat.trim("lots")
 
 
-def test_oom_recovery_synchronizes_trims_and_retries(fake_small):
+def test_a_pool_serves_a_larger_request_from_idle_blocks_without_recovery(fake_small):
+    """As measured on the H200: idle pool memory of another size is reused."""
     fake = fake_small
     s = cupy_memstrat.create("async", backend=fake)
-    other = fake.stream()
-    with other:
-        s.raw_free(s.raw_malloc(100 * MiB))  # idle in the pool, its free not yet ordered
-    ballast = fake.malloc(120 * MiB)  # someone else takes device memory
-    p = s.raw_malloc(120 * MiB)  # needs the pool's idle memory back
-    assert s.pool_stats(0).n_oom_recoveries == 1 and s.stats(0).n_failed == 0
+    with fake.stream():
+        s.raw_free(s.raw_malloc(100 * MiB))  # idle in the pool
+    ballast = fake.malloc(120 * MiB)
+    s.raw_free(s.raw_malloc(120 * MiB))
+    assert s.pool_stats(0).n_oom_recoveries == 0
+    fake.free(ballast)
+
+
+def test_oom_recovery_gives_the_cache_back_synchronizes_trims_and_retries(fake_small):
+    fake = fake_small
+    s = cupy_memstrat.create("async", backend=fake, cache="256MiB")
+    s.raw_free(s.raw_malloc(100 * MiB))  # cached: still used memory to the pool
+    ballast = fake.malloc(120 * MiB)
+    p = s.raw_malloc(120 * MiB)  # needs the cached block's memory back
+    ps = s.pool_stats(0)
+    assert ps.n_oom_recoveries == 1 and ps.cached_bytes == 0 and s.stats(0).n_failed == 0
     assert fake.peek_last_error() == C.ERROR_SUCCESS
     s.raw_free(p)
     fake.free(ballast)
+
+
+def test_oom_recovery_trims_other_strategies_holding_memory_on_the_device(fake_small):
+    fake = fake_small
+    other = cupy_memstrat.create("async", backend=fake)  # e.g. the session's strategy
+    other.raw_free(other.raw_malloc(150 * MiB))  # idle in its pool, kept (threshold max)
+    s = cupy_memstrat.create("async", backend=fake, release_threshold=0)
+    p = s.raw_malloc(150 * MiB)
+    assert s.pool_stats(0).n_oom_recoveries == 1 and other.pool_stats(0).reserved_bytes == 0
+    s.raw_free(p)
+    other.close()
 
 
 @pytest.fixture
@@ -261,7 +283,7 @@ def test_reset_peak_resets_the_pools_high_water_marks(fake, s):
 
 
 def test_pools_per_device_and_frees_on_the_owning_device(fake2):
-    s = cupy_memstrat.create("async", backend=fake2)
+    s = cupy_memstrat.create("async", backend=fake2, cache=0)  # every free goes to CUDA
     fake2.set_device(1)
     p = s.raw_malloc(4096)
     assert s.pool_stats(1).handle and s.pool_stats(0).handle == 0
@@ -302,7 +324,8 @@ def test_track_origins_records_where_and_frees_normally(fake):
     (row,) = s.live_allocations()
     assert row.origin.filename == __file__ and row.size == 1234
     s.raw_free(p)
-    assert s.live_allocations() == [] and s.pool_stats(0).used_bytes == 0
+    ps = s.pool_stats(0)
+    assert s.live_allocations() == [] and ps.used_bytes == ps.cached_bytes == 1536
 
 
 def test_invalid_free_is_warned_and_counted(s):
@@ -325,3 +348,60 @@ def test_close_destroys_an_idle_own_pool_and_keeps_a_busy_one(fake):
 
 def test_zero_bytes_is_null_and_touches_no_pool(s):
     assert s.raw_malloc(0) == 0 and s.pool_stats(0).handle == 0
+
+
+def test_default_stream_blocks_are_reused_without_a_cuda_call(fake, s):
+    p = s.raw_malloc(100)
+    s.raw_free(p)
+    calls = fake.n_malloc_calls, fake.n_free_calls
+    q = s.raw_malloc(500)  # same 512-byte class
+    assert q == p and (fake.n_malloc_calls, fake.n_free_calls) == calls
+    assert s.stats(0).bytes_in_use == 500 and s.pool_stats(0).cached_bytes == 0
+    s.raw_free(q)
+    assert s.pool_stats(0).cached_bytes == 512 and s.stats(0).bytes_in_use == 0
+
+
+def test_other_streams_are_not_cached(fake, s):
+    with fake.stream() as st:
+        s.raw_free(s.raw_malloc(100))
+    assert s.pool_stats(0).cached_bytes == 0 and fake.n_free_calls == 1
+    del st
+
+
+def test_the_cache_keeps_at_most_its_bytes_per_size_class(fake):
+    s = cupy_memstrat.create("async", backend=fake, cache="1MiB")
+    ptrs = [s.raw_malloc(512 << 10) for _ in range(3)]
+    for p in ptrs:
+        s.raw_free(p)
+    assert s.pool_stats(0).cached_bytes == 1 << 20 and fake.n_free_calls == 1
+    big = s.raw_malloc(2 << 20)  # above the limit: never cached
+    s.raw_free(big)
+    assert s.pool_stats(0).cached_bytes == 1 << 20 and fake.n_free_calls == 2
+
+
+def test_a_release_threshold_turns_the_cache_off_unless_asked(fake):
+    assert cupy_memstrat.create("async", backend=fake, release_threshold="1GiB")._cache_limit == [0]
+    assert cupy_memstrat.create("async", backend=fake, release_threshold=0, cache="1MiB")._cache_limit == [1 << 20]
+    with pytest.raises(ValueError, match="cache"):
+        cupy_memstrat.create("async", backend=fake, cache="2GiB")
+
+
+def test_trim_and_close_give_the_cache_back(fake):
+    s = cupy_memstrat.create("async", backend=fake)
+    s.raw_free(s.raw_malloc(10 * MiB))
+    assert s.pool_stats(0).cached_bytes == 10 * MiB
+    assert s.trim() == 32 * MiB and s.pool_stats(0).cached_bytes == 0
+    s.raw_free(s.raw_malloc(10 * MiB))
+    s.close()
+    assert fake.mem_get_info(0)[0] == 1 << 30
+
+
+def test_a_cached_block_freed_while_another_device_is_current(fake2):
+    s = cupy_memstrat.create("async", backend=fake2)
+    fake2.set_device(1)
+    p = s.raw_malloc(4096)
+    fake2.set_device(0)
+    s.raw_free(p, 1)
+    assert s.pool_stats(1).cached_bytes == 4096 and s.pool_stats(0).cached_bytes == 0
+    fake2.set_device(1)
+    assert s.raw_malloc(4096) == p

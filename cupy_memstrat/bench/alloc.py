@@ -38,10 +38,10 @@ def _paths(cupy, strategies: list[str]):
     ]
     for name in strategies:
         s = create(name)
-        paths.append((name, lambda m=s.malloc: cuda.set_allocator(m)))
+        paths.append((name, lambda m=s.cupy_allocator(): cuda.set_allocator(m)))
     if "device" in strategies:
         s = create("device", track_origins=True)
-        paths.append(("device+origins", lambda m=s.malloc: cuda.set_allocator(m)))
+        paths.append(("device+origins", lambda m=s.cupy_allocator(): cuda.set_allocator(m)))
     try:
         import rmm
         from rmm.allocators.cupy import rmm_cupy_allocator

@@ -7,6 +7,8 @@ Parts:
   32 MiB) and the small-temporaries workload: :func:`cupy_memstrat.bench.alloc.run`
   restricted to the ``async`` strategy, with ratios to ``cupy-async`` and
   ``rmm-async`` added.
+* ``raw_cuda_floor_us``: ``cudaMallocFromPoolAsync`` + ``cudaFreeAsync``
+  pairs called directly on a new pool and on the device's default pool.
 * ``sync_loop``: a 64 MiB alloc / free / stream-synchronize loop under the
   ``async`` strategy at its default release threshold (keep) and at
   threshold 0, CuPy's ``MemoryAsyncPool``, RMM's ``CudaAsyncMemoryResource``
@@ -31,6 +33,39 @@ GROWTH_SIZES = (1, MiB, 32 * MiB - 1, 32 * MiB, 32 * MiB + 1, 40 * MiB + 7, 100_
 MAX_SIZES = (MiB, 33 * MiB, 100_000_000)
 
 
+def _time_raw(rt, pool: int, size: int, n: int) -> float:
+    malloc, free = rt.mallocFromPoolAsync, rt.freeAsync
+    t0 = time.perf_counter()
+    for _ in range(n):
+        free(malloc(size, pool, 0), 0)
+    return (time.perf_counter() - t0) / n
+
+
+def _raw_floor(cupy, rounds: int, target_s: float, say) -> dict:
+    """cudaMallocFromPoolAsync + cudaFreeAsync called directly (CuPy's Cython
+    wrappers, no allocator in between) on a new pool and on the device's
+    default pool: what CUDA itself costs."""
+    from ..api import create
+
+    rt = cupy.cuda.runtime
+    s = create("async", cache=0)
+    s.raw_free(s.raw_malloc(1))
+    pools = {"own-pool": s.pool_stats().handle, "default-pool": rt.deviceGetDefaultMemPool(cupy.cuda.Device().id)}
+    times = {label: {size: [] for size in _alloc.SIZES} for label in pools}
+    iters = {}
+    for r in range(rounds):
+        say(f"raw CUDA floor round {r + 1}/{rounds}")
+        for label, pool in pools.items():
+            for size in _alloc.SIZES:
+                key = f"{label}/{size}"
+                if key not in iters:
+                    iters[key] = _alloc._calibrate(lambda n: _time_raw(rt, pool, size, n), target_s)
+                times[label][size].append(_time_raw(rt, pool, size, iters[key]) * 1e6)
+    cupy.cuda.Device().synchronize()
+    s.close()
+    return {label: {str(k): _alloc._summary(v) for k, v in row.items()} for label, row in times.items()}
+
+
 def _loop_paths(cupy):
     from ..api import create
 
@@ -38,8 +73,8 @@ def _loop_paths(cupy):
     keep = create("async")
     zero = create("async", release_threshold=0)
     paths = [
-        ("async", keep, lambda: cuda.set_allocator(keep.malloc)),
-        ("async:release_threshold=0", zero, lambda: cuda.set_allocator(zero.malloc)),
+        ("async", keep, lambda m=keep.cupy_allocator(): cuda.set_allocator(m)),
+        ("async:release_threshold=0", zero, lambda m=zero.cupy_allocator(): cuda.set_allocator(m)),
         ("no-pool", None, lambda: cuda.set_allocator(None)),
     ]
     try:
@@ -96,7 +131,7 @@ def _growth(cupy) -> list[dict]:
 
     rows = []
     for size in GROWTH_SIZES:
-        s = create("async")
+        s = create("async", cache=0)
         p = s.raw_malloc(size)
         rows.append({"size": size, "reserved_bytes": s.pool_stats().reserved_bytes})
         s.raw_free(p)
@@ -107,7 +142,7 @@ def _growth(cupy) -> list[dict]:
 def _trim(cupy) -> dict:
     from ..api import create
 
-    s = create("async")
+    s = create("async", cache=0)
     ptrs = [s.raw_malloc(64 * MiB) for _ in range(8)]
     for p in ptrs:
         s.raw_free(p)
@@ -130,7 +165,7 @@ def _max_size(cupy) -> list[dict]:
     oom = _out_of_memory_class()
     rows = []
     for limit in MAX_SIZES:
-        s = create("async", max_size=limit)
+        s = create("async", max_size=limit, cache=0)
         lo, hi = 0, 256  # MiB: lo granted, hi refused
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -167,6 +202,7 @@ def run(*, rounds: int = 7, target_s: float = 0.03, progress=None) -> dict:
             if other in res
         }
         cupy.cuda.set_allocator(prev)
+        raw = _raw_floor(cupy, rounds, target_s, say)
         loop = _sync_loop(cupy, rounds, target_s * 3, say)
         lr = loop["results_us"]
         loop["threshold_0_over_default"] = (
@@ -184,8 +220,9 @@ def run(*, rounds: int = 7, target_s: float = 0.03, progress=None) -> dict:
     return {
         "benchmark": "async",
         "machine": lat.pop("machine"),
-        "params": {"rounds": rounds, "loop_bytes": LOOP_BYTES, "latency": lat.pop("params")},
+        "params": {"rounds": rounds, "loop_bytes": LOOP_BYTES},
         "latency": lat,
+        "raw_cuda_floor_us": raw,
         "sync_loop": loop,
         "growth": growth,
         "trim": trim,
@@ -200,6 +237,10 @@ def format_table(report: dict) -> str:
     out = [_alloc.format_table(lat)]
     for key, row in lat["ratios"].items():
         out.append(f"{key}: " + ", ".join(f"{k} {v:.3f}x" for k, v in row.items()))
+    out.append("raw cudaMallocFromPoolAsync + cudaFreeAsync, no allocator (median us): " + "; ".join(
+        f"{label} " + ", ".join(f"{format_size(int(k))} {v['median_us']:.2f}" for k, v in row.items())
+        for label, row in report["raw_cuda_floor_us"].items()
+    ))
     out.append("")
     out.append(f"{format_size(LOOP_BYTES)} alloc / free / synchronize loop (median us per iteration)")
     for label, row in report["sync_loop"]["results_us"].items():

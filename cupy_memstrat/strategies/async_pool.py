@@ -10,11 +10,13 @@ from .. import cuda as _cuda
 from ..options import Option, as_size
 from ..sizes import format_size, parse_size
 from ..stats import Stats, capture_origin
-from .base import _FOLD_AT, Strategy, _warn
+from .base import _FOLD_AT, Strategy, _pinned, _warn
 
 __all__ = ["AsyncPoolStrategy", "PoolStats"]
 
 _POOL_KINDS = ("own", "default", "current")
+_DEFAULT_CACHE = 64 << 20
+_CLASS = 512  # cache size classes: multiples of 512 bytes, as CuPy's own pools round
 _KEEP = ("max", "keep", "inf", "unlimited")
 
 
@@ -63,6 +65,8 @@ class PoolStats:
         release_threshold: bytes the pool keeps at a synchronisation
             (``cudaMemPoolAttrReleaseThreshold``; 2**64 - 1 keeps everything).
         max_size: the pool's size limit as asked for (0: none).
+        cached_bytes: freed blocks the strategy keeps for reuse on the
+            default stream (option ``cache``); part of ``used_bytes``.
         n_oom_recoveries: allocations that first failed, then succeeded after
             a synchronize + trim.
         n_frees_after_stream_destroyed: blocks freed after the stream they
@@ -80,6 +84,7 @@ class PoolStats:
     peak_used_bytes: int
     release_threshold: int
     max_size: int
+    cached_bytes: int
     n_oom_recoveries: int
     n_frees_after_stream_destroyed: int
 
@@ -90,7 +95,8 @@ class PoolStats:
         return (
             f"{self.pool} pool on device {self.device}: reserved {format_size(self.reserved_bytes)} "
             f"(peak {format_size(self.peak_reserved_bytes)}), used {format_size(self.used_bytes)} "
-            f"(peak {format_size(self.peak_used_bytes)}), release threshold {thr}"
+            f"(peak {format_size(self.peak_used_bytes)}, cached {format_size(self.cached_bytes)}), "
+            f"release threshold {thr}"
         )
 
 
@@ -130,6 +136,19 @@ class AsyncPoolStrategy(Strategy):
             memory in 32 MiB steps and the limit acts as rounded up to
             32 MiB (measured on the H200, see docs/async.md).
 
+        cache: blocks freed on the legacy default stream (CuPy's default
+            stream) are kept, per size class of 512 bytes, for the next
+            allocation of that class on that stream, which then makes no CUDA
+            call at all (CuPy's own ``MemoryPool`` and PyTorch's caching
+            allocator do the same per stream). At most this many bytes per
+            size class; larger blocks are not kept. Default ``"64MiB"`` when
+            the pool keeps its memory (the default), 0 (off) when a
+            ``release_threshold`` is given, so that memory then goes back at
+            synchronisations as CUDA's threshold says. Cached blocks count
+            as reserved, not in use; :meth:`trim`, :meth:`close` and
+            out-of-memory recovery give them back. Blocks on other streams
+            always go straight back to the CUDA pool.
+
     Frees: a block is freed on the stream it was allocated on, whatever
     stream is current. If that stream was destroyed in the meantime (the
     ``cupy.cuda.Stream`` object died), its handle is not used: the device is
@@ -139,8 +158,10 @@ class AsyncPoolStrategy(Strategy):
     wrapped with ``cupy.cuda.ExternalStream`` must outlive the memory
     allocated on it, as CUDA requires.
 
-    Out of memory: a failed allocation synchronises the device, trims the
-    pool to 0 and retries once; if that fails too it raises
+    Out of memory: a failed allocation gives the cached blocks back,
+    synchronises the device, trims the pool to 0 and the caches of the other
+    strategies that hold memory on the device (:meth:`Strategy.trim`), and
+    retries once; if that fails too it raises
     ``cupy.cuda.memory.OutOfMemoryError`` naming the request, the bytes in
     use and reserved. CUDA's sticky last error is cleared and existing
     allocations are untouched.
@@ -166,6 +187,13 @@ class AsyncPoolStrategy(Strategy):
             "bytes kept reserved at a synchronisation (size, N%, or max); default: keep all (own pool)",
         ),
         Option("max_size", _as_max_size, 0, "most bytes an own pool may reserve (size or N%); 0: no limit"),
+        Option(
+            "cache",
+            _as_threshold,
+            None,
+            "bytes of freed blocks of one size kept for reuse on the default stream without a CUDA "
+            "call (size or N%); default 64MiB when the pool keeps its memory, else 0",
+        ),
     )
 
     def __init__(self, *, backend=None, **options):
@@ -180,8 +208,12 @@ class AsyncPoolStrategy(Strategy):
             )
         if thr is None and cfg["pool"] == "own":
             thr = _cuda.RELEASE_THRESHOLD_MAX
+        cache = cfg["cache"]
+        if cache is None:
+            cache = _DEFAULT_CACHE if thr == _cuda.RELEASE_THRESHOLD_MAX else 0
         self._threshold: list[int | None] = []
         self._max_size: list[int] = []
+        self._cache_limit: list[int] = []
         for d in range(n):
             props = b.device_properties(d)
             if not props.get("memory_pools_supported", 1):
@@ -192,10 +224,14 @@ class AsyncPoolStrategy(Strategy):
             total = props["total_memory"]
             self._threshold.append(_resolve(thr, total, d, "release_threshold", allow_max=True))
             self._max_size.append(_resolve(max_size, total, d, "max_size"))
+            self._cache_limit.append(_resolve(cache, total, d, "cache", allow_max=True))
         self._pools = [0] * n  # cudaMemPool_t per device, made on first use
         self._owned = [False] * n
         self._pool_lock = threading.Lock()
-        self._stream_of: dict[int, object] = {}  # ptr -> weakref to the allocating stream
+        # ptr -> weakref to the allocating stream, or None: allocated on the
+        # legacy default stream in its size class, for the cache
+        self._stream_of: dict[int, object] = {}
+        self._cache: list[dict[int, list[int]]] = [{} for _ in range(n)]  # per device: class -> ptrs
         self._n_recoveries = [0] * n
         self._n_orphan_frees = [0] * n
 
@@ -218,21 +254,44 @@ class AsyncPoolStrategy(Strategy):
             self._pools[device] = pool
             return pool
 
-    def _recover(self, size: int, device: int, stream, pool: int, exc: BaseException) -> int:
-        """A pool allocation failed: synchronise, trim, retry once (or raise)."""
+    def _recover(self, size: int, device: int, stream, pool: int, exc: BaseException, alloc_size: int = 0) -> int:
+        """A pool allocation failed: give cached blocks back, synchronise, trim
+        this pool and every other pinned strategy's cache on the device, and
+        retry once (or raise)."""
         b = self.backend
         b.clear_last_error()
         if getattr(exc, "status", None) != _cuda.ERROR_MEMORY_ALLOCATION:
             self._allocation_failed(size, device, exc)
+        self._release_cached(device)
         b.device_synchronize(device)  # frees still queued on streams become idle memory
+        for other in list(_pinned):
+            if other is not self:
+                try:
+                    other.trim(0, device)
+                except Exception:  # noqa: BLE001 - best effort for someone else's cache
+                    b.clear_last_error()
         b.pool_trim_to(pool, 0)
         try:
-            ptr = b.malloc_from_pool_async(size, pool, stream.ptr)
+            ptr = b.malloc_from_pool_async(alloc_size or size, pool, stream.ptr)
         except self._Error as exc2:
             self._allocation_failed(size, device, exc2, detail=self._oom_detail(size, device))
         with self._fold_lock:
             self._n_recoveries[device] += 1
         return ptr
+
+    def _release_cached(self, device: int) -> int:
+        """Free every cached block of ``device`` into the pool (on the
+        device's default stream, where they were used); returns the bytes."""
+        released = 0
+        for cls, lst in list(self._cache[device].items()):
+            while True:
+                try:
+                    ptr = lst.pop()
+                except IndexError:
+                    break
+                self._free_off_path(ptr, cls, device, 0)
+                released += cls
+        return released
 
     def _oom_detail(self, size: int, device: int) -> str:
         detail = " (after synchronizing the device and trimming the pool)"
@@ -255,19 +314,40 @@ class AsyncPoolStrategy(Strategy):
         ensure_pool, recover, fold, unknown_free = self._ensure_pool, self._recover, self._fold, self._unknown_free
         free_off_path, ref = self._free_off_path, weakref.ref
 
+        caches, limits = self._cache, self._cache_limit
+
         def malloc(size, device):
             stream = current_stream(device)
+            sptr = stream.ptr
             pool = pools[device] or ensure_pool(device)
-            try:
-                ptr = pool_malloc(size, pool, stream.ptr)
-            except Error as exc:
-                ptr = recover(size, device, stream, pool, exc)
+            if sptr == 0 and size <= limits[device]:
+                # the legacy default stream: its size class, from the cache if it can
+                cls = (size + 511) & -512
+                ptr = 0
+                lst = caches[device].get(cls)
+                if lst:
+                    try:
+                        ptr = lst.pop()
+                    except IndexError:  # another thread took the last one
+                        pass
+                if not ptr:
+                    try:
+                        ptr = pool_malloc(cls, pool, 0)
+                    except Error as exc:
+                        ptr = recover(size, device, stream, pool, exc, cls)
+                r = None
+            else:
+                try:
+                    ptr = pool_malloc(size, pool, sptr)
+                except Error as exc:
+                    ptr = recover(size, device, stream, pool, exc)
+                r = ref(stream)
             ev = events[device]
             ev.append(size)
             if track:
                 origins[ptr] = capture_origin(1)
             live[device][ptr] = size
-            stream_of[ptr] = ref(stream)
+            stream_of[ptr] = r
             if len(ev) > _FOLD_AT:
                 fold(device)
             return ptr
@@ -282,25 +362,39 @@ class AsyncPoolStrategy(Strategy):
             if track:
                 origins.pop(ptr, None)
             events[device].append(-size)
-            stream = stream_of.pop(ptr)()
-            if stream is not None:
+            r = stream_of.pop(ptr)
+            if r is None:  # a default-stream block of a size class: cache it if there is room
+                cls = (size + 511) & -512
+                cache = caches[device]
+                lst = cache.get(cls)
+                if lst is None:
+                    lst = cache.setdefault(cls, [])
+                if len(lst) * cls < limits[device]:
+                    lst.append(ptr)
+                    return
+                sptr = 0
+            else:
+                stream = r()
+                if stream is None:  # destroyed
+                    free_off_path(ptr, size, device, None, stacklevel)
+                    return
                 sptr = stream.ptr
-                # handles 0-2 name the *current* device's default stream
-                if sptr > 2 or get_device() == device:
-                    try:
-                        free_async(ptr, sptr)
-                        return
-                    except Exception:  # noqa: BLE001 - CUDA refused the handle:
-                        stream = None  # treat it as destroyed
-            free_off_path(ptr, size, device, stream, stacklevel)
+            # handles 0-2 name the *current* device's default stream
+            if sptr > 2 or get_device() == device:
+                try:
+                    free_async(ptr, sptr)
+                    return
+                except Exception:  # noqa: BLE001 - CUDA refused the handle:
+                    sptr = None  # treat it as destroyed
+            free_off_path(ptr, size, device, sptr, stacklevel)
 
         self._malloc, self._free = malloc, free
         return malloc, free
 
-    def _free_off_path(self, ptr: int, size: int, device: int, stream, stacklevel: int = 1) -> None:
+    def _free_off_path(self, ptr: int, size: int, device: int, stream: int | None, stacklevel: int = 1) -> None:
         """Frees the hot path does not do: on another device's default
         stream, or (``stream`` None) after the stream was destroyed or CUDA
-        refused its handle."""
+        refused its handle. ``stream`` is a raw handle."""
         b = self.backend
         b.clear_last_error()
         cur = b.get_device()
@@ -316,7 +410,7 @@ class AsyncPoolStrategy(Strategy):
                         self._n_orphan_frees[device] += 1
                     b.free_async(ptr, 0)
                 else:
-                    b.free_async(ptr, stream.ptr)
+                    b.free_async(ptr, stream)
             finally:
                 if cur != device:
                     b.set_device(cur)
@@ -362,6 +456,7 @@ class AsyncPoolStrategy(Strategy):
             peak_used_bytes=self._pool_attr(d, _cuda.POOL_ATTR_USED_MEM_HIGH),
             release_threshold=thr,
             max_size=self._max_size[d],
+            cached_bytes=sum(cls * len(lst) for cls, lst in list(self._cache[d].items())),
             n_oom_recoveries=self._n_recoveries[d],
             n_frees_after_stream_destroyed=self._n_orphan_frees[d],
         )
@@ -403,17 +498,20 @@ class AsyncPoolStrategy(Strategy):
             if not pool:
                 continue
             before = self._pool_attr(d, _cuda.POOL_ATTR_RESERVED_MEM_CURRENT)
+            self._release_cached(d)
             self.backend.device_synchronize(d)
             self.backend.pool_trim_to(pool, keep)
             released += before - self._pool_attr(d, _cuda.POOL_ATTR_RESERVED_MEM_CURRENT)
         return released
 
     def close(self) -> None:
-        """As :meth:`Strategy.close`; also destroys each own pool that has no
-        live allocations (a pool with live ones stays until the process ends)."""
+        """As :meth:`Strategy.close`; also frees the cached blocks and destroys
+        each own pool that has no live allocations (a pool with live ones
+        stays until the process ends)."""
         super().close()
         with self._pool_lock:
             for d, pool in enumerate(self._pools):
+                self._release_cached(d)
                 if pool and self._owned[d] and not self._live[d]:
                     self.backend.device_synchronize(d)
                     self.backend.pool_destroy(pool)

@@ -29,6 +29,7 @@ import operator
 import sys
 import threading
 import warnings
+import weakref
 from array import array
 from typing import ClassVar
 
@@ -157,7 +158,7 @@ class Strategy:
         self._events = [array("q") for _ in range(n)]
         self._counters = [_Counters() for _ in range(n)]
         self._fold_lock = threading.RLock()
-        self._cupy_malloc = None
+        self._cupy_malloc = self._pfa = None
         self._malloc = self._free = None  # the hot path, built on first use
         self._pinned = False
         self._n_invalid_frees = 0  # not per device: a bad pointer names none
@@ -501,6 +502,32 @@ class Strategy:
             cupy_malloc = self._make_cupy_malloc()
         return cupy_malloc(size)
 
+    def cupy_allocator(self):
+        """The callable :func:`cupy_memstrat.use` passes to ``cupy.cuda.set_allocator``.
+
+        With CUDA it is the ``malloc`` of a ``cupy.cuda.PythonFunctionAllocator``
+        over this strategy's hot path, with no Python wrapper in between (one
+        Python frame less per allocation). Bad sizes then fail as they do with
+        CuPy's own pool: ``cupy.cuda.alloc(-1)`` raises ``OverflowError``; call
+        :meth:`malloc` for the ``ValueError`` / ``TypeError`` checks. With the
+        fake backend it is :meth:`malloc`.
+        """
+        if not isinstance(self.backend, _cuda.RealBackend):
+            return self.malloc
+        if self._cupy_malloc is None:
+            self._make_cupy_malloc()
+        return self._cupy_malloc
+
+    @staticmethod
+    def _owner_of(allocator) -> "Strategy | None":
+        """The strategy behind a callable from :meth:`cupy_allocator` or :meth:`malloc`."""
+        owner = getattr(allocator, "__self__", None)
+        if isinstance(owner, Strategy):
+            return owner
+        ref = _pfa_owners.get(id(owner))
+        s = ref() if ref is not None else None
+        return s if s is not None and s._pfa is owner else None
+
     def _make_cupy_malloc(self):
         memory = _cupy_memory()
         malloc, free = self._build_hot_path() if self._malloc is None else (self._malloc, self._free)
@@ -508,7 +535,10 @@ class Strategy:
             # CuPy reads the current device, calls malloc(size, device) for
             # size > 0 and, when the array's memory dies, raw_free(ptr,
             # device), all in Cython.
-            cupy_malloc = memory.PythonFunctionAllocator(malloc, free).malloc
+            pfa = memory.PythonFunctionAllocator(malloc, free)
+            self._pfa = pfa
+            _pfa_owners[id(pfa)] = weakref.ref(self)
+            cupy_malloc = pfa.malloc
         else:
             backend, raw_free = self.backend, free
 
@@ -528,13 +558,13 @@ class Strategy:
 
         A strategy that has allocated stays referenced by cupy_memstrat until
         closed, because CuPy's finalisers free through it. Close it only once
-        its arrays are gone; using it again pins it again. Closing twice is
-        harmless.
+        its arrays are gone and it is no longer CuPy's allocator (allocations
+        through an allocator that is still installed do not pin it again;
+        :meth:`raw_malloc` does). Closing twice is harmless.
         """
         with _pinned_lock:
             _pinned.discard(self)
             self._pinned = False
-            self._cupy_malloc = None
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
@@ -545,6 +575,7 @@ _BACKEND_API = ("Error", "malloc", "free", "get_device", "device_count", "mem_ge
 _FOLD_AT = 1 << 16  # events queued per device before an allocation folds them
 _pinned: set = set()
 _pinned_lock = threading.Lock()
+_pfa_owners: dict = {}  # id(PythonFunctionAllocator) -> weakref to its strategy
 
 
 def _cupy_memory():

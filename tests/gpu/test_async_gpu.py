@@ -14,9 +14,14 @@ GiB = 1 << 30
 
 @pytest.fixture
 def strategies():
-    """Strategies made by a test; their pools are trimmed and closed after it."""
+    """Strategies made by a test; CuPy's allocator is restored, then their
+    pools are trimmed and closed."""
+    import cupy
+
+    prev = cupy.cuda.get_allocator()
     made = []
     yield made
+    cupy.cuda.set_allocator(prev)
     gc.collect()
     for s in made:
         s.trim()
@@ -77,7 +82,8 @@ def test_pool_reserves_in_32_MiB_steps(cp, strategies):
         seen.append(s.pool_stats().reserved_bytes)
     for p in ptrs:
         s.raw_free(p)
-    assert seen == [32 * MiB, 32 * MiB + 64 * MiB]  # FACTS.md: 1 B -> 32 MiB; 40 MiB + 7 B -> 64 MiB
+    # FACTS.md: 1 B -> 32 MiB; and 40 MiB + 7 B more fill the first step and add one
+    assert seen == [32 * MiB, 64 * MiB]
 
 
 def test_block_freed_while_another_stream_is_current_is_not_reused_under_running_work(cp, strategies):
@@ -142,35 +148,72 @@ def test_free_after_its_stream_was_destroyed(cp, strategies):
     assert float(cp.ones(10).sum()) == 10.0
 
 
-def test_oom_recovery_and_a_clear_error(cp, strategies):
+@pytest.fixture
+def three_gib_free(cp):
+    """All but 3 GiB of the device taken by one plain cudaMalloc (never managed memory)."""
+    cp.get_default_memory_pool().free_all_blocks()
+    gc.collect()
+    free, _ = cp.cuda.runtime.memGetInfo()
+    ballast = cp.cuda.runtime.malloc(free - 3 * GiB)
+    yield
+    cp.cuda.runtime.free(ballast)
+
+
+def test_a_pool_reuses_idle_memory_for_a_larger_request(cp, strategies, three_gib_free):
+    """What the fake backend simulates: no recovery is needed for idle pool memory."""
+    s = cupy_memstrat.create("async", cache=0)
+    strategies.append(s)
+    side = cp.cuda.Stream(non_blocking=True)
+    with side:
+        s.raw_free(s.raw_malloc(2 * GiB))  # idle in the pool
+    q = s.raw_malloc(2 * GiB + 512 * MiB)  # only ~1 GiB outside the pool
+    s.raw_free(q)
+    assert s.pool_stats().n_oom_recoveries == 0
+
+
+def test_oom_recovery_gives_the_cache_back(cp, strategies, three_gib_free):
+    s = cupy_memstrat.create("async", cache="4GiB")
+    strategies.append(s)
+    s.raw_free(s.raw_malloc(2 * GiB))  # default stream: cached, still used memory to CUDA
+    assert s.pool_stats().cached_bytes == 2 * GiB
+    q = s.raw_malloc(2 * GiB + 512 * MiB)
+    ps = s.pool_stats()
+    s.raw_free(q)
+    assert ps.n_oom_recoveries == 1 and ps.cached_bytes == 0 and s.stats().n_failed == 0
+
+
+def test_oom_is_clear_and_loses_nothing(cp, strategies):
     from cuda.bindings import runtime as crt
 
-    cp.get_default_memory_pool().free_all_blocks()
     s = use(strategies, "async")
-    free, total = cp.cuda.runtime.memGetInfo()
-    ballast = cp.cuda.runtime.malloc(free - 3 * GiB)  # plain cudaMalloc: leave 3 GiB
-    try:
-        side = cp.cuda.Stream(non_blocking=True)
-        with side:
-            p = s.raw_malloc(2 * GiB)
-            s.raw_free(p)  # idle in the pool, its free queued on `side`
-        q = s.raw_malloc(2 * GiB + 512 * MiB)  # only ~1 GiB outside the pool
-        ps = s.pool_stats()
-        s.raw_free(q)
-        assert ps.n_oom_recoveries == 1, "the first attempt succeeded without sync + trim"
-        keep = cp.arange(1 << 20, dtype=cp.int32)
-        with pytest.raises(cp.cuda.memory.OutOfMemoryError) as info:
-            cp.empty(2 * total, dtype=cp.uint8)
-        msg = str(info.value)
-        assert f"out of memory allocating {cupy_memstrat.format_size(2 * total)}" in msg
-        assert "after synchronizing the device and trimming the pool" in msg
-        assert "in use in 1 allocation" in msg and "reserved" in msg
-        (err,) = crt.cudaPeekAtLastError()
-        assert err == crt.cudaError_t.cudaSuccess
-        assert int(keep.sum()) == sum(range(1 << 20))
-        assert float(cp.ones(1000).sum()) == 1000.0
-    finally:
-        cp.cuda.runtime.free(ballast)
+    _, total = cp.cuda.runtime.memGetInfo()
+    keep = cp.arange(1 << 20, dtype=cp.int32)
+    with pytest.raises(cp.cuda.memory.OutOfMemoryError) as info:
+        cp.empty(2 * total, dtype=cp.uint8)
+    msg = str(info.value)
+    assert f"out of memory allocating {cupy_memstrat.format_size(2 * total)}" in msg
+    assert "after synchronizing the device and trimming the pool" in msg
+    assert "in use in 1 allocation" in msg and "reserved" in msg
+    (err,) = crt.cudaPeekAtLastError()
+    assert err == crt.cudaError_t.cudaSuccess
+    assert int(keep.sum()) == sum(range(1 << 20)) and s.stats().n_failed == 1
+    assert float(cp.ones(1000).sum()) == 1000.0
+
+
+def test_default_stream_blocks_are_reused_from_the_cache(cp, strategies):
+    s = use(strategies, "async")
+    x = cp.empty(1000, dtype=cp.float32)
+    p = x.data.ptr
+    del x
+    y = cp.empty(1000, dtype=cp.float32)
+    assert y.data.ptr == p and s.pool_stats().cached_bytes == 0
+    st = cp.cuda.Stream(non_blocking=True)
+    with st:
+        z = cp.empty(1000, dtype=cp.float32)
+    del z
+    st.synchronize()
+    assert s.pool_stats().cached_bytes == 0  # other streams go straight back to CUDA
+    del y
 
 
 def test_threshold_zero_releases_at_sync_the_default_keeps(cp, strategies):
@@ -224,7 +267,8 @@ def test_several_devices_pool_each_and_free_on_the_owner(cp, strategies, n_devic
         gc.collect()
     with cp.cuda.Device(1):
         cp.cuda.Device().synchronize()
-    assert s.stats(1).n_live == 0 and s.pool_stats(1).used_bytes == 0
+    ps = s.pool_stats(1)
+    assert s.stats(1).n_live == 0 and ps.used_bytes == ps.cached_bytes == 4 << 20
     assert s.stats(0).n_allocs == 0
 
 
