@@ -48,6 +48,11 @@ Stream-ordered pools (``cudaMemPool_t``), used by the ``async`` strategy;
     ``cudaFreeAsync``.
 ``pool_trim_to(pool, keep_bytes)``
     ``cudaMemPoolTrimTo``.
+``pool_set_access(pool, devices)``
+    ``cudaMemPoolSetAccess``: read-write access for each device in ``devices``
+    (pool memory ignores ``cudaDeviceEnablePeerAccess``).
+``device_can_access_peer(device, peer) -> bool``
+    ``cudaDeviceCanAccessPeer``.
 ``pool_get_attribute(pool, attr) -> int`` / ``pool_set_attribute(pool, attr, value)``
     ``cudaMemPoolGetAttribute`` / ``SetAttribute``; ``attr`` is one of the
     ``POOL_ATTR_*`` values below.
@@ -167,6 +172,24 @@ class RealBackend:
         self.pool_set_attribute = runtime.memPoolSetAttribute
         self.device_default_pool = runtime.deviceGetDefaultMemPool
         self.device_current_pool = runtime.deviceGetMemPool
+
+    def device_can_access_peer(self, device: int, peer: int) -> bool:
+        return bool(self._runtime.deviceCanAccessPeer(device, peer))
+
+    def pool_set_access(self, pool: int, devices) -> None:
+        from cuda.bindings import runtime as cudart
+
+        descs = []
+        for d in devices:
+            desc = cudart.cudaMemAccessDesc()
+            desc.location.type = cudart.cudaMemLocationType.cudaMemLocationTypeDevice
+            desc.location.id = d
+            desc.flags = cudart.cudaMemAccessFlags.cudaMemAccessFlagsProtReadWrite
+            descs.append(desc)
+        (err,) = cudart.cudaMemPoolSetAccess(cudart.cudaMemPool_t(pool), descs, len(descs))
+        if int(err) != ERROR_SUCCESS:
+            cudart.cudaGetLastError()
+            raise self.Error(int(err))
 
     def mem_get_info(self, device: int) -> tuple[int, int]:
         cur = self.get_device()

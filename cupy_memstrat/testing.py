@@ -129,6 +129,7 @@ class _FakePool:
         self.reserved_high = self.used_high = 0
         self.free: list[list] = []  # [ptr, size, tag]; tag None once a sync ordered the free
         self.live: dict[int, int] = {}  # ptr -> rounded size
+        self.access: set[int] = set()  # peer devices granted access (cudaMemPoolSetAccess)
         self.destroyed = False
 
 
@@ -357,6 +358,20 @@ class FakeBackend:
                 self._used[p.device] -= p.reserved
                 p.reserved = p.idle = 0
                 p.free.clear()
+
+    def device_can_access_peer(self, device: int, peer: int) -> bool:
+        return device != peer and 0 <= peer < len(self._capacity)
+
+    def pool_set_access(self, pool: int, devices) -> None:
+        p = self._pool(pool)
+        for d in devices:
+            if d == p.device or not 0 <= d < len(self._capacity):
+                self._fail(_cuda.ERROR_INVALID_DEVICE)
+        p.access.update(devices)
+
+    def pool_access(self, pool: int) -> set:
+        """Devices other than its own that may use the pool's memory (for tests)."""
+        return set(self._pool(pool).access)
 
     def device_default_pool(self, device: int) -> int:
         return self._default_pool[device]

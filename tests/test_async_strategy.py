@@ -405,3 +405,12 @@ def test_a_cached_block_freed_while_another_device_is_current(fake2):
     assert s.pool_stats(1).cached_bytes == 4096 and s.pool_stats(0).cached_bytes == 0
     fake2.set_device(1)
     assert s.raw_malloc(4096) == p
+
+
+def test_own_pools_grant_peer_devices_access(fake2):
+    s = cupy_memstrat.create("async", backend=fake2)
+    s.raw_free(s.raw_malloc(10))
+    assert fake2.pool_access(s.pool_stats(0).handle) == {1}
+    off = cupy_memstrat.create("async", backend=fake2, peer_access=False)
+    off.raw_free(off.raw_malloc(10))
+    assert fake2.pool_access(off.pool_stats(0).handle) == set()

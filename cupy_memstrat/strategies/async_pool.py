@@ -7,7 +7,7 @@ import weakref
 from dataclasses import dataclass, replace
 
 from .. import cuda as _cuda
-from ..options import Option, as_size
+from ..options import Option, as_bool, as_size
 from ..sizes import format_size, parse_size
 from ..stats import Stats, capture_origin
 from .base import _FOLD_AT, Strategy, _pinned, _warn
@@ -131,6 +131,13 @@ class AsyncPoolStrategy(Strategy):
             0 every synchronisation hands idle memory back to CUDA: a
             64 MiB alloc/free/synchronize loop was measured 54x slower than
             with the memory kept (164 us against 3.0 us per iteration, FACTS.md).
+        peer_access: ``True`` (default) gives every device that can access
+            this one's memory (``cudaDeviceCanAccessPeer``) read-write access
+            to an own pool (``cudaMemPoolSetAccess``), so arrays work across
+            devices as cudaMalloc memory does once CuPy enables peer access:
+            pool memory ignores ``cudaDeviceEnablePeerAccess``. Without it a
+            kernel on another device that reads such an array hits an illegal
+            address (seen with CuPy's multi-GPU tests on two H200s).
         max_size: the most device memory an own pool may reserve: bytes, a
             size string or ``"N%"``; default 0, no limit. CUDA reserves pool
             memory in 32 MiB steps and the limit acts as rounded up to
@@ -188,6 +195,12 @@ class AsyncPoolStrategy(Strategy):
         ),
         Option("max_size", _as_max_size, 0, "most bytes an own pool may reserve (size or N%); 0: no limit"),
         Option(
+            "peer_access",
+            as_bool,
+            True,
+            "give every peer-capable device read-write access to an own pool (cudaMemPoolSetAccess)",
+        ),
+        Option(
             "cache",
             _as_threshold,
             None,
@@ -244,6 +257,12 @@ class AsyncPoolStrategy(Strategy):
             kind, b = self.config["pool"], self.backend
             if kind == "own":
                 pool = b.pool_create(device, self._max_size[device])
+                if self.config["peer_access"]:
+                    peers = [
+                        p for p in range(b.device_count()) if p != device and b.device_can_access_peer(p, device)
+                    ]
+                    if peers:
+                        b.pool_set_access(pool, peers)
             elif kind == "default":
                 pool = b.device_default_pool(device)
             else:

@@ -272,6 +272,23 @@ def test_several_devices_pool_each_and_free_on_the_owner(cp, strategies, n_devic
     assert s.stats(0).n_allocs == 0
 
 
+def test_arrays_cross_devices_like_cudamalloc_memory(cp, strategies, n_devices):
+    """Pool memory ignores cudaDeviceEnablePeerAccess; without the pool's
+    access grant, CuPy's multi-GPU copies failed (invalid value, then an
+    illegal address) on two H200s."""
+    if n_devices < 2:
+        pytest.skip("needs two GPUs")
+    use(strategies, "async")
+    with cp.cuda.Device(0):
+        a = cp.arange(1 << 20, dtype=cp.float32)
+    with cp.cuda.Device(1):
+        b = cp.array(a)  # peer copy of a pool block
+        c = cp.empty_like(b)
+        c[...] = a  # a kernel on device 1 reading device 0's pool memory
+        assert b.device.id == 1 and float(b[-1]) == (1 << 20) - 1 and float(c[-1]) == (1 << 20) - 1
+        cp.cuda.Device().synchronize()
+
+
 def test_plugin_runs_a_session_under_async(pytester):
     pytester.makepyfile(
         """
