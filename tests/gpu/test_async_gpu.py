@@ -300,3 +300,52 @@ def test_plugin_runs_a_session_under_async(pytester):
     )
     r = pytester.runpytest_subprocess("--gpumem-strategy=async")
     r.assert_outcomes(passed=1)
+
+
+_SLOW_FILL = r"""
+extern "C" __global__ void slow_fill(float* x, int n, float v, long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = v;
+}
+"""
+
+
+def _cross_device_copy_reads(cp, sync_source: bool, trials: int = 3) -> int:
+    """Device 0 fills a buffer with a slow kernel; device 1 copies it at once
+    on its legacy stream, as CuPy's cross-device copy does. Returns how many
+    copies read unfinished data."""
+    n = 1 << 16
+    bad = 0
+    for _ in range(trials):
+        with cp.cuda.Device(0):
+            fill = cp.RawKernel(_SLOW_FILL, "slow_fill")
+            src = cp.zeros(n, cp.float32)
+            cp.cuda.Device().synchronize()
+            fill((n // 256,), (256,), (src, np.int32(n), np.float32(7.0), np.int64(50_000_000)))
+            if sync_source:
+                cp.cuda.Device().synchronize()
+        with cp.cuda.Device(1):
+            dst = cp.empty(n, cp.float32)
+            dst.data.copy_from_device_async(src.data, src.nbytes)
+            bad += float(dst.sum()) != 7.0 * n
+        with cp.cuda.Device(0):
+            cp.cuda.Device().synchronize()
+    return bad
+
+
+def test_cross_device_copies_of_pool_memory_are_not_ordered_on_the_null_stream(cp, strategies, n_devices):
+    """CUDA orders a copy between two devices on the legacy NULL stream after
+    the source device's work for cudaMalloc memory, not for pool memory:
+    measured on two H200s, this is why CuPy's test_copy_multigpu and
+    test_copyto_multigpu(_noncontinguous) fail under async (docs/async.md)."""
+    if n_devices < 2:
+        pytest.skip("needs two GPUs")
+    dev = cupy_memstrat.create("device")
+    strategies.append(dev)
+    cp.cuda.set_allocator(dev.cupy_allocator())
+    assert _cross_device_copy_reads(cp, sync_source=False) == 0  # cudaMalloc memory: ordered
+    use(strategies, "async")
+    assert _cross_device_copy_reads(cp, sync_source=True) == 0  # the documented remedy works
+    assert _cross_device_copy_reads(cp, sync_source=False) > 0, "CUDA now orders it: update docs/async.md"
