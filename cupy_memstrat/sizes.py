@@ -63,7 +63,11 @@ def parse_size(value, *, total: int | None = None, what: str = "size") -> int:
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{what}: expected a size >= 0 bytes, got {value}")
+        if value > _MAX:
+            raise ValueError(f"{what}: {value} bytes is larger than 16 EiB, more than any device has")
         return value
+    if value.strip().startswith("-"):
+        raise ValueError(f"{what}: expected a size >= 0 bytes, got {value!r}")
     if len(value) > 100:
         raise ValueError(f"{what}: cannot parse a {len(value)}-character string as a size")
     m = _PCT_RE.match(value)

@@ -334,16 +334,20 @@ def test_invalid_free_is_warned_and_counted(s):
     assert s.stats(0).n_invalid_frees == 1
 
 
-def test_close_destroys_an_idle_own_pool_and_keeps_a_busy_one(fake):
+def test_close_destroys_the_pool_and_cuda_releases_it_after_the_last_free(fake):
     idle = cupy_memstrat.create("async", backend=fake)
     idle.raw_free(idle.raw_malloc(10))
     idle.close()
     assert idle.pool_stats(0).handle == 0 and fake.mem_get_info(0)[0] == 1 << 30
     busy = cupy_memstrat.create("async", backend=fake)
-    p = busy.raw_malloc(10)
+    big, small = busy.raw_malloc(512 * MiB), busy.raw_malloc(1000)
+    busy.raw_free(big)  # cached
     busy.close()
-    assert busy.pool_stats(0).handle != 0
-    busy.raw_free(p)
+    busy.raw_free(small)  # a free after close still works and is counted ...
+    assert busy.stats(0).n_live == 0 and busy.stats(0).n_frees == 2
+    assert fake.mem_get_info(0)[0] == 1 << 30  # ... and nothing stays reserved
+    fresh = cupy_memstrat.create("async", backend=fake)
+    fresh.raw_free(fresh.raw_malloc(600 * MiB))
 
 
 def test_zero_bytes_is_null_and_touches_no_pool(s):
@@ -414,3 +418,35 @@ def test_own_pools_grant_peer_devices_access(fake2):
     off = cupy_memstrat.create("async", backend=fake2, peer_access=False)
     off.raw_free(off.raw_malloc(10))
     assert fake2.pool_access(off.pool_stats(0).handle) == set()
+
+
+@pytest.mark.parametrize("bad", [1.0, True])
+def test_a_float_or_bool_equal_to_a_pointer_is_not_freed(fake, bad):
+    s = cupy_memstrat.create("async", backend=fake)
+    p = s.raw_malloc(1000)
+    with pytest.warns(cupy_memstrat.InvalidFreeWarning):
+        s.raw_free(float(p) if bad == 1.0 else bad)
+    assert s.stats(0).n_live == 1 and s.stats(0).n_invalid_frees == 1
+    s.raw_free(p)
+    assert type(s.raw_malloc(1000)) is int
+
+
+@pytest.mark.parametrize("hint", [-1, True, 7, "1"])
+def test_a_bad_device_hint_still_frees_the_block_for_its_owner(fake2, hint):
+    s = cupy_memstrat.create("async", backend=fake2, cache=0)
+    fake2.set_device(1)
+    p = s.raw_malloc(4096)
+    fake2.set_device(0)
+    s.raw_free(p, hint)
+    assert not fake2.is_allocated(p) and s.stats(1).n_live == 0
+
+
+def test_validate_refuses_max_size_with_a_shared_pool_as_create_does():
+    with pytest.raises(ValueError, match="only to pool='own'"):
+        cupy_memstrat.validate("async", max_size="1GiB", pool="default")
+
+
+def test_the_cache_limit_is_exact(fake):
+    s = cupy_memstrat.create("async", backend=fake, cache=1)  # less than one 512-byte block
+    s.raw_free(s.raw_malloc(100))
+    assert s.pool_stats(0).cached_bytes == 0

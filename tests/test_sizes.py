@@ -76,3 +76,10 @@ def test_large_integer_strings_are_exact_and_absurd_sizes_refused():
 def test_format_size_needs_an_int():
     with pytest.raises(TypeError):
         format_size("10")
+
+
+def test_a_negative_string_or_a_huge_int_says_so():
+    with pytest.raises(ValueError, match=r"expected a size >= 0 bytes, got '-1'"):
+        parse_size("-1")
+    with pytest.raises(ValueError, match="larger than 16 EiB"):
+        parse_size(2**70)

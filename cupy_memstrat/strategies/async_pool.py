@@ -59,7 +59,7 @@ class PoolStats:
         handle: the ``cudaMemPool_t`` handle (0 while no pool was needed yet).
         reserved_bytes / peak_reserved_bytes: device memory the pool holds
             (``cudaMemPoolAttrReservedMemCurrent`` / ``High``); grows in 32 MiB
-            steps (measured on the H200).
+            steps (measured on the H200, ``bench async``).
         used_bytes / peak_used_bytes: memory in allocations handed out
             (``cudaMemPoolAttrUsedMemCurrent`` / ``High``), as the pool rounds it.
         release_threshold: bytes the pool keeps at a synchronisation
@@ -114,7 +114,7 @@ class AsyncPoolStrategy(Strategy):
     ``cudaMemPoolCreate`` on first use. Installing the strategy does not
     change the device's default or current pool (``cudaDeviceSetMemPool``),
     so other libraries in the process keep theirs; CuPy's own
-    ``MemoryAsyncPool`` does change it (FACTS.md).
+    ``MemoryAsyncPool`` does change it (``cudaDeviceSetMemPool`` in its constructor).
 
     Options (besides ``track_origins``):
         pool: ``"own"`` (default) a dedicated pool per device;
@@ -129,8 +129,9 @@ class AsyncPoolStrategy(Strategy):
             for an own pool (memory stays in the pool until :meth:`trim`);
             shared pools keep their setting unless one is given. At threshold
             0 every synchronisation hands idle memory back to CUDA: a
-            64 MiB alloc/free/synchronize loop was measured 54x slower than
-            with the memory kept (164 us against 3.0 us per iteration, FACTS.md).
+            64 MiB alloc/free/synchronize loop was 74x slower than with the
+            memory kept (250.8 us against 3.4 us per iteration on an H200,
+            ``bench async``, docs/async.md).
         peer_access: ``True`` (default) gives every device that can access
             this one's memory (``cudaDeviceCanAccessPeer``) read-write access
             to an own pool (``cudaMemPoolSetAccess``), so arrays work across
@@ -141,7 +142,7 @@ class AsyncPoolStrategy(Strategy):
         max_size: the most device memory an own pool may reserve: bytes, a
             size string or ``"N%"``; default 0, no limit. CUDA reserves pool
             memory in 32 MiB steps and the limit acts as rounded up to
-            32 MiB (measured on the H200, see docs/async.md).
+            32 MiB (measured on the H200, ``bench async``, docs/async.md).
 
         cache: blocks freed on the legacy default stream (CuPy's default
             stream) are kept, per size class of 512 bytes, for the next
@@ -209,16 +210,21 @@ class AsyncPoolStrategy(Strategy):
         ),
     )
 
+    @classmethod
+    def parse_options(cls, options: dict) -> dict:
+        config = super().parse_options(options)
+        if config["pool"] != "own" and "max_size" in options:
+            raise ValueError(
+                f"async: option max_size={options['max_size']!r} applies only to pool='own'; a "
+                f"{config['pool']} pool is shared with the rest of the process and keeps its own limit"
+            )
+        return config
+
     def __init__(self, *, backend=None, **options):
         super().__init__(backend=backend, **options)
         cfg, b = self.config, self.backend
         n = b.device_count()
         thr, max_size = cfg["release_threshold"], cfg["max_size"]
-        if cfg["pool"] != "own" and max_size:
-            raise ValueError(
-                f"async: option max_size={max_size!r} applies only to pool='own'; a {cfg['pool']} pool "
-                "is shared with the rest of the process and keeps its own limit"
-            )
         if thr is None and cfg["pool"] == "own":
             thr = _cuda.RELEASE_THRESHOLD_MAX
         cache = cfg["cache"]
@@ -388,7 +394,7 @@ class AsyncPoolStrategy(Strategy):
                 lst = cache.get(cls)
                 if lst is None:
                     lst = cache.setdefault(cls, [])
-                if len(lst) * cls < limits[device]:
+                if (len(lst) + 1) * cls <= limits[device]:
                     lst.append(ptr)
                     return
                 sptr = 0
@@ -524,14 +530,16 @@ class AsyncPoolStrategy(Strategy):
         return released
 
     def close(self) -> None:
-        """As :meth:`Strategy.close`; also frees the cached blocks and destroys
-        each own pool that has no live allocations (a pool with live ones
-        stays until the process ends)."""
+        """As :meth:`Strategy.close`; also turns the cache off, gives the
+        cached blocks back, and destroys each own pool. A pool that still has
+        live allocations is released by CUDA once the last of them is freed
+        (``cudaMemPoolDestroy``); those frees still work and are counted."""
         super().close()
         with self._pool_lock:
             for d, pool in enumerate(self._pools):
+                self._cache_limit[d] = 0
                 self._release_cached(d)
-                if pool and self._owned[d] and not self._live[d]:
+                if pool and self._owned[d]:
                     self.backend.device_synchronize(d)
                     self.backend.pool_destroy(pool)
                     self._pools[d] = 0

@@ -232,6 +232,13 @@ class Strategy:
         the allocating device): a block is always freed for, and accounted to,
         the device that allocated it.
         """
+        if type(ptr) is not int:
+            if isinstance(ptr, (bool, float)) or not hasattr(ptr, "__index__"):
+                self._invalid_free(ptr, 3)  # a float equal to a pointer would hash like it
+                return
+            ptr = operator.index(ptr)
+        if device is not None and (type(device) is not int or not 0 <= device < len(self._live)):
+            device = None  # a bad hint: the block is found by its pointer
         (self._free or self._build_hot_path()[1])(ptr, device, 2)
 
     def _build_hot_path(self):
@@ -486,9 +493,10 @@ class Strategy:
 
     # -- CuPy -------------------------------------------------------------------
     def malloc(self, size) -> "cupy.cuda.MemoryPointer":  # noqa: F821
-        """CuPy's allocator interface: ``size`` bytes -> ``cupy.cuda.MemoryPointer``
-        on CuPy's current device. This is what :func:`cupy_memstrat.use`
-        passes to ``cupy.cuda.set_allocator``.
+        """CuPy's allocator interface, with size checks: ``size`` bytes ->
+        ``cupy.cuda.MemoryPointer`` on CuPy's current device. Usable with
+        ``cupy.cuda.set_allocator``; :func:`cupy_memstrat.use` installs the
+        faster :meth:`cupy_allocator`, which skips these checks.
 
         Raises:
             TypeError, ValueError: ``size`` is not an int >= 0 (CuPy's own
