@@ -143,13 +143,25 @@ def using(strategy: str | Strategy, **options) -> Iterator[Strategy]:
     Built on ``cupy.cuda.using_allocator``: per-thread, nestable, restores the
     previous allocator on exit also when the body raises. Yields the strategy.
 
+    A strategy made here from a spec gives back on exit what no array uses:
+    it is closed if nothing it allocated is still alive, else trimmed
+    (:meth:`Strategy.trim`); arrays that outlive the block stay valid and are
+    freed by it later. A strategy object passed in is left as it is.
+
     Raises:
         as :func:`create`.
     """
     cuda = _cupy_cuda()
     s = create(strategy, **options)
-    with cuda.using_allocator(s.cupy_allocator()):
-        yield s
+    try:
+        with cuda.using_allocator(s.cupy_allocator()):
+            yield s
+    finally:
+        if s is not strategy:  # made here from a spec: give back what nobody uses
+            if any(s.live_allocations()):
+                s.trim()
+            else:
+                s.close()
 
 
 def current() -> Strategy | None:

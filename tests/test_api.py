@@ -92,6 +92,28 @@ def test_using_nests(fake):
     assert cupy_memstrat.current() is None  # CuPy's default pool again
 
 
+def test_using_a_spec_gives_idle_memory_back_on_exit(fake):
+    for _ in range(20):  # no pool piles up per block
+        with cupy_memstrat.using("async", backend=fake):
+            mp = cupy.cuda.alloc(4096)
+            del mp
+    assert fake.mem_get_info(0)[0] == 1 << 30
+    with cupy_memstrat.using("async", backend=fake) as s:
+        keep = cupy.cuda.alloc(64 << 20)
+        cupy.cuda.alloc(1 << 20)  # dies at once: cached, then trimmed on exit
+    assert s.pool_stats(0).cached_bytes == 0 and s.stats(0).n_live == 1
+    del keep
+    gc.collect()
+    assert s.stats(0).n_live == 0
+
+
+def test_using_leaves_a_strategy_object_alone(fake):
+    s = cupy_memstrat.create("async", backend=fake)
+    with cupy_memstrat.using(s):
+        cupy.cuda.alloc(4096)
+    assert s.pool_stats(0).cached_bytes == 4096 and s.pool_stats(0).handle
+
+
 def test_use_inside_using_is_refused_and_installs_nothing(fake):
     with cupy_memstrat.using("device", backend=fake) as a:
         before = cupy.cuda.get_allocator()

@@ -369,3 +369,17 @@ def test_close_with_a_live_array_then_the_last_free_releases_the_pool(cp, strate
     cp.cuda.Device().synchronize()
     free1, _ = cp.cuda.runtime.memGetInfo()
     assert free1 >= free0 - 2 * MiB and s.stats().n_live == 0
+
+
+def test_using_async_in_a_loop_leaves_no_pools_behind(cp):
+    cp.get_default_memory_pool().free_all_blocks()
+    cp.cuda.Device().synchronize()
+    free0, _ = cp.cuda.runtime.memGetInfo()
+    for _ in range(10):
+        with cupy_memstrat.using("async"):
+            y = cp.ones(1 << 20, dtype=cp.float32) * 2
+            assert float(y[0]) == 2.0
+            del y
+    cp.cuda.Device().synchronize()
+    free1, _ = cp.cuda.runtime.memGetInfo()
+    assert free1 >= free0 - 4 * MiB  # ten blocks would have kept ten 32 MiB pools
