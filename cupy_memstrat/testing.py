@@ -277,11 +277,18 @@ class FakeBackend:
         and applies its pools' release thresholds."""
         with self._lock:
             self.n_device_synchronize_calls += 1
-            for pool in self._pools.values():
-                if pool.device == device:
-                    for block in pool.free:
+            self._synchronized(device, None)
+
+    def _synchronized(self, device: int, key) -> None:
+        # A sync ordered the frees queued on stream `key` (None: every stream)
+        # of `device`: any stream may reuse those blocks now, and the pools
+        # give idle memory back down to their release thresholds.
+        for pool in self._pools.values():
+            if pool.device == device:
+                for block in pool.free:
+                    if key is None or block[2] == key:
                         block[2] = None
-                    self._apply_threshold(pool)
+                self._apply_threshold(pool)
 
     # -- streams --------------------------------------------------------------
     def stream(self, device: int | None = None) -> FakeStream:
@@ -319,13 +326,7 @@ class FakeBackend:
         and applies the release thresholds of its device's pools."""
         with self._lock:
             key = self._stream_key(stream)
-            device = key[0] if isinstance(key, tuple) else self._stream_device[key]
-            for pool in self._pools.values():
-                if pool.device == device:
-                    for block in pool.free:
-                        if block[2] == key:
-                            block[2] = None
-                    self._apply_threshold(pool)
+            self._synchronized(key[0] if isinstance(key, tuple) else self._stream_device[key], key)
 
     # -- stream-ordered pools -----------------------------------------------
     def _new_pool(self, device: int, max_size: int, is_default: bool = False) -> _FakePool:
@@ -355,9 +356,12 @@ class FakeBackend:
                 self._fail(_cuda.ERROR_INVALID_VALUE)
             p.destroyed = True
             if not p.live:  # else CUDA releases it once the last block is freed
-                self._used[p.device] -= p.reserved
-                p.reserved = p.idle = 0
-                p.free.clear()
+                self._release_pool(p)
+
+    def _release_pool(self, p: _FakePool) -> None:
+        self._used[p.device] -= p.reserved
+        p.reserved = p.idle = 0
+        p.free.clear()
 
     def device_can_access_peer(self, device: int, peer: int) -> bool:
         return device != peer and 0 <= peer < len(self._capacity)
@@ -396,7 +400,7 @@ class FakeBackend:
             rounded = _round_up(size, _ALIGN)
             ptr = self._reuse(p, rounded, key)
             if ptr is None:
-                if not self._make_room(p, rounded, key):
+                if not self._make_room(p, rounded):
                     self._fail(_cuda.ERROR_MEMORY_ALLOCATION)
                 ptr = self._next[p.device]
                 self._next[p.device] += rounded
@@ -415,7 +419,7 @@ class FakeBackend:
                 return ptr
         return None
 
-    def _make_room(self, p: _FakePool, rounded: int, key) -> bool:
+    def _make_room(self, p: _FakePool, rounded: int) -> bool:
         for attempt in range(2):
             slack = p.reserved - p.used - p.idle
             if slack >= rounded:
@@ -468,9 +472,7 @@ class FakeBackend:
             p.free.append([ptr, size, key])
             p.idle += size
             if p.destroyed and not p.live:
-                self._used[p.device] -= p.reserved
-                p.reserved = p.idle = 0
-                p.free.clear()
+                self._release_pool(p)
 
     def pool_trim_to(self, pool: int, keep_bytes: int) -> None:
         with self._lock:

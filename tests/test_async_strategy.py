@@ -3,6 +3,7 @@ release threshold, trim, OOM recovery, several devices, bad input."""
 
 import gc
 import threading
+import warnings
 
 import pytest
 
@@ -140,26 +141,10 @@ def test_a_handle_cuda_refuses_is_treated_as_destroyed(fake, s):
     with st:
         p = s.raw_malloc(1000)
     st.destroy()  # e.g. an ExternalStream whose owner destroyed the handle
-    with warnings_as_errors():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         s.raw_free(p)
     assert s.pool_stats(0).n_frees_after_stream_destroyed == 1 and s.pool_stats(0).used_bytes == 0
-
-
-def warnings_as_errors():
-    import warnings
-
-    cm = warnings.catch_warnings()
-    cm.__enter__()
-    warnings.simplefilter("error")
-
-    class _Exit:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            cm.__exit__(*exc)
-
-    return _Exit()
 
 
 def test_default_threshold_keeps_memory_and_zero_releases_it_at_sync(fake):
