@@ -344,7 +344,6 @@ class AsyncPoolStrategy(Strategy):
         def malloc(size, device):
             stream = current_stream(device)
             sptr = stream.ptr
-            pool = pools[device] or ensure_pool(device)
             if sptr == 0 and size <= limits[device]:
                 # the legacy default stream: its size class, from the cache if it can
                 cls = (size + 511) & -512
@@ -355,13 +354,15 @@ class AsyncPoolStrategy(Strategy):
                         ptr = lst.pop()
                     except IndexError:  # another thread took the last one
                         pass
-                if not ptr:
+                if not ptr:  # a miss: the pool (made on first use) is needed
+                    pool = pools[device] or ensure_pool(device)
                     try:
                         ptr = pool_malloc(cls, pool, 0)
                     except Error as exc:
                         ptr = recover(size, device, stream, pool, exc, cls)
                 r = None
             else:
+                pool = pools[device] or ensure_pool(device)
                 try:
                     ptr = pool_malloc(size, pool, sptr)
                 except Error as exc:
