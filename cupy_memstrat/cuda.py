@@ -56,6 +56,20 @@ Stream-ordered pools (``cudaMemPool_t``), used by the ``async`` strategy;
 ``pool_get_attribute(pool, attr) -> int`` / ``pool_set_attribute(pool, attr, value)``
     ``cudaMemPoolGetAttribute`` / ``SetAttribute``; ``attr`` is one of the
     ``POOL_ATTR_*`` values below.
+
+Managed memory (``cudaMallocManaged``), used by the ``managed`` strategy and
+:func:`cupy_memstrat.prefetch` / :func:`~cupy_memstrat.advise`; a *location*
+is a device ordinal or :data:`HOST`:
+
+``malloc_managed(size) -> int``
+    ``cudaMallocManaged(..., cudaMemAttachGlobal)``; freed with ``free``.
+``memory_type(ptr) -> str``
+    ``"managed"``, ``"device"``, ``"host"`` (pinned) or ``"unregistered"``
+    (``cudaPointerGetAttributes``); interior pointers work.
+``mem_advise(ptr, size, advice, location)``
+    ``cudaMemAdvise``; ``advice`` is one of the ``ADVISE_*`` values.
+``mem_prefetch(ptr, size, location, stream)``
+    ``cudaMemPrefetchAsync`` on ``stream`` (a raw handle).
 """
 
 from __future__ import annotations
@@ -74,6 +88,7 @@ __all__ = [
     "ERROR_INVALID_RESOURCE_HANDLE",
     "ERROR_NO_DEVICE",
     "ERROR_INSUFFICIENT_DRIVER",
+    "HOST",
     "RealBackend",
     "get_backend",
     "error_name",
@@ -106,6 +121,17 @@ POOL_ATTR_USED_MEM_CURRENT = 7
 POOL_ATTR_USED_MEM_HIGH = 8
 #: largest release threshold: the pool keeps all freed memory (cudaMemPoolAttrReleaseThreshold is a cuuint64_t).
 RELEASE_THRESHOLD_MAX = (1 << 64) - 1
+
+# Managed memory: cudaCpuDeviceId, the host as a location, and cudaMemoryAdvise values.
+HOST = -1
+ADVISE_SET_READ_MOSTLY = 1
+ADVISE_UNSET_READ_MOSTLY = 2
+ADVISE_SET_PREFERRED_LOCATION = 3
+ADVISE_UNSET_PREFERRED_LOCATION = 4
+ADVISE_SET_ACCESSED_BY = 5
+ADVISE_UNSET_ACCESSED_BY = 6
+#: cudaMemoryType -> name (cudaPointerGetAttributes)
+MEMORY_TYPES = {0: "unregistered", 1: "host", 2: "device", 3: "managed"}
 
 # cudaDeviceAttr values (CUDA runtime API).
 _ATTR_PAGEABLE_MEMORY_ACCESS = 88
@@ -172,6 +198,55 @@ class RealBackend:
         self.pool_set_attribute = runtime.memPoolSetAttribute
         self.device_default_pool = runtime.deviceGetDefaultMemPool
         self.device_current_pool = runtime.deviceGetMemPool
+
+    # -- managed memory ----------------------------------------------------------
+    def malloc_managed(self, size: int) -> int:
+        return self._runtime.mallocManaged(size, 1)  # cudaMemAttachGlobal
+
+    def memory_type(self, ptr: int) -> str:
+        try:
+            kind = self._runtime.pointerGetAttributes(ptr).type
+        except self.Error:
+            return "unregistered"
+        return MEMORY_TYPES.get(kind, "unregistered")
+
+    @staticmethod
+    def _location(cudart, location: int):
+        loc = cudart.cudaMemLocation()
+        if location == HOST:
+            loc.type = cudart.cudaMemLocationType.cudaMemLocationTypeHost
+            loc.id = 0
+        else:
+            loc.type = cudart.cudaMemLocationType.cudaMemLocationTypeDevice
+            loc.id = location
+        return loc
+
+    def _check_bindings(self, cudart, err) -> None:
+        if int(err) != ERROR_SUCCESS:
+            cudart.cudaGetLastError()
+            raise self.Error(int(err))
+
+    def mem_advise(self, ptr: int, size: int, advice: int, location: int) -> None:
+        """``cudaMemAdvise`` with a ``cudaMemLocation`` (through cuda.bindings:
+        CuPy 14's ``memAdvise`` takes an int device and on CUDA 13 cannot name
+        the host, FACTS.md)."""
+        cudart = _bindings_runtime()
+        loc = self._location(cudart, location)
+        advise = getattr(cudart, "cudaMemAdvise_v2", None)  # CUDA 12 bindings
+        if advise is None:
+            advise = cudart.cudaMemAdvise  # CUDA 13: takes the location
+        (err,) = advise(ptr, size, cudart.cudaMemoryAdvise(advice), loc)
+        self._check_bindings(cudart, err)
+
+    def mem_prefetch(self, ptr: int, size: int, location: int, stream: int) -> None:
+        """``cudaMemPrefetchAsync`` to a ``cudaMemLocation`` on ``stream``."""
+        cudart = _bindings_runtime()
+        loc = self._location(cudart, location)
+        prefetch = getattr(cudart, "cudaMemPrefetchAsync_v2", None)  # CUDA 12 bindings
+        if prefetch is None:
+            prefetch = cudart.cudaMemPrefetchAsync  # CUDA 13: (ptr, size, location, flags, stream)
+        (err,) = prefetch(ptr, size, loc, 0, stream)
+        self._check_bindings(cudart, err)
 
     def device_can_access_peer(self, device: int, peer: int) -> bool:
         return bool(self._runtime.deviceCanAccessPeer(device, peer))
@@ -275,6 +350,17 @@ class RealBackend:
             return ERROR_SUCCESS
         (err,) = rt.cudaGetLastError()
         return int(err)
+
+
+def _bindings_runtime():
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError as exc:
+        raise CuPyNotInstalledError(
+            "advice and prefetch need cuda.bindings (the cuda-python bindings): "
+            "pip install 'cupy-memstrat[cuda13]' (or [cuda12])"
+        ) from exc
+    return cudart
 
 
 def _no_device_hint() -> str:
