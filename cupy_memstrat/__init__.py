@@ -11,11 +11,14 @@
 Importing this package does not import CuPy or touch the GPU.
 """
 
+from . import faults
 from .api import (
+    advise,
     available,
     create,
     current,
     live_allocations,
+    prefetch,
     reset_peak,
     stats,
     trim,
@@ -25,7 +28,9 @@ from .api import (
 )
 from .errors import (
     CuPyNotInstalledError,
+    FaultCountersUnavailable,
     InvalidFreeWarning,
+    ManagedMemoryWarning,
     MemstratError,
     NoDeviceError,
     NoStrategyError,
@@ -33,7 +38,7 @@ from .errors import (
 from .hookspecs import hookimpl
 from .sizes import format_size, parse_size
 from .stats import Allocation, Origin, Stats
-from .strategies import AsyncPoolStrategy, DeviceStrategy, PoolStats, Strategy
+from .strategies import AsyncPoolStrategy, DeviceStrategy, ManagedStats, ManagedStrategy, PoolStats, Strategy
 
 __version__ = "0.1.0"
 
@@ -48,10 +53,14 @@ __all__ = [
     "reset_peak",
     "live_allocations",
     "trim",
+    "prefetch",
+    "advise",
     "Strategy",
     "DeviceStrategy",
     "AsyncPoolStrategy",
     "PoolStats",
+    "ManagedStrategy",
+    "ManagedStats",
     "Stats",
     "Allocation",
     "Origin",
@@ -63,6 +72,9 @@ __all__ = [
     "NoStrategyError",
     "CuPyNotInstalledError",
     "InvalidFreeWarning",
+    "FaultCountersUnavailable",
+    "faults",
+    "ManagedMemoryWarning",
     "OutOfMemoryError",
 ]
 

@@ -14,7 +14,9 @@ __all__ = [
     "CuPyNotInstalledError",
     "NoStrategyError",
     "InvalidFreeWarning",
+    "ManagedMemoryWarning",
     "OutOfMemoryError",
+    "FaultCountersUnavailable",
 ]
 
 
@@ -38,6 +40,26 @@ class NoStrategyError(MemstratError):
 class InvalidFreeWarning(RuntimeWarning):
     """A strategy was asked to free a pointer it does not own (unknown, or
     already freed). Nothing is freed; ``Stats.n_invalid_frees`` counts it."""
+
+
+class ManagedMemoryWarning(UserWarning):
+    """A managed-memory setting that is known to hurt: ``read_mostly`` advice
+    on data the GPU writes, or host access on a device without
+    ``concurrentManagedAccess``."""
+
+
+class FaultCountersUnavailable(MemstratError):
+    """No page-fault counter source could be opened (see
+    :mod:`cupy_memstrat.faults`). ``reasons`` maps each source tried
+    (``"driver"``, ``"cupti"``) to why it is unavailable; the message names
+    them all."""
+
+    def __init__(self, message: str, reasons: dict | None = None):
+        super().__init__(message)
+        self.reasons = dict(reasons or {})
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.reasons))
 
 
 _oom_class = None

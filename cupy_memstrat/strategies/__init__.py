@@ -6,11 +6,13 @@ from ..hookspecs import hookimpl
 from .async_pool import AsyncPoolStrategy, PoolStats
 from .base import Strategy
 from .device import DeviceStrategy
+from .managed import ManagedStats, ManagedStrategy
 
-__all__ = ["Strategy", "DeviceStrategy", "AsyncPoolStrategy", "PoolStats"]
+__all__ = ["Strategy", "DeviceStrategy", "AsyncPoolStrategy", "PoolStats", "ManagedStrategy", "ManagedStats"]
 
 
 @hookimpl
 def memstrat_register_strategies(registry):
     registry.add(DeviceStrategy)
     registry.add(AsyncPoolStrategy)
+    registry.add(ManagedStrategy)

@@ -1,0 +1,549 @@
+"""The ``managed`` strategy: ``cudaMallocManaged`` memory in 2 MiB chunks."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass
+
+from .. import cuda as _cuda
+from ..errors import ManagedMemoryWarning
+from ..options import Option, as_bool, as_size
+from ..sizes import format_size, parse_size
+from ..stats import capture_origin
+from .base import _FOLD_AT, Strategy, _warn
+
+__all__ = ["ManagedStrategy", "ManagedStats", "CHUNK_BYTES"]
+
+#: A chunk: the unit in which the strategy takes managed memory from CUDA,
+#: the size of the driver's VA blocks (FACTS.md: cudaMallocManaged returned
+#: 2 MiB-aligned pointers; ranges off a 2 MiB boundary were ~35% slower).
+CHUNK_BYTES = 2 << 20
+_CHUNK_MASK = -CHUNK_BYTES
+#: requests up to this size share chunks (sub-allocated by size class)
+SMALL_MAX = 1 << 20
+
+
+def _size_classes() -> tuple[int, ...]:
+    # 512 B steps up to 2 KiB, then four classes per doubling (waste <= 25%),
+    # all multiples of 512 B: slots stay 512-byte aligned, as CuPy's own pool's.
+    classes = [512, 1024, 1536, 2048]
+    k = 2048
+    while k < SMALL_MAX:
+        classes += [k + k // 4, k + k // 2, k + 3 * k // 4, 2 * k]
+        k *= 2
+    return tuple(classes)
+
+
+SIZE_CLASSES = _size_classes()
+# (size + 511) >> 9  ->  index of the smallest class that holds size
+_CLASS_INDEX = tuple(
+    bisect.bisect_left(SIZE_CLASSES, max(i << 9, 1)) for i in range((SMALL_MAX >> 9) + 1)
+)
+
+_NONE = ("", "none", "off", "no")
+
+
+def _as_location(value, what: str):
+    """``"device"``, ``"host"``, a device ordinal, or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected 'device', 'host', a device ordinal or None, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{what}: expected a device ordinal >= 0, got {value}")
+        return value
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in _NONE:
+            return None
+        if v in ("device", "host"):
+            return v
+        if v.isdigit():
+            return int(v)
+    raise ValueError(f"{what}: expected 'device', 'host', a device ordinal or None, got {value!r}")
+
+
+def _as_accessed_by(value, what: str) -> tuple:
+    """None, or one or more of ``"device"``, ``"host"``, ordinals (a list, or a
+    string joined with ``+``: ``"host+1"``)."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        items = [v for v in value.replace(" ", "").split("+") if v]
+        if len(items) == 1 and items[0].lower() in _NONE:
+            return ()
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value)
+    else:
+        items = [value]
+    out = []
+    for item in items:
+        loc = _as_location(item, what)
+        if loc is not None and loc not in out:
+            out.append(loc)
+    return tuple(out)
+
+
+def _as_prefetch(value, what: str):
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE):
+        return None
+    if isinstance(value, str) and value.strip().lower() == "on_alloc":
+        return "on_alloc"
+    raise ValueError(f"{what}: expected 'on_alloc' or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ManagedStats:
+    """The chunks behind a ``managed`` strategy on one device (sizes in bytes).
+
+    Attributes:
+        device: the device ordinal the chunks were made on.
+        chunk_bytes: the chunk size, 2 MiB.
+        n_chunks: chunks reserved (a large block of k chunks counts k).
+        reserved_bytes: managed memory held from CUDA (``n_chunks * chunk_bytes``).
+        cached_bytes: reserved but not in use: free slots of shared chunks and
+            free large blocks, kept for reuse until :meth:`ManagedStrategy.trim`.
+        n_guard_refusals: allocations the oversubscription guard refused.
+    """
+
+    device: int
+    chunk_bytes: int
+    n_chunks: int
+    reserved_bytes: int
+    cached_bytes: int
+    n_guard_refusals: int
+
+    def __str__(self) -> str:
+        return (
+            f"managed on device {self.device}: {self.n_chunks} chunks of {format_size(self.chunk_bytes)} "
+            f"({format_size(self.reserved_bytes)} reserved, {format_size(self.cached_bytes)} cached), "
+            f"{self.n_guard_refusals} guard refusals"
+        )
+
+
+class ManagedStrategy(Strategy):
+    """Managed memory (``cudaMallocManaged``) served in 2 MiB chunks, with
+    advice and prefetch policies and an oversubscription guard.
+
+    Chunks: CUDA is asked for managed memory in whole 2 MiB chunks, the
+    size of the driver's VA blocks, so advice and prefetch apply to whole
+    blocks. A request above 1 MiB takes its own run of chunks (rounded up to a
+    multiple of 2 MiB). Smaller requests are sub-allocated from shared chunks
+    by size class (multiples of 512 B, at most 25% apart), so a thousand small
+    arrays take a few chunks, not a thousand. Freed memory is cached per
+    device for reuse (no CUDA call); :meth:`trim` (or
+    :func:`cupy_memstrat.trim`) returns unused chunks to CUDA. ``Stats``:
+    in use counts bytes as requested; reserved counts whole chunks.
+
+    Note that chunking alone does not reduce page faults (FACTS.md: 512 separate
+    2 MiB allocations faulted as much as one 1 GiB allocation); advice and
+    prefetch do.
+
+    Options (besides ``track_origins``):
+        preferred_location: ``"device"`` (the device current when the chunk
+            is made), ``"host"``, a device ordinal, or ``None`` (default):
+            ``cudaMemAdviseSetPreferredLocation`` on each new chunk. Alone it
+            does not avoid faults on the H200 (FACTS.md); with prefetch it keeps
+            pages where they were sent.
+        accessed_by: devices (``"device"``, ordinals) and/or ``"host"`` that
+            get a mapping to each chunk (``cudaMemAdviseSetAccessedBy``): a
+            list, or in a spec string joined with ``+`` (``"host+1"``).
+        read_mostly: ``cudaMemAdviseSetReadMostly`` on each chunk (default
+            False). Harmful for data the GPU writes: it warns
+            (:class:`~cupy_memstrat.ManagedMemoryWarning`); see
+            docs/managed.md for the measured cost.
+        prefetch: ``"on_alloc"``: on allocation, prefetch to the current
+            device on CuPy's current stream (``cudaMemPrefetchAsync``): every
+            large allocation, and each shared chunk when it is made (its slots
+            are then already on the device); ``None`` (default): no prefetch.
+        headroom: device memory the guard keeps free: bytes, a size string
+            or ``"N%"`` of the device (default: 1 GiB or 5% of the device,
+            whichever is smaller).
+        oversubscribe: allow managed memory beyond the device's free memory
+            (default False). Oversubscribed managed memory pages in and out
+            of the device; on a shared GPU it can stall everyone.
+
+    Oversubscription guard: before making a chunk, the strategy checks that
+    the device can hold it together with this strategy's chunks that are not
+    resident yet, within ``cudaMemGetInfo``'s free memory less ``headroom``.
+    Growth of the device's used memory since the strategy's first chunk is
+    taken as its chunks becoming resident (at most all of them). A refused
+    request first gives cached chunks back, then raises
+    ``cupy.cuda.memory.OutOfMemoryError`` (``reason="oversubscription_guard"``)
+    naming the guard, the request and the device's free memory.
+
+    Raises (at creation, so at ``use()``):
+        ValueError: a bad option value (the message names it), or a device
+            ordinal in ``preferred_location`` / ``accessed_by`` that does
+            not exist.
+
+    Warns:
+        ManagedMemoryWarning: ``read_mostly=True``; or a device whose
+            ``concurrentManagedAccess`` is 0 (Windows, WSL2, Jetson), where
+            the host must not touch managed memory while a kernel runs.
+    """
+
+    name = "managed"
+    aliases = ("malloc_managed",)
+    description = "managed memory (cudaMallocManaged) in 2 MiB chunks, advice and prefetch policies, guard"
+    reserved_is_in_use = False
+    options = (
+        Option(
+            "preferred_location",
+            _as_location,
+            None,
+            "device | host | ordinal | none: cudaMemAdviseSetPreferredLocation on each chunk",
+        ),
+        Option("accessed_by", _as_accessed_by, (), "device/host/ordinals joined with +: cudaMemAdviseSetAccessedBy"),
+        Option("read_mostly", as_bool, False, "cudaMemAdviseSetReadMostly on each chunk (harmful if the GPU writes)"),
+        Option("prefetch", _as_prefetch, None, "on_alloc | none: prefetch to the current device on allocation"),
+        Option(
+            "headroom",
+            lambda v, what: None if v is None else as_size(v, what),
+            None,
+            "device memory the oversubscription guard keeps free (size or N%); default min(1GiB, 5%)",
+        ),
+        Option("oversubscribe", as_bool, False, "allow managed memory beyond the device's free memory"),
+    )
+
+    def __init__(self, *, backend=None, **options):
+        super().__init__(backend=backend, **options)
+        b, cfg = self.backend, self.config
+        n = b.device_count()
+        for what in ("preferred_location", "accessed_by"):
+            locs = cfg[what] if what == "accessed_by" else (cfg[what],)
+            for loc in locs:
+                if isinstance(loc, int) and not 0 <= loc < n:
+                    raise ValueError(f"managed: option {what}: device {loc} does not exist (0 <= device < {n})")
+        self._headroom = []
+        for d in range(n):
+            props = b.device_properties(d)
+            h, total = cfg["headroom"], props["total_memory"]
+            h = min(1 << 30, total // 20) if h is None else parse_size(h, total=total, what="managed: option headroom")
+            if h > total:
+                raise ValueError(
+                    f"managed: option headroom={cfg['headroom']!r} ({format_size(h)}) is above device {d}'s "
+                    f"memory ({format_size(total)})"
+                )
+            self._headroom.append(h)
+            if not props.get("concurrent_managed_access", 1):
+                _warn(
+                    f"managed: device {d} ({props.get('name')}) has concurrentManagedAccess = 0 "
+                    "(Windows, WSL2, Jetson): the host must not touch managed memory while any kernel "
+                    "runs on it, or the process crashes; synchronize before host access",
+                    ManagedMemoryWarning,
+                    stacklevel=4,
+                )
+        if cfg["read_mostly"]:
+            _warn(
+                "managed: read_mostly=True duplicates pages on each processor that reads them, and every "
+                "write invalidates all copies: for data the GPU writes it is harmful (on an H200 a GPU "
+                "pass writing a 1 GiB read-mostly buffer took 2.9 s, the next one 0.5 s, against 1.5 ms "
+                "without the advice; docs/managed.md). Use it only for data that nobody writes",
+                ManagedMemoryWarning,
+                stacklevel=4,
+            )
+        # Per device: free slots of shared chunks by class index, free large
+        # blocks by size, and the chunks (base -> (bytes, class index or -1)).
+        self._small = [[[] for _ in SIZE_CLASSES] for _ in range(n)]
+        self._large: list[dict[int, list[int]]] = [{} for _ in range(n)]
+        self._chunks: list[dict[int, tuple[int, int]]] = [{} for _ in range(n)]
+        self._small_bases: list[list[int]] = [[] for _ in range(n)]
+        # The hot path's index: (size + 511) >> 9 -> its class's free list
+        # (small sizes), size rounded to 512 B -> its run's free list (large
+        # sizes, filled on first use). The same list objects as above.
+        self._small_index = [[lists[ci] for ci in _CLASS_INDEX] for lists in self._small]
+        self._large_index: list[dict[int, list[int]]] = [{} for _ in range(n)]
+        self._reserved = [0] * n  # managed bytes held, per device (guard)
+        self._used0: list[int | None] = [None] * n  # device memory used at the first chunk
+        self._n_refused = [0] * n
+        self._chunk_lock = threading.RLock()
+
+    # -- policies ---------------------------------------------------------------
+    def _location(self, loc, device: int) -> int:
+        return _cuda.HOST if loc == "host" else (device if loc == "device" else loc)
+
+    def _apply_policies(self, ptr: int, nbytes: int, device: int) -> None:
+        """Advice on a new chunk (or run of chunks); prefetch if asked."""
+        b, cfg = self.backend, self.config
+        if cfg["preferred_location"] is not None:
+            b.mem_advise(ptr, nbytes, _cuda.ADVISE_SET_PREFERRED_LOCATION, self._location(cfg["preferred_location"], device))
+        for loc in cfg["accessed_by"]:
+            b.mem_advise(ptr, nbytes, _cuda.ADVISE_SET_ACCESSED_BY, self._location(loc, device))
+        if cfg["read_mostly"]:
+            b.mem_advise(ptr, nbytes, _cuda.ADVISE_SET_READ_MOSTLY, device)
+
+    def _prefetch_to(self, ptr: int, nbytes: int, device: int) -> None:
+        b = self.backend
+        b.mem_prefetch(ptr, nbytes, device, b.current_stream(device).ptr)
+
+    # -- chunks -----------------------------------------------------------------
+    def _guard(self, nbytes: int, size: int, device: int) -> None:
+        """Refuse ``nbytes`` of new chunks that the device could not hold."""
+        if self.config["oversubscribe"]:
+            return
+        b = self.backend
+        for attempt in (0, 1):
+            free, total = b.mem_get_info(device)
+            used = total - free
+            if self._used0[device] is None:
+                self._used0[device] = used
+            mine = self._reserved[device]
+            resident = min(mine, max(0, used - self._used0[device]))
+            need = nbytes + mine - resident
+            room = free - self._headroom[device]
+            if need <= room:
+                return
+            if attempt == 0 and not self._release(device, 0):
+                break
+        self._n_refused[device] += 1
+        with self._fold_lock:
+            self._counters[device].n_failed += 1
+        self._raise_out_of_memory(
+            size,
+            device,
+            reason="oversubscription_guard",
+            detail=(
+                f": refused by the oversubscription guard: {format_size(nbytes)} of new managed chunks "
+                f"plus {format_size(mine - resident)} of this strategy's chunks not yet resident need "
+                f"{format_size(need)}, more than the device's {format_size(free)} free less "
+                f"{format_size(self._headroom[device])} headroom; pass oversubscribe=True to allow "
+                "oversubscription (pages then move in and out of the device)"
+            ),
+        )
+
+    def _new_chunks(self, nbytes: int, size: int, device: int, ci: int) -> int:
+        """``cudaMallocManaged`` of ``nbytes`` (a multiple of 2 MiB) after the
+        guard; on a CUDA out-of-memory, release the cache and retry once."""
+        b = self.backend
+        with self._chunk_lock:
+            self._guard(nbytes, size, device)
+            try:
+                ptr = b.malloc_managed(nbytes)
+            except self._Error as exc:
+                b.clear_last_error()
+                if getattr(exc, "status", None) != _cuda.ERROR_MEMORY_ALLOCATION or not self._release(device, 0):
+                    self._allocation_failed(size, device, exc)
+                try:
+                    ptr = b.malloc_managed(nbytes)
+                except self._Error as exc2:
+                    self._allocation_failed(size, device, exc2)
+            try:
+                self._apply_policies(ptr, nbytes, device)
+            except Exception:
+                b.free(ptr)
+                b.clear_last_error()
+                raise
+            self._chunks[device][ptr] = (nbytes, ci)
+            if ci >= 0:
+                bisect.insort(self._small_bases[device], ptr)
+            self._reserved[device] += nbytes
+            self._record_reserved(device, nbytes)
+            return ptr
+
+    def _refill(self, ci: int, size: int, device: int) -> int:
+        """A new shared chunk for class ``ci``: one slot for this request, the
+        rest onto the class's free list."""
+        cls = SIZE_CLASSES[ci]
+        base = self._new_chunks(CHUNK_BYTES, size, device, ci)
+        if self.config["prefetch"] == "on_alloc":
+            self._prefetch_to(base, CHUNK_BYTES, device)
+        lst = self._small[device][ci]
+        n = CHUNK_BYTES // cls
+        lst.extend(range(base + (n - 1) * cls, base, -cls))  # lowest address popped first
+        return base
+
+    def _release(self, device: int, keep: int) -> int:
+        """Give cached chunks of ``device`` back to CUDA until at most
+        ``keep`` bytes stay cached; returns the bytes released."""
+        b = self.backend
+        released = 0
+        with self._chunk_lock:
+            chunks = self._chunks[device]
+            cached = self._cached_bytes(device)
+            # large blocks first (whole blocks, biggest first)
+            large = self._large[device]
+            for nbytes in sorted(large, reverse=True):
+                lst = large[nbytes]
+                while cached > keep:
+                    try:
+                        ptr = lst.pop()
+                    except IndexError:
+                        break
+                    self._free_chunk(ptr, device)
+                    cached -= nbytes
+                    released += nbytes
+            if cached > keep:
+                # shared chunks whose every slot is free
+                slots: dict[int, list[int]] = {}
+                bases = self._small_bases[device]
+                for ci, lst in enumerate(self._small[device]):
+                    taken = []
+                    while True:
+                        try:
+                            taken.append(lst.pop())
+                        except IndexError:
+                            break
+                    for ptr in taken:
+                        base = bases[bisect.bisect_right(bases, ptr) - 1]
+                        slots.setdefault(base, []).append(ptr)
+                for base, ptrs in slots.items():
+                    ci = chunks[base][1]
+                    if cached > keep and len(ptrs) == CHUNK_BYTES // SIZE_CLASSES[ci]:
+                        self._free_chunk(base, device)
+                        cached -= CHUNK_BYTES - CHUNK_BYTES % SIZE_CLASSES[ci]
+                        released += CHUNK_BYTES
+                    else:
+                        self._small[device][ci].extend(sorted(ptrs, reverse=True))
+        return released
+
+    def _free_chunk(self, ptr: int, device: int) -> None:
+        nbytes, ci = self._chunks[device].pop(ptr)
+        if ci >= 0:
+            bases = self._small_bases[device]
+            del bases[bisect.bisect_left(bases, ptr)]
+        self._reserved[device] -= nbytes
+        self._record_reserved(device, -nbytes)
+        try:
+            self.backend.free(ptr)
+        except self._Error as exc:
+            self.backend.clear_last_error()
+            _warn(f"managed: cudaFree of chunk 0x{ptr:x} on device {device} failed: {exc}", RuntimeWarning, 4)
+
+    def _cached_bytes(self, device: int) -> int:
+        small = sum(SIZE_CLASSES[ci] * len(lst) for ci, lst in enumerate(self._small[device]))
+        return small + sum(n * len(lst) for n, lst in list(self._large[device].items()))
+
+    # -- the hot path ---------------------------------------------------------------
+    def _miss(self, size: int, device: int) -> int:
+        """The slow path of an allocation: no free block of ``size``'s class
+        (or run of chunks) on ``device``. A large size seen for the first
+        time is indexed under its 512-byte rounding, and may find a block
+        freed by another size of the same run."""
+        if size <= SMALL_MAX:
+            ci = _CLASS_INDEX[(size + 511) >> 9]
+            try:
+                return self._small[device][ci].pop()  # another thread freed one
+            except IndexError:
+                return self._refill(ci, size, device)
+        n = (size + CHUNK_BYTES - 1) & _CHUNK_MASK
+        lst = self._large[device].setdefault(n, [])
+        self._large_index[device][(size + 511) & -512] = lst
+        try:
+            ptr = lst.pop()
+        except IndexError:
+            ptr = self._new_chunks(n, size, device, -1)
+        if self.config["prefetch"] == "on_alloc":
+            self._prefetch_to(ptr, n, device)
+        return ptr
+
+    def _build_hot_path(self):
+        # The base class's closures with the chunk cache inlined (it needs the
+        # device, which a plain allocate(size) hook does not get). Same
+        # accounting as the base: events append before the live insert.
+        # A cached allocation indexes its free list by the size in 512-byte
+        # units: a list for small sizes, a dict (filled on first use) above.
+        events, live, origins, track = self._events, self._live, self._origins, self._track_origins
+        small, large = self._small_index, self._large_index
+        miss, fold, unknown_free = self._miss, self._fold, self._unknown_free
+        prefetch_to = self._prefetch_to if self.config["prefetch"] == "on_alloc" else None
+
+        def malloc(size, device):
+            if size <= SMALL_MAX:
+                try:
+                    ptr = small[device][(size + 511) >> 9].pop()
+                except IndexError:  # none free: a new chunk for the class
+                    ptr = miss(size, device)
+            else:
+                try:
+                    ptr = large[device][(size + 511) & -512].pop()
+                except (KeyError, IndexError):  # first of its size here, or none free
+                    ptr = miss(size, device)
+                else:
+                    if prefetch_to is not None:
+                        prefetch_to(ptr, (size + CHUNK_BYTES - 1) & _CHUNK_MASK, device)
+            ev = events[device]
+            ev.append(size)
+            if track:
+                origins[ptr] = capture_origin(1)
+            live[device][ptr] = size
+            if len(ev) > _FOLD_AT:
+                fold(device)
+            return ptr
+
+        def free(ptr, device, stacklevel=1):
+            try:
+                size = live[device].pop(ptr)
+            except (KeyError, IndexError, TypeError):
+                device, size = unknown_free(ptr, stacklevel)
+                if size is None:
+                    return
+            if track:
+                origins.pop(ptr, None)
+            events[device].append(-size)
+            if size <= SMALL_MAX:
+                small[device][(size + 511) >> 9].append(ptr)
+            else:
+                large[device][(size + 511) & -512].append(ptr)  # indexed when it was allocated
+
+        self._malloc, self._free = malloc, free
+        return malloc, free
+
+    # -- statistics and control -----------------------------------------------------
+    def managed_stats(self, device: int | None = None) -> ManagedStats:
+        """The chunks on ``device`` (default: current); see :class:`ManagedStats`.
+
+        Raises:
+            TypeError, ValueError: ``device`` is not a valid device ordinal.
+        """
+        d = self._device_or_current(device)
+        return ManagedStats(
+            device=d,
+            chunk_bytes=CHUNK_BYTES,
+            n_chunks=self._reserved[d] // CHUNK_BYTES,
+            reserved_bytes=self._reserved[d],
+            cached_bytes=self._cached_bytes(d),
+            n_guard_refusals=self._n_refused[d],
+        )
+
+    def trim(self, keep_bytes=0, device: int | None = None) -> int:
+        """Give cached chunks back to CUDA (``cudaFree``): free large blocks,
+        then shared chunks whose every slot is free. Memory in use is never
+        released; a shared chunk with one live slot stays.
+
+        Args:
+            keep_bytes: keep at most about this much cached: bytes, a size
+                string or ``"N%"`` of device memory (default 0).
+            device: one device, or ``None`` (default) for every device.
+
+        Returns:
+            int: bytes of managed memory released.
+
+        Raises:
+            TypeError, ValueError: a bad ``keep_bytes`` or ``device``.
+        """
+        devices = range(len(self._chunks)) if device is None else [self._device_or_current(device)]
+        released = 0
+        for d in devices:
+            total = self.backend.device_properties(d)["total_memory"] if isinstance(keep_bytes, str) else None
+            released += self._release(d, parse_size(keep_bytes, total=total, what="keep_bytes"))
+        return released
+
+    def close(self) -> None:
+        """As :meth:`Strategy.close`; also gives every cached chunk back.
+        Chunks with live allocations stay until they are freed and a later
+        :meth:`trim`, or until the strategy is garbage-collected."""
+        super().close()
+        self.trim()
+
+    def __del__(self):
+        # Unreachable: no array of ours is alive (CuPy's memory objects keep
+        # the hot path, and so the strategy, alive). Give every chunk back.
+        try:
+            for d, chunks in enumerate(self._chunks):
+                for ptr in list(chunks):
+                    self._free_chunk(ptr, d)
+        except Exception:  # noqa: BLE001 - interpreter shutdown, CUDA gone
+            pass
