@@ -16,8 +16,6 @@ from .sizes import format_size
 
 __all__ = ["collect", "format_report", "package_versions"]
 
-FAULT_COUNTERS_STATUS = "not yet implemented (they come with the managed strategy)"
-
 
 def _dist_version(*names: str) -> str | None:
     for name in names:
@@ -79,7 +77,8 @@ def collect(backend=None) -> dict:
         "host": platform.node(),
         "packages": package_versions(),
         "strategies": get_registry().describe(),
-        "page_fault_counters": FAULT_COUNTERS_STATUS,
+        # faults.status() only with a real CUDA device: it opens the driver's counters.
+        "page_fault_counters": "unknown (no CUDA device)",
     }
     try:
         if backend is None:
@@ -99,6 +98,12 @@ def collect(backend=None) -> dict:
             "runtime": versions["runtime"],
             "devices": devices,
         }
+        if backend.name == "cuda":
+            from . import faults
+
+            report["page_fault_counters"] = faults.status()
+        else:
+            report["page_fault_counters"] = f"unknown (no CUDA device: backend {backend.name!r})"
     except MemstratError as exc:
         report["error"] = str(exc)
     return report
