@@ -52,7 +52,7 @@ def _cmd_bench(args) -> int:
     return 0
 
 
-_BENCH_MODULES = {"alloc": "alloc", "async": "async_pool"}
+_BENCH_MODULES = {"alloc": "alloc", "async": "async_pool", "managed": "managed"}
 
 
 def _nothing():
@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         "alloc": "alloc+free latency and a small-temporaries workload for every allocator path",
         "async": "the async strategy against CuPy's MemoryAsyncPool, RMM and cudaMalloc: latency, "
         "a 64 MiB sync loop at release threshold 0 and default, pool growth, trim, max_size",
+        "managed": "the managed strategy: alloc+free latency against CuPy's pool, a 1 GiB first GPU pass "
+        "under each advice / prefetch policy with page-fault counts, read-mostly's cost",
     }
     for group, text in helps.items():
         g = groups.add_parser(group, help=text, description=text)

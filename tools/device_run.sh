@@ -4,6 +4,7 @@
 #
 #   tools/device_run.sh main              install, info, tests (all), bench alloc, bench async,
 #                                         compute-sanitizer out-of-bounds demo
+#   tools/device_run.sh managed           install, info, tests (all), bench managed
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -42,6 +43,18 @@ if [ "$part" = main ]; then
   for s in cupy-default device; do
     timeout 180 compute-sanitizer --tool memcheck --print-limit 2 python3 tools/oob_demo.py $s 2>&1 | grep -E "ERROR SUMMARY|Invalid __global__ write|kernel ran"
   done
+fi
+
+if [ "$part" = managed ]; then
+  step info
+  python3 -m cupy_memstrat info
+  python3 -m cupy_memstrat info --json > "$OUT/info.json"
+
+  step tests
+  python3 -m pytest tests -v -p no:cacheprovider -rs --junitxml="$OUT/tests.xml"
+
+  step bench managed
+  python3 -m cupy_memstrat bench managed --json "$OUT/bench_managed.json"
 fi
 
 if [ "$part" = cupy ] && [ -d .cupy_tests/tests ]; then
