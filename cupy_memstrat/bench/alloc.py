@@ -26,7 +26,39 @@ N_TEMPS = 30
 WORKLOAD_ELEMS = 4096
 
 
-def _paths(cupy, strategies: list[str]):
+def python_floor_allocator(cupy):
+    """A ``PythonFunctionAllocator`` over the least a Python allocator can do:
+    a free list per 512-byte size and a pointer -> size dict, no statistics
+    (the baseline FACTS.md measured). Blocks come from ``cudaMalloc``. The
+    floor under which no Python-level strategy can go."""
+    rt = cupy.cuda.runtime
+    free_lists: dict[int, list[int]] = {}
+    sizes: dict[int, int] = {}
+
+    def malloc(size, device):
+        key = (size + 511) & -512
+        try:
+            ptr = free_lists[key].pop()
+        except (KeyError, IndexError):
+            free_lists.setdefault(key, [])
+            ptr = rt.malloc(key)
+        sizes[ptr] = key
+        return ptr
+
+    def free(ptr, device):
+        free_lists[sizes.pop(ptr)].append(ptr)
+
+    pfa = cupy.cuda.PythonFunctionAllocator(malloc, free)
+
+    def release():
+        for lst in free_lists.values():
+            for ptr in lst:
+                rt.free(ptr)
+
+    return pfa, release
+
+
+def _paths(cupy, strategies: list[str], extra=()):
     """(label, activate) pairs; ``activate()`` installs the path as CuPy's allocator."""
     from ..api import create
 
@@ -42,6 +74,7 @@ def _paths(cupy, strategies: list[str]):
     if "device" in strategies:
         s = create("device", track_origins=True)
         paths.append(("device+origins", lambda m=s.cupy_allocator(): cuda.set_allocator(m)))
+    paths.extend(extra)
     try:
         import rmm
         from rmm.allocators.cupy import rmm_cupy_allocator
@@ -110,8 +143,11 @@ def _calibrate(fn, target_s: float) -> int:
         n *= 4
 
 
-def run(*, rounds: int = 7, target_s: float = 0.03, progress=None, strategies=None) -> dict:
+def run(*, rounds: int = 7, target_s: float = 0.03, progress=None, strategies=None, extra_paths=()) -> dict:
     """Run the benchmark; return the results dict (times in microseconds).
+
+    ``strategies``: registered names to measure (default: all);
+    ``extra_paths``: more ``(label, activate)`` pairs, measured alongside.
 
     Raises:
         NoDeviceError, CuPyNotInstalledError: nothing to measure on.
@@ -126,7 +162,7 @@ def run(*, rounds: int = 7, target_s: float = 0.03, progress=None, strategies=No
     say = progress or (lambda msg: None)
     names = list(strategies) if strategies is not None else get_registry().names()
     prev = cupy.cuda.get_allocator()
-    paths = _paths(cupy, names)
+    paths = _paths(cupy, names, extra_paths)
     labels = [p[0] for p in paths]
     lat = {lab: {s: [] for s in SIZES} for lab in labels}
     work = {lab: [] for lab in labels}

@@ -5,7 +5,9 @@ Parts:
 * ``latency``: alloc+free pairs through ``cupy.cuda.alloc`` (512 B, 1 MiB,
   32 MiB; cached) and the small-temporaries workload:
   :func:`cupy_memstrat.bench.alloc.run` restricted to the ``managed``
-  strategy, with its ratio to CuPy's default pool.
+  strategy, with its ratio to CuPy's default pool, and ``python-floor``: a
+  ``PythonFunctionAllocator`` over a bare free list with no statistics, the
+  least any Python-level allocator costs.
 * ``first_pass``: a 1 GiB float32 array under each policy, its first GPU
   pass (``x *= 2``) timed with what it takes to get the data there, and the
   page faults and bytes moved (driver counters, :mod:`cupy_memstrat.faults`):
@@ -239,8 +241,13 @@ def run(*, rounds: int = 3, target_s: float = 0.03, progress=None) -> dict:
     say = progress or (lambda msg: None)
     prev = cupy.cuda.get_allocator()
     try:
-        lat = _alloc.run(rounds=max(rounds, 5), target_s=target_s, progress=say, strategies=["managed"])
+        floor, release_floor = _alloc.python_floor_allocator(cupy)
+        extra = [("python-floor", lambda: cupy.cuda.set_allocator(floor.malloc))]
+        lat = _alloc.run(
+            rounds=max(rounds, 5), target_s=target_s, progress=say, strategies=["managed"], extra_paths=extra
+        )
         cupy.cuda.set_allocator(prev)
+        release_floor()
         first = _first_pass(cupy, rounds, say)
         rm = _read_mostly(cupy, say)
     finally:
