@@ -30,8 +30,10 @@ Sources, best first (``source=None`` takes the first that opens):
     (``pip install 'cupy-memstrat[cupti]'``). Lower bounds only
     (``exact=False``): CUPTI silently drops records under heavy paging
     (measured: 35-55% of the bytes recorded for 256 MiB, 9-15% for 1 GiB, its
-    dropped-record counter staying 0), fault-driven kernels run ~2x slower
-    while it records, and each read costs a flush (11-15 ms). Only one CUPTI
+    dropped-record counter staying 0), it sees only managed memory allocated
+    after the first CUPTI counter started (it then stays on, and
+    fault-driven kernels run ~2x slower), and each read costs a flush
+    (11-15 ms). Only one CUPTI
     user per process (R580 driver): a profiler attached to the process
     makes it unavailable. FACTS.md.
 ``"fake"``
@@ -486,8 +488,9 @@ _CUPTI_BUFFER_BYTES = 8 << 20  # as NVIDIA's cupti-python samples (cupti_common.
 
 class CuptiCounters:
     """CUPTI's ``UNIFIED_MEMORY_COUNTER`` activity records, summed (from
-    :func:`open_cupti_counters`). The activity kind is enabled while at least
-    one counter runs (:meth:`acquire` / :meth:`release`)."""
+    :func:`open_cupti_counters`). The activity kind is enabled by the first
+    counter that starts and stays enabled: CUPTI only sees managed memory
+    allocated while it is on."""
 
     name = "cupti"
     exact = False
@@ -495,7 +498,7 @@ class CuptiCounters:
     def __init__(self, cupti):
         self._cupti = cupti
         self._lock = threading.Lock()
-        self._users = 0
+        self._enabled = False
         self._totals = [0, 0, 0, 0]  # gpu_faults, cpu_faults, bytes_htod, bytes_dtoh
         k = cupti.ActivityUnifiedMemoryCounterKind
         self._kind = int(cupti.ActivityKind.UNIFIED_MEMORY_COUNTER)
@@ -560,24 +563,23 @@ class CuptiCounters:
         self._call("activity_disable(UNIFIED_MEMORY_COUNTER)", cp.activity_disable, self._kind)
 
     def acquire(self) -> None:
+        # Switched on at the first counter and left on: CUPTI reports no
+        # migrations of managed memory allocated while the activity kind
+        # was off (measured on the H200 with cupti-python 13.0.1:
+        # docs/faults.md), so toggling it per counter would lose them.
         with self._lock:
-            first = self._users == 0
-            self._users += 1
+            first = not self._enabled
+            self._enabled = True
         if first:
             try:
                 self._call("activity_enable(UNIFIED_MEMORY_COUNTER)", self._cupti.activity_enable, self._kind)
             except FaultCountersUnavailable:
                 with self._lock:
-                    self._users -= 1
+                    self._enabled = False
                 raise
 
     def release(self) -> None:
-        with self._lock:
-            self._users -= 1
-            last = self._users == 0
-        if last:
-            self._cupti.activity_flush_all(1)
-            self._cupti.activity_disable(self._kind)
+        self._cupti.activity_flush_all(1)
 
     def read(self) -> tuple[int, int, int, int]:
         """Cumulative totals after a forced flush (``activity_flush_all(1)``;

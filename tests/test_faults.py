@@ -442,18 +442,19 @@ def test_cupti_counts_records_and_never_sums_program_counters():
     cp.record(k.BYTES_TRANSFER_HTOD, 999, kind=10)  # another activity kind
     assert src.read() == (1, 2, 4 * MiB, 64 * 1024)
     src.release()
-    assert not cp.enabled
+    assert cp.enabled  # stays on: CUPTI sees only memory allocated while it is on
 
 
-def test_cupti_enabled_while_any_counter_runs():
+def test_cupti_is_switched_on_by_the_first_counter_and_stays_on():
     cp = FakeCupti()
     src = faults.open_cupti_counters(cupti=cp)
+    assert not cp.enabled
     src.acquire()
     src.acquire()
     src.release()
-    assert cp.enabled
     src.release()
-    assert not cp.enabled and cp.calls[-2:] == ["flush(1)", "activity_disable"]
+    assert cp.enabled and cp.calls.count("activity_enable") == 2  # the probe at open, then once
+    assert cp.calls[-1] == "flush(1)" and "activity_disable" not in cp.calls[4:]
 
 
 def test_cupti_not_installed(monkeypatch):
@@ -724,18 +725,18 @@ def test_no_source_names_every_reason(fresh_sources):
     assert isinstance(info.value, cupy_memstrat.FaultCountersUnavailable)
 
 
-def test_a_cupti_counter_records_only_while_it_runs(fresh_sources, monkeypatch):
+def test_a_cupti_counter_counts_only_its_block(fresh_sources, monkeypatch):
     cp = FakeCupti()
     src = faults.open_cupti_counters(cupti=cp)
     monkeypatch.setitem(faults._OPENERS, "cupti", lambda init_cuda: src)
     k = cp.ActivityUnifiedMemoryCounterKind
     c = faults.FaultCounter(source="cupti", backend=RealLike())
-    cp.record(k.BYTES_TRANSFER_HTOD, MiB)  # not running: CUPTI is off
+    cp.record(k.BYTES_TRANSFER_HTOD, MiB)  # before the first counter: CUPTI is off
     with c:
         assert cp.enabled
         cp.record(k.BYTES_TRANSFER_HTOD, 2 * MiB)
         cp.record(k.GPU_PAGE_FAULT, 1)
-    assert not cp.enabled
+    cp.record(k.BYTES_TRANSFER_HTOD, 4 * MiB)  # after it: recorded, but outside the block
     assert c.counts == faults.FaultCounts(1, 0, 2 * MiB, 0, "cupti", False)
     assert "flush(1)" in cp.calls  # each read forces a flush
 

@@ -131,11 +131,19 @@ def test_a_counter_costs_little_beyond_the_synchronisation(cp, capsys):
 
 @pytest.mark.skipif(importlib.util.find_spec("cupti") is None,
                     reason="cupti-python is not installed (carry the cupti-python 13.0.1 wheel, FACTS.md)")
-def test_cupti_is_a_lower_bound_of_the_driver(cp, managed, capsys):
-    mem, _host, x = managed
-    drv = faults.FaultCounter(source="driver")
+def test_cupti_is_a_lower_bound_of_the_driver(cp, capsys):
+    # CUPTI sees only managed memory allocated after it was switched on
+    # (measured: a counter started after the allocation counted nothing):
+    # start the first CUPTI counter before allocating.
     cup = faults.FaultCounter(source="cupti")
+    cup.start().stop()
     assert cup.source == "cupti" and cup.exact is False
+    mem = cp.cuda.malloc_managed(N)
+    host = np.ctypeslib.as_array((ctypes.c_uint8 * N).from_address(mem.ptr))
+    host[:] = 0
+    x = cp.ndarray((N // 4,), dtype=cp.float32, memptr=mem)
+    cp.cuda.runtime.deviceSynchronize()
+    drv = faults.FaultCounter(source="driver")
     with drv, cup:  # CUPTI inside the driver counter: both see the same work
         prefetch(mem.ptr, N, 0)
         prefetch(mem.ptr, N, "host")
@@ -145,7 +153,8 @@ def test_cupti_is_a_lower_bound_of_the_driver(cp, managed, capsys):
         print(f"\ndriver: {d}\nCUPTI:  {c}")
     assert c.exact is False and c.source == "cupti"
     assert d.bytes_htod >= 2 * N and d.bytes_dtoh == N and d.gpu_faults > 0
-    assert 0 <= c.bytes_htod <= d.bytes_htod
+    assert 0 < c.bytes_htod <= d.bytes_htod  # it saw the migrations, maybe not all of them
+    assert 0 < c.gpu_faults <= d.gpu_faults
     assert 0 <= c.bytes_dtoh <= d.bytes_dtoh
-    assert 0 <= c.gpu_faults <= d.gpu_faults
     assert c.cpu_faults <= d.cpu_faults
+    del x, host, mem
