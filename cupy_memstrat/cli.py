@@ -52,6 +52,24 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_plot(args) -> int:
+    from .bench.plot import plot
+
+    try:
+        with open(args.json) as f:
+            report = json.load(f)
+    except (OSError, ValueError) as exc:
+        print(f"plot: cannot read {args.json!r}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        plot(report, args.output)
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"plot: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output}")
+    return 0
+
+
 _BENCH_MODULES = {"alloc": "alloc", "async": "async_pool", "managed": "managed"}
 
 
@@ -93,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--rounds", type=_positive_int, default=7, help="interleaved rounds (default 7)")
         g.add_argument("--quiet", action="store_true", help="no progress lines")
         g.set_defaults(func=_cmd_bench)
+
+    pl = sub.add_parser("plot", help="draw the figure of a benchmark's JSON (needs matplotlib)")
+    pl.add_argument("json", help="a file written by bench ... --json")
+    pl.add_argument("-o", "--output", required=True, help="image to write (.png, .svg, ...)")
+    pl.set_defaults(func=_cmd_plot)
     return p
 
 
