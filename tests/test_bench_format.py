@@ -39,3 +39,56 @@ def test_async_table_has_every_part():
     for needle in ("async/cupy-async: 512 0.500x", "own-pool 512 B 1.20", "54.0x slower", "1 B -> 32.0 MiB",
                    "trim() -> 0 B", "33.0 MiB grants up to 64 MiB"):
         assert needle in text
+
+
+def _managed_report():
+    from cupy_memstrat.bench import managed
+
+    lat = _alloc_report(["cupy-default", "no-pool", "managed", "python-floor"])
+    rows = {}
+    for i, label in enumerate(managed._scenarios()):
+        faults = {"gpu_faults": 0 if "prefetch()" in label else 1000, "cpu_faults": 0,
+                  "bytes_htod": 1 << 30, "bytes_dtoh": 0}
+        rows[label] = {"median_ms": 10.0 + i, "GB_per_s": 5.0, "fraction_of_pinned_copy": 0.5,
+                       "speedup_vs_no_hints": 2.0, "faults_median": faults}
+    return {
+        "benchmark": "managed",
+        "machine": {"cuda": {"devices": [{"name": "Fake H200"}]}},
+        "latency": lat,
+        "first_pass": {"bytes": 1 << 30, "kernel": "x *= 2", "fault_counters": "driver",
+                       "pinned_copy": {"GB_per_s": 55.0, "seconds": 0.0195}, "results": rows},
+        "read_mostly": {"read_mostly": {"pass_ms": [3500.0, 530.0, 127.0]},
+                        "no-hints": {"pass_ms": [200.0, 1.5, 1.3]}, "second_pass_ratio": 353.0},
+        "bars": {"latency_managed_over_cupy_pool": {"512": 1.5, "temporaries": 1.02}, "first_pass_speedup": 8.9,
+                 "first_pass_fraction_of_pinned_copy": 0.82, "first_pass_gpu_faults_vs_no_hints": 0.0},
+    }
+
+
+def test_managed_table_has_every_part():
+    from cupy_memstrat.bench import managed
+
+    text = managed.format_table(_managed_report())
+    for needle in ("python-floor", "cpu-init/prefetch=on_alloc+prefetch()", "pinned copy 55.0 GB/s",
+                   "second pass 353x slower", "512 B 1.50x", "8.9x faster than no hints", "0.82x of the pinned copy",
+                   "GPU faults 0.00% of no hints"):
+        assert needle in text, needle
+
+
+def test_plot_draws_the_managed_figure_and_refuses_unknown_reports(tmp_path):
+    import pytest
+
+    pytest.importorskip("matplotlib", reason="the [plot] extra is not installed")
+    from cupy_memstrat.bench.plot import plot
+
+    out = tmp_path / "m.png"
+    plot(_managed_report(), str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no figure for benchmark 'alloc'; figures exist for: managed"):
+        plot({"benchmark": "alloc"}, str(out))
+
+
+def test_plot_command_reports_a_bad_file(tmp_path, capsys):
+    from cupy_memstrat.cli import main
+
+    assert main(["plot", str(tmp_path / "missing.json"), "-o", str(tmp_path / "x.png")]) == 2
+    assert "plot: cannot read" in capsys.readouterr().err
