@@ -3,7 +3,10 @@
     import cupy_memstrat
     cupy_memstrat.use("device")          # CuPy now allocates with cudaMalloc/cudaFree
     cupy_memstrat.use("async")           # or: a stream-ordered pool of its own
-    ...
+    cupy_memstrat.use("managed")         # or: managed memory in 2 MiB chunks
+    cupy_memstrat.prefetch(x)            # move a managed array to the GPU ahead of use
+    with cupy_memstrat.faults.count() as c:   # exact page-fault counters
+        ...
     print(cupy_memstrat.stats())          # bytes in use, peak, reserved, counts
     for a in cupy_memstrat.live_allocations():
         print(a)
