@@ -266,6 +266,11 @@ def _memory_range(x, nbytes) -> tuple[int, int]:
     if hasattr(x, "ptr") and hasattr(x, "mem"):  # a MemoryPointer
         if nbytes is None:
             nbytes = x.mem.size - (x.ptr - x.mem.ptr)
+            if nbytes < 0:
+                raise ValueError(
+                    f"x: the MemoryPointer 0x{x.ptr:x} lies {-nbytes} bytes past the end of its "
+                    f"{x.mem.size}-byte allocation"
+                )
         return x.ptr, _nbytes(nbytes)
     raise TypeError(
         f"x: expected a CuPy array, a cupy.cuda.MemoryPointer or an int pointer, got {type(x).__name__}"
@@ -284,7 +289,10 @@ def _location(value, what: str, backend) -> int:
     """"device" (CuPy's current device), "host", or a device ordinal -> a CUDA location."""
     if isinstance(value, str) and value.strip().lower() in ("device", "host"):
         return _cuda.HOST if value.strip().lower() == "host" else backend.get_device()
-    if isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        value = int(value)
+    if not isinstance(value, (bool, float, str)) and hasattr(value, "__index__"):  # int, numpy ints
+        value = value.__index__()
         n = backend.device_count()
         if 0 <= value < n:
             return value
@@ -304,16 +312,23 @@ def _managed_range(x, nbytes, backend, what: str) -> tuple[int, int]:
     return ptr, size
 
 
-def _cuda_call(what: str, ptr: int, size: int, backend, fn, *args) -> None:
+def _cuda_call(what: str, ptr: int, size: int, backend, fn, *args, stream=None, location=None) -> None:
     try:
         fn(*args)
     except backend.Error as exc:
         backend.clear_last_error()
         status = getattr(exc, "status", None)
-        raise ValueError(
-            f"{what}: CUDA refused the range 0x{ptr:x} + {size} bytes ({_cuda.error_name(status)}): "
-            "the whole range must be managed memory from one allocation"
-        ) from exc
+        name = _cuda.error_name(status)
+        if status == _cuda.ERROR_INVALID_RESOURCE_HANDLE and stream is not None:
+            why = f"the stream 0x{stream:x} is not a live stream (destroyed?)"
+        elif status == _cuda.ERROR_INVALID_DEVICE:
+            where = "the host" if location == _cuda.HOST else f"device {location}"
+            why = (f"CUDA cannot target {where} here (a device without concurrentManagedAccess "
+                   "cannot be a prefetch target)")
+        else:
+            why = (f"CUDA refused the range 0x{ptr:x} + {size} bytes: the whole range must be managed "
+                   "memory from one allocation")
+        raise ValueError(f"{what}: {why} ({name})") from exc
 
 
 def prefetch(x, to="device", *, nbytes: int | None = None, stream=None, backend=None) -> None:
@@ -351,12 +366,14 @@ def prefetch(x, to="device", *, nbytes: int | None = None, stream=None, backend=
     if stream is None:
         handle = backend.current_stream(backend.get_device()).ptr
     elif isinstance(stream, int) and not isinstance(stream, bool):
+        if stream < 0:
+            raise ValueError(f"stream: a raw handle is >= 0 (0 is the default stream), got {stream}")
         handle = stream
     elif hasattr(stream, "ptr"):
         handle = stream.ptr
     else:
         raise TypeError(f"stream: expected a cupy.cuda.Stream, a raw handle or None, got {stream!r}")
-    _cuda_call("prefetch", ptr, size, backend, backend.mem_prefetch, ptr, size, loc, handle)
+    _cuda_call("prefetch", ptr, size, backend, backend.mem_prefetch, ptr, size, loc, handle, stream=handle, location=loc)
 
 
 def advise(
@@ -395,6 +412,8 @@ def advise(
     backend = backend or _cuda.get_backend()
     ptr, size = _managed_range(x, nbytes, backend, "advise")
     calls = []
+    if isinstance(preferred_location, str) and preferred_location.strip().lower() in ("", "none", "off", "no"):
+        preferred_location = None
     if preferred_location is not _UNSET:
         if preferred_location is None:
             calls.append((_cuda.ADVISE_UNSET_PREFERRED_LOCATION, backend.get_device()))
@@ -407,7 +426,9 @@ def advise(
     ):
         if value is _UNSET:
             continue
-        for v in value if isinstance(value, (list, tuple, set)) else [value]:
+        if isinstance(value, str):
+            value = [v for v in value.replace(" ", "").split("+") if v]  # "host+1", as the strategy's option
+        for v in value if isinstance(value, (list, tuple, set, frozenset)) else [value]:
             calls.append((advice, _location(v, f"advise: {what}", backend)))
     if read_mostly is not _UNSET:
         if not isinstance(read_mostly, bool):
@@ -425,4 +446,4 @@ def advise(
     if not size:
         return
     for advice, loc in calls:  # all arguments checked before the first call
-        _cuda_call("advise", ptr, size, backend, backend.mem_advise, ptr, size, advice, loc)
+        _cuda_call("advise", ptr, size, backend, backend.mem_advise, ptr, size, advice, loc, location=loc)

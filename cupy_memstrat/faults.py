@@ -867,6 +867,11 @@ class FaultCounter:
             )
         if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
             raise TypeError(f"device must be an int device ordinal or None, got {type(device).__name__} {device!r}")
+        if isinstance(backend, type):
+            raise TypeError(
+                f"backend: expected a backend object, got the class {backend.__name__}; "
+                f"pass an instance such as {backend.__name__}()"
+            )
         if backend is not None and _is_fake(backend):
             if source not in (None, "fake"):
                 raise ValueError(
@@ -943,6 +948,7 @@ class FaultCounter:
         """
         if self._base is not None:
             raise RuntimeError("FaultCounter.start(): already running; call stop() first")
+        self._last = None  # a failed stop() must not leave the previous run's counts behind
         self._src.acquire()
         try:
             self._sync()

@@ -828,3 +828,31 @@ def test_public_names():
     assert cupy_memstrat.faults is faults
     assert issubclass(cupy_memstrat.FaultCountersUnavailable, cupy_memstrat.MemstratError)
     assert faults.FaultCountersUnavailable is cupy_memstrat.FaultCountersUnavailable
+
+
+def test_a_failed_stop_leaves_no_stale_counts():
+    class Failing(StandIn):
+        fail = False
+
+        def device_synchronize(self, device):
+            if self.fail:
+                raise RuntimeError("cudaErrorIllegalAddress")
+
+    b = Failing()
+    c = faults.FaultCounter(backend=b)
+    c.start()
+    c.stop()
+    c.start()
+    b.fail = True
+    with pytest.raises(RuntimeError, match="IllegalAddress"):
+        c.stop()
+    assert not c.running
+    with pytest.raises(RuntimeError, match="has not counted yet"):
+        c.counts
+
+
+def test_a_backend_class_instead_of_an_instance_is_named():
+    from cupy_memstrat.testing import FakeBackend
+
+    with pytest.raises(TypeError, match="got the class FakeBackend; pass an instance such as FakeBackend()"):
+        faults.FaultCounter(backend=FakeBackend)

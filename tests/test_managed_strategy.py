@@ -164,12 +164,43 @@ def test_prefetch_on_alloc_puts_large_blocks_and_new_chunks_on_the_device(fake):
     assert again == big and fake.residency(big, 4 * MiB) == {0: 4 * MiB}
 
 
-def test_prefetch_on_alloc_uses_the_current_stream(fake):
+@pytest.mark.parametrize("size", [4096, 4 * MiB])
+def test_a_failed_prefetch_on_alloc_fails_clearly_and_loses_nothing(fake, size):
     s = cupy_memstrat.create("managed", backend=fake, prefetch="on_alloc")
     st = fake.stream()
     st.destroy()
-    with st, pytest.raises(fake.Error):  # a destroyed stream: CUDA's error reaches the caller
-        s.raw_malloc(4 * MiB)
+    with st, pytest.raises(RuntimeError, match=r"prefetch='on_alloc' .* on stream 0x[0-9a-f]+ failed "
+                           r"\(cudaErrorInvalidResourceHandle\); the allocation of \d+ bytes was not made"):
+        s.raw_malloc(size)  # the prefetch runs on the current stream: a destroyed one here
+    assert fake.peek_last_error() == C.ERROR_SUCCESS
+    st0 = s.stats(0)
+    assert st0.n_failed == 1 and st0.n_live == 0
+    assert s.managed_stats(0).cached_bytes == s.managed_stats(0).reserved_bytes > 0  # all of it cached
+    assert s.trim() == s.stats(0).peak_bytes_reserved  # and so it can be given back
+    p = s.raw_malloc(size)  # on a live stream it works
+    s.raw_free(p)
+    if size > MiB:  # a cached large block is prefetched again, and goes back to the cache if that fails
+        with st, pytest.raises(RuntimeError):
+            s.raw_malloc(size)
+        assert s.managed_stats(0).cached_bytes == s.managed_stats(0).reserved_bytes == size
+    else:  # a cached slot of a shared chunk was prefetched with its chunk: no new prefetch
+        with st:
+            assert s.raw_malloc(size) == p
+
+
+def test_prefetch_on_alloc_is_refused_without_concurrent_managed_access():
+    fake = FakeBackend(memory="1GiB", concurrent_managed_access=0)
+    with pytest.raises(ValueError, match="prefetch='on_alloc' needs concurrentManagedAccess, and device 0"):
+        cupy_memstrat.create("managed", backend=fake, prefetch="on_alloc")
+
+
+def test_a_size_that_rounds_past_size_t_is_refused(fake):
+    s = cupy_memstrat.create("managed", backend=fake, oversubscribe=True)
+    with pytest.raises(ValueError, match="rounds up to 18446744073709551616 bytes"):
+        s.raw_malloc((1 << 64) - 1)
+    with pytest.raises(ValueError, match="does not fit in size_t"):
+        s.malloc(1 << 80)
+    assert fake.n_malloc_calls == 0
 
 
 def test_the_guard_refuses_what_the_device_cannot_hold_and_loses_nothing(fake):
@@ -204,6 +235,24 @@ def test_the_guard_sees_other_users_of_the_device(fake):
         s.raw_malloc(100 * MiB)
 
 
+def test_the_guard_lowers_its_baseline_when_others_give_memory_back(fake):
+    s = cupy_memstrat.create("managed", backend=fake)
+    other = fake.malloc(400 * MiB)
+    s.raw_malloc(100 * MiB)  # the baseline: 400 MiB used by someone else
+    fake.free(other)
+    s.raw_malloc(100 * MiB)  # sees the lower baseline (0 used), counts both chunks as not resident
+    assert s._used0[0] == 0
+    with pytest.raises(cupy_memstrat.OutOfMemoryError, match="200.0 MiB of this strategy's chunks not yet resident"):
+        s.raw_malloc(800 * MiB)
+
+
+def test_a_hopeless_request_keeps_the_cache(fake, s):
+    s.raw_free(s.raw_malloc(64 * MiB))
+    with pytest.raises(cupy_memstrat.OutOfMemoryError):
+        s.raw_malloc(4 << 30)  # even an empty cache would not make room: keep it
+    assert s.managed_stats(0).cached_bytes == 64 * MiB
+
+
 def test_the_guard_gives_the_cache_back_before_refusing(fake, s):
     p = s.raw_malloc(600 * MiB)
     s.raw_free(p)  # cached
@@ -236,10 +285,13 @@ def test_a_cuda_failure_is_an_out_of_memory_error_and_clears_the_sticky_error(fa
         (dict(preferred_location=3), "preferred_location: device 3 does not exist"),
         (dict(accessed_by="host+7"), "accessed_by: device 7 does not exist"),
         (dict(accessed_by=[True]), "accessed_by: expected"),
+        (dict(accessed_by="host+\u0661"), "accessed_by: expected"),  # an Arabic-Indic digit is not an ordinal
+        (dict(preferred_location="\u00b2"), "preferred_location: expected"),
+        (dict(headroom="100%"), "headroom=.*leaves nothing of device 0's memory"),
         (dict(prefetch="always"), "prefetch: expected 'on_alloc' or None, got 'always'"),
         (dict(read_mostly="maybe"), "read_mostly: expected true or false, got 'maybe'"),
         (dict(headroom="-1GiB"), "headroom"),
-        (dict(headroom="2TiB"), "headroom=.*2.0 TiB.*above device 0's memory"),
+        (dict(headroom="2TiB"), "headroom=.*2.0 TiB.*leaves nothing of device 0's memory"),
         (dict(oversubscribe="sometimes"), "oversubscribe"),
         (dict(chunk="4MiB"), "unknown option 'chunk'"),
     ],
@@ -364,8 +416,22 @@ def test_prefetch_on_a_stream(fake, managed_ptr):
     st = fake.stream()
     cupy_memstrat.prefetch(managed_ptr, nbytes=MiB, stream=st, backend=fake)
     st.destroy()
-    with pytest.raises(ValueError, match="CUDA refused"):
+    with pytest.raises(ValueError, match=r"the stream 0x[0-9a-f]+ is not a live stream \(destroyed\?\) "
+                       r"\(cudaErrorInvalidResourceHandle\)"):
         cupy_memstrat.prefetch(managed_ptr, nbytes=MiB, stream=st, backend=fake)
+
+
+def test_prefetch_takes_numpy_ints_and_digit_strings_as_ordinals(fake, managed_ptr):
+    np = pytest.importorskip("numpy")
+    cupy_memstrat.prefetch(managed_ptr, np.int64(0), nbytes=MiB, backend=fake)
+    cupy_memstrat.prefetch(managed_ptr, "0", nbytes=MiB, backend=fake)
+    assert fake.residency(managed_ptr, MiB) == {0: MiB}
+
+
+def test_advise_accepts_the_strategy_option_forms(fake, managed_ptr):
+    cupy_memstrat.advise(managed_ptr, accessed_by="host+0", preferred_location="none", nbytes=MiB, backend=fake)
+    assert [a for _, a, _ in fake.advice(managed_ptr)[-3:]] == [
+        C.ADVISE_UNSET_PREFERRED_LOCATION, C.ADVISE_SET_ACCESSED_BY, C.ADVISE_SET_ACCESSED_BY]
 
 
 def test_prefetch_and_advise_refuse_memory_that_is_not_managed(fake):
@@ -390,6 +456,7 @@ def test_prefetch_and_advise_refuse_memory_that_is_not_managed(fake):
         (dict(nbytes="1MiB"), TypeError, "nbytes: expected an int"),
         (dict(nbytes=64 * MiB), ValueError, "CUDA refused the range"),
         (dict(stream="fast"), TypeError, "stream: expected"),
+        (dict(stream=-1), ValueError, "stream: a raw handle is >= 0"),
     ],
 )
 def test_prefetch_bad_input(fake, managed_ptr, kwargs, exc, match):

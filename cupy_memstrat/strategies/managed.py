@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import operator
 import threading
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ from ..errors import ManagedMemoryWarning
 from ..options import Option, as_bool, as_size
 from ..sizes import format_size, parse_size
 from ..stats import capture_origin
-from .base import _FOLD_AT, Strategy, _warn
+from .base import _FOLD_AT, _SIZE_T_LIMIT, Strategy, _warn
 
 __all__ = ["ManagedStrategy", "ManagedStats", "CHUNK_BYTES"]
 
@@ -50,7 +51,8 @@ def _as_location(value, what: str):
         return None
     if isinstance(value, bool):
         raise ValueError(f"{what}: expected 'device', 'host', a device ordinal or None, got {value!r}")
-    if isinstance(value, int):
+    if isinstance(value, int) or (hasattr(value, "__index__") and not isinstance(value, (str, float))):
+        value = operator.index(value)
         if value < 0:
             raise ValueError(f"{what}: expected a device ordinal >= 0, got {value}")
         return value
@@ -60,7 +62,7 @@ def _as_location(value, what: str):
             return None
         if v in ("device", "host"):
             return v
-        if v.isdigit():
+        if v.isascii() and v.isdigit():
             return int(v)
     raise ValueError(f"{what}: expected 'device', 'host', a device ordinal or None, got {value!r}")
 
@@ -158,6 +160,10 @@ class ManagedStrategy(Strategy):
             device on CuPy's current stream (``cudaMemPrefetchAsync``): every
             large allocation, and each shared chunk when it is made (its slots
             are then already on the device); ``None`` (default): no prefetch.
+            Refused (``ValueError``) on a device without
+            ``concurrentManagedAccess``. If CUDA refuses a prefetch (a
+            destroyed stream), the allocation raises ``RuntimeError`` naming
+            it, and the memory stays cached.
         headroom: device memory the guard keeps free: bytes, a size string
             or ``"N%"`` of the device (default: 1 GiB or 5% of the device,
             whichever is smaller).
@@ -168,9 +174,14 @@ class ManagedStrategy(Strategy):
     Oversubscription guard: before making a chunk, the strategy checks that
     the device can hold it together with this strategy's chunks that are not
     resident yet, within ``cudaMemGetInfo``'s free memory less ``headroom``.
-    Growth of the device's used memory since the strategy's first chunk is
-    taken as its chunks becoming resident (at most all of them). A refused
-    request first gives cached chunks back, then raises
+    Growth of the device's used memory since the strategy's first chunk (or
+    since the lowest use seen after it) is taken as its chunks becoming
+    resident, at most all of them. That is an estimate: CUDA does not say which
+    managed pages are resident. Memory another process or library takes
+    after the first chunk looks like residency and makes the guard more
+    lenient, by at most the strategy's chunks that are not resident. A
+    refused request first gives cached chunks back (when that could make
+    the room), then raises
     ``cupy.cuda.memory.OutOfMemoryError`` (``reason="oversubscription_guard"``)
     naming the guard, the request and the device's free memory.
 
@@ -222,13 +233,19 @@ class ManagedStrategy(Strategy):
             props = b.device_properties(d)
             h, total = cfg["headroom"], props["total_memory"]
             h = min(1 << 30, total // 20) if h is None else parse_size(h, total=total, what="managed: option headroom")
-            if h > total:
+            if h >= total:
                 raise ValueError(
-                    f"managed: option headroom={cfg['headroom']!r} ({format_size(h)}) is above device {d}'s "
-                    f"memory ({format_size(total)})"
+                    f"managed: option headroom={cfg['headroom']!r} ({format_size(h)}) leaves nothing of device "
+                    f"{d}'s memory ({format_size(total)}): expected less than that"
                 )
             self._headroom.append(h)
             if not props.get("concurrent_managed_access", 1):
+                if cfg["prefetch"] == "on_alloc":
+                    raise ValueError(
+                        f"managed: option prefetch='on_alloc' needs concurrentManagedAccess, and device {d} "
+                        f"({props.get('name')}) has none (Windows, WSL2, Jetson): CUDA cannot prefetch "
+                        "managed memory to it"
+                    )
                 _warn(
                     f"managed: device {d} ({props.get('name')}) has concurrentManagedAccess = 0 "
                     "(Windows, WSL2, Jetson): the host must not touch managed memory while any kernel "
@@ -275,9 +292,27 @@ class ManagedStrategy(Strategy):
         if cfg["read_mostly"]:
             b.mem_advise(ptr, nbytes, _cuda.ADVISE_SET_READ_MOSTLY, device)
 
-    def _prefetch_to(self, ptr: int, nbytes: int, device: int) -> None:
+    def _prefetch_to(self, ptr: int, nbytes: int, device: int, size: int, undo) -> None:
+        """``prefetch="on_alloc"``: ``cudaMemPrefetchAsync`` of a new chunk or
+        a large block to ``device`` on CuPy's current stream. If CUDA refuses
+        (e.g. a destroyed stream), ``undo()`` puts the memory back in the
+        cache, so nothing is lost, and the allocation fails with a
+        RuntimeError naming the prefetch."""
         b = self.backend
-        b.mem_prefetch(ptr, nbytes, device, b.current_stream(device).ptr)
+        stream = b.current_stream(device)
+        try:
+            b.mem_prefetch(ptr, nbytes, device, stream.ptr)
+        except self._Error as exc:
+            b.clear_last_error()
+            undo()
+            with self._fold_lock:
+                self._counters[device].n_failed += 1
+            name = _cuda.error_name(getattr(exc, "status", None))
+            raise RuntimeError(
+                f"managed: prefetch='on_alloc' of {format_size(nbytes)} at 0x{ptr:x} to device {device} on "
+                f"stream 0x{stream.ptr:x} failed ({name}); the allocation of {size} bytes was not made "
+                "and the memory stays cached"
+            ) from exc
 
     # -- chunks -----------------------------------------------------------------
     def _guard(self, nbytes: int, size: int, device: int) -> None:
@@ -288,15 +323,16 @@ class ManagedStrategy(Strategy):
         for attempt in (0, 1):
             free, total = b.mem_get_info(device)
             used = total - free
-            if self._used0[device] is None:
-                self._used0[device] = used
+            if self._used0[device] is None or used < self._used0[device]:
+                self._used0[device] = used  # someone gave memory back: a lower baseline
             mine = self._reserved[device]
             resident = min(mine, max(0, used - self._used0[device]))
             need = nbytes + mine - resident
             room = free - self._headroom[device]
             if need <= room:
                 return
-            if attempt == 0 and not self._release(device, 0):
+            # Giving the cache back can help only if it could make the room.
+            if attempt == 1 or need - self._cached_bytes(device) > room or not self._release(device, 0):
                 break
         self._n_refused[device] += 1
         with self._fold_lock:
@@ -348,11 +384,11 @@ class ManagedStrategy(Strategy):
         rest onto the class's free list."""
         cls = SIZE_CLASSES[ci]
         base = self._new_chunks(CHUNK_BYTES, size, device, ci)
-        if self.config["prefetch"] == "on_alloc":
-            self._prefetch_to(base, CHUNK_BYTES, device)
         lst = self._small[device][ci]
         n = CHUNK_BYTES // cls
         lst.extend(range(base + (n - 1) * cls, base, -cls))  # lowest address popped first
+        if self.config["prefetch"] == "on_alloc":
+            self._prefetch_to(base, CHUNK_BYTES, device, size, lambda: lst.append(base))
         return base
 
     def _release(self, device: int, keep: int) -> int:
@@ -429,6 +465,10 @@ class ManagedStrategy(Strategy):
             except IndexError:
                 return self._refill(ci, size, device)
         n = (size + CHUNK_BYTES - 1) & _CHUNK_MASK
+        if n >= _SIZE_T_LIMIT:
+            raise ValueError(
+                f"size: {size} bytes rounds up to {n} bytes of 2 MiB chunks, which does not fit in size_t"
+            )
         lst = self._large[device].setdefault(n, [])
         self._large_index[device][(size + 511) & -512] = lst
         try:
@@ -436,7 +476,7 @@ class ManagedStrategy(Strategy):
         except IndexError:
             ptr = self._new_chunks(n, size, device, -1)
         if self.config["prefetch"] == "on_alloc":
-            self._prefetch_to(ptr, n, device)
+            self._prefetch_to(ptr, n, device, size, lambda: lst.append(ptr))
         return ptr
 
     def _build_hot_path(self):
@@ -463,7 +503,9 @@ class ManagedStrategy(Strategy):
                     ptr = miss(size, device)
                 else:
                     if prefetch_to is not None:
-                        prefetch_to(ptr, (size + CHUNK_BYTES - 1) & _CHUNK_MASK, device)
+                        n = (size + CHUNK_BYTES - 1) & _CHUNK_MASK
+                        lst = large[device][(size + 511) & -512]
+                        prefetch_to(ptr, n, device, size, lambda: lst.append(ptr))
             ev = events[device]
             ev.append(size)
             if track:
