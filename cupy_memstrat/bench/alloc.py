@@ -246,8 +246,10 @@ def format_table(report: dict) -> str:
     return "\n".join(out)
 
 
-def progress_printer(stream=sys.stderr):
+def progress_printer(stream=None, name: str = "alloc"):
+    """A ``progress`` callable printing ``[bench NAME] msg`` lines to ``stream`` (default: stderr)."""
+
     def say(msg: str) -> None:
-        print(f"[bench alloc] {msg}", file=stream, flush=True)
+        print(f"[bench {name}] {msg}", file=stream or sys.stderr, flush=True)
 
     return say

@@ -264,11 +264,4 @@ def format_table(report: dict) -> str:
 
 
 def progress_printer(stream=None):
-    import sys
-
-    stream = stream or sys.stderr
-
-    def say(msg: str) -> None:
-        print(f"[bench async] {msg}", file=stream, flush=True)
-
-    return say
+    return _alloc.progress_printer(stream, "async")
