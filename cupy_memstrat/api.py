@@ -437,7 +437,7 @@ def advise(
             warnings.warn(
                 "advise(read_mostly=True): every write invalidates the read-only copies; for data the GPU "
                 "writes it is harmful (on an H200 a GPU pass writing a 1 GiB read-mostly buffer took "
-                "2.9 s, the next one 0.5 s, against 1.5 ms without the advice; docs/managed.md)",
+                "2.4-3.5 s, the next one 0.4-0.5 s, against 1.4 ms without the advice; docs/managed.md)",
                 ManagedMemoryWarning,
                 stacklevel=2,
             )

@@ -257,8 +257,8 @@ class ManagedStrategy(Strategy):
             _warn(
                 "managed: read_mostly=True duplicates pages on each processor that reads them, and every "
                 "write invalidates all copies: for data the GPU writes it is harmful (on an H200 a GPU "
-                "pass writing a 1 GiB read-mostly buffer took 2.9 s, the next one 0.5 s, against 1.5 ms "
-                "without the advice; docs/managed.md). Use it only for data that nobody writes",
+                "pass writing a 1 GiB read-mostly buffer took 2.4-3.5 s, the next one 0.4-0.5 s, against "
+                "1.4 ms without the advice; docs/managed.md). Use it only for data that nobody writes",
                 ManagedMemoryWarning,
                 stacklevel=4,
             )
