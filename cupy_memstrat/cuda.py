@@ -377,15 +377,72 @@ _backend_lock = threading.Lock()
 
 
 def get_backend() -> RealBackend:
-    """The process's :class:`RealBackend`, created on first call.
+    """The process's backend, created on first call: the :class:`RealBackend`,
+    or a :class:`cupy_memstrat.testing.FakeBackend` when the environment
+    variable ``CUPY_MEMSTRAT_BACKEND`` says so.
+
+    ``CUPY_MEMSTRAT_BACKEND``:
+
+    * unset, empty or ``cuda``: the real backend;
+    * ``fake``: one process-wide simulated device (the fake's defaults);
+    * ``fake:devices=2,memory=1GiB``: with options; ``memory`` is one size for
+      every device or ``memory=1GiB/2GiB`` one per device, and ``name`` sets
+      the device name. For running code, and the pytest plugin, on a machine
+      without a GPU (CI); arrays can be made but kernels cannot run.
 
     Raises:
         CuPyNotInstalledError, NoDeviceError: as :class:`RealBackend`. A failed
         attempt is not cached: a later call tries again.
+        ValueError: ``CUPY_MEMSTRAT_BACKEND`` has a value not described above
+            (the message names the variable and the valid values).
     """
     global _backend
     if _backend is None:
         with _backend_lock:
             if _backend is None:
-                _backend = RealBackend()
+                _backend = _backend_from_env() or RealBackend()
     return _backend
+
+
+BACKEND_ENV = "CUPY_MEMSTRAT_BACKEND"
+
+
+def _backend_from_env():
+    """A FakeBackend as ``CUPY_MEMSTRAT_BACKEND`` asks, or None for the real one."""
+    raw = os.environ.get(BACKEND_ENV, "")
+    value = raw.strip()
+    if value.lower() in ("", "cuda", "real"):
+        return None
+    kind, _, opts = value.partition(":")
+    valid = "'cuda' (the default), 'fake' or 'fake:devices=N,memory=SIZE[/SIZE...],name=NAME'"
+    if kind.strip().lower() != "fake":
+        raise ValueError(f"environment variable {BACKEND_ENV}={raw!r}: unknown backend; expected {valid}")
+    kwargs = {}
+    for part in filter(None, (p.strip() for p in opts.split(","))):
+        key, eq, val = (x.strip() for x in part.partition("="))
+        if not eq or not val:
+            raise ValueError(f"environment variable {BACKEND_ENV}={raw!r}: expected key=value, got {part!r}; {valid}")
+        if key == "devices":
+            try:
+                kwargs["devices"] = int(val)
+            except ValueError:
+                raise ValueError(
+                    f"environment variable {BACKEND_ENV}={raw!r}: devices: expected an int >= 1, got {val!r}"
+                ) from None
+        elif key == "memory":
+            kwargs["memory"] = val.split("/") if "/" in val else val
+        elif key == "name":
+            kwargs["name"] = val
+        else:
+            raise ValueError(
+                f"environment variable {BACKEND_ENV}={raw!r}: unknown option {key!r}; "
+                "valid options: devices, memory, name"
+            )
+    if isinstance(kwargs.get("memory"), list):
+        kwargs.setdefault("devices", len(kwargs["memory"]))
+    from .testing import FakeBackend
+
+    try:
+        return FakeBackend(**kwargs)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {BACKEND_ENV}={raw!r}: {exc}") from None

@@ -1,0 +1,82 @@
+"""CUPY_MEMSTRAT_BACKEND: a process-wide fake backend from the environment."""
+
+import pytest
+
+import cupy_memstrat
+import cupy_memstrat.cuda as C
+from cupy_memstrat.testing import FakeBackend
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """get_backend() starts from scratch; the process's backend comes back afterwards."""
+    monkeypatch.setattr(C, "_backend", None)
+    return monkeypatch
+
+
+def test_fake_gives_one_process_wide_fake_backend(fresh):
+    fresh.setenv("CUPY_MEMSTRAT_BACKEND", "fake")
+    b = C.get_backend()
+    assert isinstance(b, FakeBackend) and b.device_count() == 1
+    assert C.get_backend() is b  # created once
+
+
+def test_fake_with_options(fresh):
+    fresh.setenv("CUPY_MEMSTRAT_BACKEND", "fake:devices=2,memory=1GiB,name=Test GPU")
+    b = C.get_backend()
+    assert b.device_count() == 2
+    assert b.device_properties(1) == dict(b.device_properties(1), total_memory=1 << 30, name="Test GPU")
+
+
+def test_memory_per_device_sets_the_device_count(fresh):
+    fresh.setenv("CUPY_MEMSTRAT_BACKEND", " FAKE : memory=1GiB/2GiB ")
+    b = C.get_backend()
+    assert [b.device_properties(d)["total_memory"] for d in range(2)] == [1 << 30, 2 << 30]
+
+
+def test_strategies_made_by_name_use_it(fresh):
+    fresh.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=64MiB")
+    s = cupy_memstrat.create("device")
+    assert s.backend is C.get_backend()
+    p = s.raw_malloc(4096)
+    assert s.backend.is_allocated(p)
+    s.raw_free(p)
+
+
+@pytest.mark.parametrize("value", ["", "cuda", "real"])
+def test_empty_or_cuda_means_the_real_backend(fresh, value):
+    fresh.setenv("CUPY_MEMSTRAT_BACKEND", value)
+    fresh.setattr(C, "RealBackend", lambda: "real")
+    assert C.get_backend() == "real"
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("gpu", r"CUPY_MEMSTRAT_BACKEND='gpu': unknown backend; expected 'cuda' \(the default\), 'fake'"),
+        ("fake:devices=two", r"CUPY_MEMSTRAT_BACKEND='fake:devices=two': devices: expected an int >= 1"),
+        ("fake:devices=0", r"CUPY_MEMSTRAT_BACKEND='fake:devices=0': devices: expected an int >= 1"),
+        ("fake:colour=red", r"unknown option 'colour'; valid options: devices, memory, name"),
+        ("fake:memory", r"expected key=value, got 'memory'"),
+        ("fake:memory=lots", r"CUPY_MEMSTRAT_BACKEND='fake:memory=lots': memory: cannot parse 'lots'"),
+        ("fake:devices=3,memory=1GiB/2GiB", r"memory: expected 3 values"),
+    ],
+)
+def test_bad_values_name_the_variable(fresh, value, message):
+    fresh.setenv("CUPY_MEMSTRAT_BACKEND", value)
+    with pytest.raises(ValueError, match=message):
+        C.get_backend()
+    assert C._backend is None  # not cached: fixing the variable fixes the next call
+
+
+def test_use_installs_a_fake_backed_strategy_into_cupy(fresh, restore_cupy_allocator):
+    cupy = restore_cupy_allocator
+    import numpy as np
+
+    fresh.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
+    s = cupy_memstrat.use("pool")
+    x = cupy.ndarray((1024,), dtype=np.float32)  # through the installed allocator
+    assert cupy_memstrat.current() is s
+    assert s.stats().bytes_in_use == 4096
+    del x
+    assert s.stats().bytes_in_use == 0
