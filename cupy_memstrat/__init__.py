@@ -41,7 +41,7 @@ from .errors import (
 from .hookspecs import hookimpl
 from .sizes import format_size, parse_size
 from .stats import Allocation, Origin, Stats
-from .strategies import AsyncPoolStrategy, DeviceStrategy, ManagedStats, ManagedStrategy, PoolStats, Strategy
+from .strategies import AsyncPoolStrategy, CuPyPoolStrategy, DeviceStrategy, ManagedStats, ManagedStrategy, PoolStats, Strategy
 
 __version__ = "0.1.0"
 
@@ -60,6 +60,7 @@ __all__ = [
     "advise",
     "Strategy",
     "DeviceStrategy",
+    "CuPyPoolStrategy",
     "AsyncPoolStrategy",
     "PoolStats",
     "ManagedStrategy",

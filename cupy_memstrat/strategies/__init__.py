@@ -5,10 +5,11 @@ third-party package implements."""
 from ..hookspecs import hookimpl
 from .async_pool import AsyncPoolStrategy, PoolStats
 from .base import Strategy
+from .cupy_pool import CuPyPoolStrategy
 from .device import DeviceStrategy
 from .managed import ManagedStats, ManagedStrategy
 
-__all__ = ["Strategy", "DeviceStrategy", "AsyncPoolStrategy", "PoolStats", "ManagedStrategy", "ManagedStats"]
+__all__ = ["Strategy", "CuPyPoolStrategy", "DeviceStrategy", "AsyncPoolStrategy", "PoolStats", "ManagedStrategy", "ManagedStats"]
 
 
 @hookimpl
@@ -16,3 +17,4 @@ def memstrat_register_strategies(registry):
     registry.add(DeviceStrategy)
     registry.add(AsyncPoolStrategy)
     registry.add(ManagedStrategy)
+    registry.add(CuPyPoolStrategy)

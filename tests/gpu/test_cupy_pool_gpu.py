@@ -1,0 +1,65 @@
+"""The pool strategy (CuPy's default MemoryPool, measured) on the GPU."""
+
+import gc
+
+import pytest
+
+import cupy_memstrat
+
+MiB = 1 << 20
+
+
+def test_arrays_compute_right_and_stats_are_exact(cp):
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    s = cupy_memstrat.use("pool")
+    assert cupy_memstrat.current() is s and s.name == "pool"
+    x = cp.arange(1_000_000, dtype=cp.float64)  # 8 000 000 bytes
+    st = s.stats()
+    assert st.bytes_in_use == 8_000_000 and st.n_live == 1
+    assert st.bytes_reserved == pool.total_bytes() >= 8_000_000
+    assert float((x * 2).sum()) == 2 * (999_999 * 1_000_000 / 2)
+    del x
+    gc.collect()
+    st = s.stats()
+    assert st.bytes_in_use == 0 and st.n_live == 0 and st.n_allocs == st.n_frees
+    assert st.peak_bytes_in_use >= 8_000_000 and st.peak_bytes_reserved >= st.peak_bytes_in_use
+
+
+def test_freed_arrays_go_back_to_cupys_pool_and_trim_frees_its_cache(cp):
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    s = cupy_memstrat.use("pool")
+    used0 = pool.used_bytes()
+    x = cp.empty(64 * MiB, dtype=cp.uint8)
+    assert pool.used_bytes() - used0 >= 64 * MiB
+    ptr = x.data.ptr
+    del x
+    assert pool.used_bytes() == used0  # back in the pool ...
+    assert pool.total_bytes() >= 64 * MiB  # ... which caches it
+    y = cp.empty(64 * MiB, dtype=cp.uint8)
+    assert y.data.ptr == ptr  # and hands the same block out again
+    del y
+    free0, _ = cp.cuda.runtime.memGetInfo()
+    released = s.trim()
+    free1, _ = cp.cuda.runtime.memGetInfo()
+    assert released >= 64 * MiB and pool.total_bytes() == pool.used_bytes()
+    assert free1 - free0 >= 62 * MiB  # CUDA got it back
+    assert s.stats().bytes_reserved == pool.total_bytes()
+
+
+def test_live_allocations_and_origins(cp):
+    s = cupy_memstrat.use("pool:track_origins=true")
+    x = cp.empty(3 * MiB, dtype=cp.uint8)
+    (a,) = [a for a in s.live_allocations() if a.size == 3 * MiB]
+    assert a.ptr == x.data.ptr and a.origin.function == "test_live_allocations_and_origins"
+    assert s.live_sizes()[x.data.ptr] == 3 * MiB
+
+
+def test_out_of_memory_is_ours_and_counted(cp):
+    s = cupy_memstrat.use("pool")
+    with pytest.raises(cupy_memstrat.OutOfMemoryError, match="pool strategy: out of memory allocating"):
+        cp.empty(1 << 50, dtype=cp.uint8)
+    assert s.stats().n_failed == 1
+    x = cp.ones(MiB, dtype=cp.uint8)  # still usable
+    assert int(x.sum()) == MiB
