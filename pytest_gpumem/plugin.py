@@ -1,76 +1,538 @@
-"""The pytest plugin: ``--gpumem-strategy`` (ini key ``gpumem_strategy``).
+"""The pytest plugin: per-test GPU memory budgets, leak checks and page-fault
+budgets, through cupy_memstrat's public API.
 
-Uses only cupy_memstrat's public API. Nothing happens unless asked for; a
-session without a GPU runs normally and says so once in the header.
+Nothing is measured unless asked for (an option, an ini key, an environment
+variable, a marker or the ``gpumem`` fixture); a session without a GPU runs
+normally and says once why nothing is measured. See docs/pytest.md.
+
+What a measured test gets, all within its *call* (the test function; fixture
+setup and teardown are not part of the window, as in pytest-memray):
+
+* peak: highest bytes in use during the call, on top of what was in use when
+  the call began (per device; the highest device is reported);
+* leaks: allocations made from the start of the call on that are still live
+  after teardown, ``gc.collect()`` and clearing CuPy's caches;
+* page faults: a ``cupy_memstrat.faults.FaultCounter`` around the call.
+
+The test's reports are logged after its teardown (this plugin runs the
+test protocol for measured tests, as pytest-rerunfailures does), so that a
+leak found after teardown fails the test's call report.
 """
 
 from __future__ import annotations
+
+import os
+import warnings
 
 import pytest
 
 import cupy_memstrat
 
-_KEY = pytest.StashKey[dict]()
+from . import report as _report
+from .measure import GpuMem, Meter, describe
+from .options import MARKERS, add_options, plan_for, resolve
+
+__all__ = ["GpuMemLeakWarning"]
+
+fmt = cupy_memstrat.format_size
+
+
+class GpuMemLeakWarning(pytest.PytestWarning):
+    """A test left GPU memory allocated (``--gpumem-leaks=warn``)."""
+
+
+class _State:
+    """The session's plugin state (``config.stash``)."""
+
+    def __init__(self, config, settings):
+        self.config = config
+        self.settings = settings
+        self.worker = os.environ.get("PYTEST_XDIST_WORKER") if hasattr(config, "workerinput") else None
+        self.controller = _is_xdist_controller(config)
+        self.strategy = None
+        self.meter: Meter | None = None
+        self.installed = False
+        self.previous = None
+        self.why_off: str | None = None
+        self.tried = False
+        self.records: list[dict] = []
+        self.machine: dict | None = None
+        self.machine_sent = False
+        self.n_unmeasured = 0  # tests that asked for measuring while it was off
+
+    # -- the strategy ----------------------------------------------------------------
+    def activate(self) -> None:
+        """Install (or adopt) the strategy to measure through; on failure
+        remember why measuring is off."""
+        if self.tried:
+            return
+        self.tried = True
+        spec = self.settings.strategy
+        try:
+            import cupy
+        except ImportError:
+            self.why_off = "CuPy is not installed (pip install 'cupy-memstrat[cuda13]' or [cuda12])"
+            return
+        try:
+            current = None if spec else cupy_memstrat.current()
+            if current is not None:
+                self.strategy = current
+            else:
+                previous = cupy.cuda.get_allocator()
+                self.strategy = cupy_memstrat.use(spec or "pool")
+                self.previous, self.installed = previous, True
+            self.meter = Meter(self.strategy)
+        except (cupy_memstrat.NoDeviceError, cupy_memstrat.CuPyNotInstalledError, RuntimeError) as exc:
+            self.why_off = str(exc)
+            self.strategy = self.meter = None
+        except ValueError as exc:  # e.g. a bad CUPY_MEMSTRAT_BACKEND, an option the device refuses
+            raise pytest.UsageError(str(exc)) from None
+
+    def restore(self) -> None:
+        if self.installed:
+            import cupy
+
+            cupy.cuda.set_allocator(self.previous)  # what was there before the session
+            self.installed = False
+
+    def fault_unavailable(self) -> str | None:
+        """Why page faults cannot be counted here, or None."""
+        if self.meter is None:
+            return f"GPU measurement is off: {self.why_off or 'no GPU'}"
+        try:
+            self.meter.fault_counter()
+        except cupy_memstrat.FaultCountersUnavailable as exc:
+            return str(exc)
+        return None
+
+    # -- verdicts ------------------------------------------------------------------------
+    def verdict(self, item, plan, w, reports) -> None:
+        meter = self.meter
+        n = meter.n_devices
+        call = next((r for r in reports if r.when == "call"), None)
+        not_passed = call is None or not call.passed or any(r.failed for r in reports) or hasattr(call, "wasxfail")
+        peak_dev = max(range(n), key=lambda d: w.peak[d]) if n else 0
+        on = (lambda d: f" on device {d}") if n > 1 else (lambda d: "")
+        rec = {
+            "nodeid": item.nodeid,
+            "peak_bytes": w.peak[peak_dev] if n else 0,
+            "peak_device": peak_dev,
+            "peak_bytes_per_device": list(w.peak),
+            "in_use_before_bytes": sum(w.base),
+            "allocated": w.n_allocs,
+            "freed": w.n_frees,
+            "budget_bytes": None,
+            "leak_check": plan.leaks,
+            "leaked_bytes": None,
+            "leaked_count": None,
+            "leaks": [],
+            "faults": w.faults.as_dict() if w.faults is not None else None,
+            "fault_limits": plan.fault_limits,
+            "verdict": None,
+            "worker": self.worker,
+            "duration": getattr(call, "duration", None),
+        }
+        problems, details = [], []
+        if plan.budget is not None:
+            limits = [meter.limit(plan.budget, d) for d in meter.devices]
+            rec["budget_bytes"] = limits[peak_dev] if n else None
+            over = [d for d in meter.devices if w.peak[d] > limits[d]]
+            if over:
+                d = max(over, key=lambda d: w.peak[d] - limits[d])
+                share = f" = {plan.budget} of device {d}'s {fmt(meter.totals[d])}" if isinstance(plan.budget, str) else ""
+                problems.append(("budget", f"peak {fmt(w.peak[d])}{on(d)} > budget {fmt(limits[d])}{share} "
+                                           f"({plan.budget_source})"))
+                counts = (f"during the call: {w.n_allocs} allocation{'' if w.n_allocs == 1 else 's'}, "
+                          f"{w.n_frees} free{'' if w.n_frees == 1 else 's'}; in use when it began: "
+                          f"{fmt(sum(w.base))}")
+                if w.top_live:
+                    details.append(counts + "\nlargest allocations made by the test and still live at the end "
+                                   "of its call:\n" + describe(w.top_live))
+                else:
+                    details.append(counts + "\n(none of them was still live when the call returned; "
+                                   "gpumem.measure() blocks narrow the peak down)")
+        if plan.leaks != "off" and not not_passed:
+            leaked = meter.leaks(w)
+            total = sum(a.size for a in leaked)
+            rec["leaked_bytes"], rec["leaked_count"] = total, len(leaked)
+            rec["leaks"] = [
+                {"size": a.size, "device": a.device, "ptr": a.ptr, "origin": str(a.origin) if a.origin else None}
+                for a in leaked[:50]
+            ]
+            if total > plan.leak_limit:
+                k = len(leaked)
+                msg = (f"leaked {k} allocation{'' if k == 1 else 's'}, {fmt(total)} > limit {fmt(plan.leak_limit)} "
+                       f"({plan.leak_source})")
+                listing = ("allocations made by the test and still live after its teardown and gc.collect(), "
+                           "largest first:\n" + describe(leaked))
+                if not any(a.origin for a in leaked):
+                    listing += ("\n  (where each was allocated: run with "
+                                "--gpumem-strategy=pool:track_origins=true)")
+                if plan.leaks == "fail":
+                    problems.append(("leaks", msg))
+                    details.append(listing)
+                else:
+                    rec["verdict"] = "leak warning"
+                    try:
+                        warnings.warn(GpuMemLeakWarning(f"{item.nodeid}: {msg}\n{listing}"), stacklevel=1)
+                    except Warning:  # -W error: the warning is an error: fail the test
+                        problems.append(("leaks", msg))
+                        details.append(listing)
+        elif plan.leaks != "off":
+            rec["leak_check"] = "skipped: the test did not pass"
+        if plan.fault_limits and w.faults is not None:
+            f = w.faults
+            src = f"{f.source} counters" + ("" if f.exact else ", lower bounds")
+            actual = {"gpu": f.gpu_faults, "cpu": f.cpu_faults, "migrated": f.bytes_htod + f.bytes_dtoh}
+            words = {"gpu": "GPU page faults", "cpu": "CPU page faults"}
+            for key, limit in plan.fault_limits.items():
+                if actual[key] > limit:
+                    if key == "migrated":
+                        text = f"migrated {fmt(actual[key])} > limit {fmt(limit)}"
+                    else:
+                        text = f"{actual[key]} {words[key]} > limit {limit}"
+                    problems.append(("faults", f"{text} ({plan.fault_source}; {src})"))
+            if any(k == "faults" for k, _ in problems):
+                details.append(f"page faults during the call: {f}")
+        if problems and not not_passed:
+            kinds = sorted({k for k, _ in problems})
+            rec["verdict"] = "+".join(kinds)
+            call.outcome = "failed"
+            call.longrepr = "\n".join(m for _, m in problems)
+            if details:
+                call.sections.append(("gpumem", "\n\n".join(details)))
+            call.gpumem_failed = rec["verdict"]
+        rec["outcome"] = _outcome(reports)
+        props = _report.user_properties(rec)
+        item.user_properties.extend(props)
+        for r in reports:
+            r.user_properties.extend(props)
+        if not self.machine_sent:
+            rec["machine"] = meter.machine()
+            self.machine_sent = True
+        reports[-1].gpumem = rec
+
+    def info(self) -> dict:
+        s = self.settings
+        strategy = None
+        if self.strategy is not None:
+            strategy = {"name": self.strategy.name, "options": dict(self.strategy.config)}
+        return {
+            "strategy": strategy,
+            "strategy_spec": s.strategy,
+            "settings": {k: s.values[k] for k in ("measure", "budget", "leaks", "faults", "faults_missing")},
+            "packages": _package_versions(),
+            "machine": self.machine,
+            "measuring_off": self.why_off,
+        }
+
+
+def _package_versions() -> dict:
+    try:
+        from cupy_memstrat.info import package_versions
+
+        return package_versions()
+    except Exception:  # noqa: BLE001 - a report must not crash
+        return {}
+
+
+def _outcome(reports) -> str:
+    for r in reports:
+        if r.failed:
+            return "failed" if r.when == "call" else "error"
+    for r in reports:
+        if hasattr(r, "wasxfail"):
+            return "xfailed" if r.skipped else "xpassed"
+        if r.skipped:
+            return "skipped"
+    return "passed"
+
+
+def _is_xdist_controller(config) -> bool:
+    if hasattr(config, "workerinput"):
+        return False
+    try:
+        dist = config.getoption("dist")
+        n = config.getoption("numprocesses")
+    except ValueError:  # pytest-xdist is not installed or not loaded
+        return False
+    return bool(n) and dist != "no"
+
+
+_KEY = pytest.StashKey[_State]()
+_PLAN = pytest.StashKey[object]()
+_WINDOW = pytest.StashKey[object]()
+
+
+def _state(config) -> _State | None:
+    return config.stash.get(_KEY, None)
+
+
+# -- configuration -----------------------------------------------------------------------
 
 
 def pytest_addoption(parser):
-    group = parser.getgroup("gpumem", "GPU memory (cupy-memstrat)")
-    group.addoption(
-        "--gpumem-strategy",
-        metavar="NAME[:KEY=VALUE,...]",
-        default=None,
-        help="run the session with this cupy_memstrat strategy as CuPy's allocator, "
-        "e.g. 'device' (default: CuPy's own pool)",
-    )
-    parser.addini(
-        "gpumem_strategy",
-        "cupy_memstrat strategy for the session (as --gpumem-strategy)",
-        default="",
-    )
-
-
-def _setting(config):
-    value = config.getoption("gpumem_strategy")
-    if value is not None:  # an empty value switches an ini setting off
-        return (value or None), "--gpumem-strategy"
-    value = config.getini("gpumem_strategy")
-    if value:
-        return value, "ini key gpumem_strategy"
-    return None, None
+    add_options(parser)
 
 
 def pytest_configure(config):
-    spec, source = _setting(config)
-    state = {"spec": spec, "source": source, "strategy": None, "why_off": None, "previous": None}
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+    settings = resolve(config)
+    state = _State(config, settings)
     config.stash[_KEY] = state
-    if spec is None:
-        return
-    try:
-        cupy_memstrat.validate(spec)
-    except (ValueError, TypeError) as exc:
-        raise pytest.UsageError(f"{source}={spec!r}: {exc}") from None
-    try:
-        import cupy
-
-        previous = cupy.cuda.get_allocator()
-        state["strategy"] = cupy_memstrat.use(spec)
-        state["previous"] = previous
-    except (ImportError, cupy_memstrat.NoDeviceError, cupy_memstrat.CuPyNotInstalledError) as exc:
-        state["why_off"] = str(exc)
+    config.pluginmanager.register(_Recorder(state), "gpumem-recorder")
+    if state.controller:
+        return  # the workers measure; the controller merges their reports
+    if settings.measuring or settings.strategy:
+        state.activate()
 
 
 def pytest_unconfigure(config):
-    state = config.stash.get(_KEY, None)
-    if state and state["strategy"] is not None:
-        import cupy
+    state = _state(config)
+    if state is not None:
+        state.restore()
+    recorder = config.pluginmanager.get_plugin("gpumem-recorder")
+    if recorder is not None:
+        config.pluginmanager.unregister(recorder)
 
-        cupy.cuda.set_allocator(state["previous"])  # what was there before the session
+
+def _settings_summary(state) -> str:
+    s = state.settings
+    parts = []
+    if s.budget is not None:
+        b = s.budget if isinstance(s.budget, str) else fmt(s.budget)
+        parts.append(f"budget {b} ({s.source('budget')})")
+    if s.leaks != "off":
+        parts.append(f"leaks: {s.leaks} ({s.source('leaks')})")
+    if s.faults:
+        parts.append("page faults: " + (state.meter.fault_status() if state.meter else "on"))
+    return "; ".join(parts)
 
 
 def pytest_report_header(config):
-    state = config.stash.get(_KEY, None)
-    if not state or state["spec"] is None:
+    state = _state(config)
+    if state is None:
         return None
-    if state["strategy"] is not None:
-        return f"gpumem: CuPy allocates with strategy {state['strategy'].name!r} ({state['source']}={state['spec']!r})"
-    return f"gpumem: strategy {state['spec']!r} not installed, tests run with CuPy's own allocator: {state['why_off']}"
+    s = state.settings
+    if not (s.measuring or s.strategy):
+        return None
+    extra = _settings_summary(state)
+    if state.controller:
+        what = "measuring every test" if s.measuring else f"strategy {s.strategy!r}"
+        return f"gpumem: {what} on each pytest-xdist worker" + (f"; {extra}" if extra else "")
+    if state.strategy is None:
+        if s.measuring:
+            return f"gpumem: GPU measurement is off, tests run unmeasured: {state.why_off}"
+        return f"gpumem: strategy {s.strategy!r} not installed, tests run with CuPy's own allocator: {state.why_off}"
+    lines = []
+    if s.strategy:
+        lines.append(
+            f"gpumem: CuPy allocates with strategy {state.strategy.name!r} ({s.source('strategy')}={s.strategy!r})"
+        )
+    if s.measuring:
+        m = state.meter
+        devs = m.machine()["devices"]
+        names = ", ".join(f"{d.get('name')} ({fmt(d.get('total_memory') or 0)})" for d in devs)
+        how = "" if state.installed or s.strategy else " (already installed)"
+        lines.append(
+            f"gpumem: measuring every test through strategy {state.strategy.name!r}{how} on "
+            f"{len(devs)} device{'' if len(devs) == 1 else 's'}: {names}" + (f"; {extra}" if extra else "")
+        )
+    return lines
+
+
+# -- collection ------------------------------------------------------------------------------
+
+
+def pytest_collection_modifyitems(session, config, items):
+    state = _state(config)
+    if state is None:
+        return
+    wanted = False
+    for item in items:
+        plan = plan_for(item, state.settings)  # a bad marker: UsageError here, before any test runs
+        if plan is not None:
+            item.stash[_PLAN] = plan
+            wanted = True
+        elif "gpumem" in getattr(item, "fixturenames", ()):
+            wanted = True
+    if wanted and not state.controller:
+        state.activate()
+
+
+def pytest_generate_tests(metafunc):
+    if "gpumem_strategy" not in metafunc.fixturenames:
+        return
+    for m in metafunc.definition.iter_markers("parametrize"):
+        names = m.args[0] if m.args else m.kwargs.get("argnames", "")
+        if isinstance(names, str):
+            names = [n.strip() for n in names.split(",")]
+        if "gpumem_strategy" in names:
+            return  # the test chose its strategies itself
+    names = list(cupy_memstrat.available())
+    metafunc.parametrize("gpumem_strategy", names, indirect=True, ids=names)
+
+
+# -- running a test --------------------------------------------------------------------------
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    state = _state(item.config)
+    if state is None or state.meter is None or item.stash.get(_PLAN, None) is None:
+        return None  # pytest's own protocol
+    from _pytest.runner import runtestprotocol
+
+    ihook = item.ihook
+    ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    reports = runtestprotocol(item, nextitem=nextitem, log=False)
+    w = item.stash.get(_WINDOW, None)
+    if w is not None:
+        del item.stash[_WINDOW]
+        state.verdict(item, item.stash[_PLAN], w, reports)
+    for rep in reports:
+        ihook.pytest_runtest_logreport(report=rep)
+    ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return True
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    state = _state(item.config)
+    plan = item.stash.get(_PLAN, None)
+    if state is None or plan is None:
+        return (yield)
+    if plan.fault_limits is not None:
+        why = state.fault_unavailable()
+        if why is not None:
+            msg = f"gpumem: limit_page_faults cannot be checked: {why}"
+            if state.settings.faults_missing == "fail":
+                pytest.fail(msg, pytrace=False)
+            try:  # reported at the test's location, as a skipif marker's reason is
+                exc = pytest.skip.Exception(msg, _use_item_location=True)
+            except TypeError:  # a pytest without that argument
+                exc = pytest.skip.Exception(msg)
+            raise exc
+    meter = state.meter
+    if meter is None:
+        state.n_unmeasured += 1
+        return (yield)
+    counter = None
+    if plan.faults:
+        try:
+            counter = meter.fault_counter()
+        except cupy_memstrat.FaultCountersUnavailable:
+            counter = None
+    w = meter.open(snapshot=True)
+    item.stash[_WINDOW] = w
+    if counter is not None:
+        counter.start()
+    try:
+        return (yield)
+    finally:
+        if counter is not None and counter.running:
+            w.faults = counter.stop()
+        meter.close(w)
+        if plan.budget is not None and any(
+            w.peak[d] > meter.limit(plan.budget, d) for d in meter.devices
+        ):
+            w.top_live = meter.largest_new(w)  # while the test's arrays may still be alive
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_report_teststatus(report, config):
+    if report.when == "call" and getattr(report, "gpumem_failed", None):
+        return "failed", "M", ("GPUMEM", {"red": True})
+    return None
+
+
+class _Recorder:
+    """Collects the per-test records of one session from the reports (in
+    this process, or sent by pytest-xdist workers to the controller)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def pytest_runtest_logreport(self, report):
+        rec = getattr(report, "gpumem", None)
+        if not isinstance(rec, dict):
+            return
+        rec = dict(rec)
+        machine = rec.pop("machine", None)
+        if machine and self.state.machine is None:
+            self.state.machine = machine
+        self.state.records.append(rec)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    state = _state(session.config)
+    if state is None or state.worker is not None:
+        return
+    path = state.settings.json
+    if path and (state.records or state.settings.measuring):
+        if state.machine is None and state.meter is not None:
+            state.machine = state.meter.machine()
+        _report.write_json(path, state.records, state.info())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    state = _state(config)
+    if state is None:
+        return
+    tr = terminalreporter
+    if state.why_off and state.n_unmeasured and not state.settings.measuring:
+        tr.write_line(f"gpumem: {state.n_unmeasured} test(s) asked for GPU measurement, which is off: {state.why_off}")
+    recs = state.records
+    top = state.settings.top
+    if recs and top:
+        name = state.info()["strategy"]["name"] if state.strategy is not None else None
+        title = f"gpumem: top {min(top, len(recs))} of {len(recs)} measured tests by peak GPU memory"
+        if name:
+            title += f" (strategy {name})"
+        tr.write_sep("=", title)
+        for line in _report.table_lines(recs, top):
+            tr.write_line(line)
+        failed = [r for r in recs if r.get("verdict") and r["verdict"] != "leak warning"]
+        if failed:
+            tr.write_line(f"{len(failed)} test(s) failed a GPU memory check (status M / GPUMEM)")
+    if state.settings.json and state.worker is None and (recs or state.settings.measuring):
+        tr.write_line(f"gpumem: JSON report written to {state.settings.json}")
+
+
+# -- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpumem(request):
+    """GPU memory of this test, measured from this fixture's setup on:
+    ``.peak``, ``.in_use``, ``.measure()``, ``.assert_no_leaks()``,
+    ``.live_allocations()``, ``.strategy``. Works without ``--gpumem``;
+    skips the test where there is no GPU."""
+    state = _state(request.config)
+    if state is not None and state.meter is None and not state.controller:
+        state.activate()
+    if state is None or state.meter is None:
+        why = state.why_off if state is not None else "the gpumem plugin is not configured"
+        pytest.skip(f"gpumem: GPU measurement is off: {why}")
+    fx = GpuMem(state.meter, count_faults=state.settings.faults)
+    yield fx
+    fx._close()
+
+
+@pytest.fixture
+def gpumem_strategy(request):
+    """Run the test under one cupy_memstrat strategy (``cupy_memstrat.using``);
+    parametrised over every registered strategy unless the test parametrises
+    ``gpumem_strategy`` itself (``indirect=True``). A strategy that cannot be
+    created here skips with the reason. Yields the strategy."""
+    name = getattr(request, "param", None) or "pool"
+    try:
+        cm = cupy_memstrat.using(name)
+        s = cm.__enter__()
+    except (cupy_memstrat.MemstratError, ValueError, ImportError, RuntimeError) as exc:
+        pytest.skip(f"strategy {name!r} cannot be created here: {exc}")
+    try:
+        yield s
+    finally:
+        cm.__exit__(None, None, None)

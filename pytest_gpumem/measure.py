@@ -1,0 +1,305 @@
+"""Measuring windows over a cupy_memstrat strategy (public API only).
+
+A *window* is a span of time (a test's call, a ``gpumem.measure()`` block).
+Opening one reads the strategy's statistics on each device, resets the peaks
+and snapshots the live allocations; windows nest: opening an inner window
+first folds the current peak into every open outer window, so resetting the
+peak for the inner one loses nothing for the outer ones.
+
+Per window, per device:
+
+* peak = highest ``bytes_in_use`` during the window - ``bytes_in_use`` when it
+  opened (what the window added on top of what was already held);
+* allocated / freed = allocations and frees made during the window (counts);
+* leaked = allocations made since the window opened that are still live when
+  asked (after ``gc.collect()`` and clearing CuPy's caches that hold device
+  memory on purpose, when there were any).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+from dataclasses import dataclass, field
+
+import cupy_memstrat
+from cupy_memstrat import faults as _faults
+
+__all__ = ["Meter", "Window", "Measurement", "GpuMem", "clear_cupy_caches"]
+
+
+def clear_cupy_caches(devices) -> None:
+    """Clear CuPy's caches that keep device memory on purpose (CuPy v14):
+    the cuFFT plan cache (each plan holds its work area), per device, for the
+    calling thread. Only if CuPy's FFT module was imported; errors ignored."""
+    if "cupy.fft" not in sys.modules:
+        return
+    try:
+        import cupy
+    except ImportError:
+        return
+    for d in devices:
+        try:
+            with cupy.cuda.Device(d):
+                cupy.fft.config.get_plan_cache().clear()
+        except Exception:  # noqa: BLE001 - no CUDA (fake backend) or no cuFFT: nothing cached
+            pass
+
+
+@dataclass
+class Window:
+    base: list  # bytes in use per device when opened
+    peak_abs: list  # highest bytes in use seen so far (absolute), per device
+    allocs0: list
+    frees0: list
+    live0: dict | None  # {ptr: size} when opened
+    peak: list = field(default_factory=list)  # per device, once closed
+    n_allocs: int = 0
+    n_frees: int = 0
+    closed: bool = False
+    faults: object = None  # FaultCounts
+    # filled by the plugin
+    top_live: list = field(default_factory=list)
+
+
+class Meter:
+    """Windows over one strategy, for the whole session."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.n_devices = strategy.backend.device_count()
+        self.devices = range(self.n_devices)
+        self._totals = None
+        self._open: list[Window] = []
+        self._counter = None
+        self._counter_error = None
+
+    # -- device facts ---------------------------------------------------------------
+    @property
+    def totals(self) -> list[int]:
+        if self._totals is None:
+            self._totals = [self.strategy.backend.device_properties(d)["total_memory"] for d in self.devices]
+        return self._totals
+
+    def machine(self) -> dict:
+        """Devices, driver and runtime, as the strategy's backend reports them."""
+        b = self.strategy.backend
+        out = {"backend": getattr(b, "name", type(b).__name__), "devices": []}
+        for d in self.devices:
+            try:
+                p = b.device_properties(d)
+                out["devices"].append(
+                    {"index": d, "name": p.get("name"), "total_memory": p.get("total_memory"),
+                     "compute_capability": p.get("compute_capability")}
+                )
+            except Exception as exc:  # noqa: BLE001 - a report must not crash
+                out["devices"].append({"index": d, "error": str(exc)})
+        try:
+            v = b.versions()
+            out["driver_version"], out["runtime_version"] = v.get("driver"), v.get("runtime")
+        except Exception:  # noqa: BLE001
+            pass
+        return out
+
+    def limit(self, value, device: int) -> int:
+        """A budget (bytes or "N%") in bytes for ``device``."""
+        if isinstance(value, str):
+            return cupy_memstrat.parse_size(value, total=self.totals[device], what="budget")
+        return value
+
+    # -- windows ----------------------------------------------------------------------
+    def open(self, snapshot: bool = True) -> Window:
+        s = self.strategy
+        sts = [s.stats(d) for d in self.devices]
+        for w in self._open:
+            for d, st in enumerate(sts):
+                if st.peak_bytes_in_use > w.peak_abs[d]:
+                    w.peak_abs[d] = st.peak_bytes_in_use
+        for d in self.devices:
+            s.reset_peak(d)
+        w = Window(
+            base=[st.bytes_in_use for st in sts],
+            peak_abs=[st.bytes_in_use for st in sts],
+            allocs0=[st.n_allocs for st in sts],
+            frees0=[st.n_frees for st in sts],
+            live0=s.live_sizes() if snapshot else None,
+        )
+        self._open.append(w)
+        return w
+
+    def read(self, w: Window) -> tuple[list, list]:
+        """(peak per device, in use on top of the window's start per device), now."""
+        if w.closed:
+            return w.peak, [self.strategy.stats(d).bytes_in_use - w.base[d] for d in self.devices]
+        sts = [self.strategy.stats(d) for d in self.devices]
+        peak = [max(w.peak_abs[d], st.peak_bytes_in_use) - w.base[d] for d, st in enumerate(sts)]
+        return peak, [st.bytes_in_use - w.base[d] for d, st in enumerate(sts)]
+
+    def close(self, w: Window) -> Window:
+        sts = [self.strategy.stats(d) for d in self.devices]
+        w.peak = [max(w.peak_abs[d], st.peak_bytes_in_use) - w.base[d] for d, st in enumerate(sts)]
+        w.n_allocs = sum(st.n_allocs - w.allocs0[d] for d, st in enumerate(sts))
+        w.n_frees = sum(st.n_frees - w.frees0[d] for d, st in enumerate(sts))
+        w.closed = True
+        with contextlib.suppress(ValueError):
+            self._open.remove(w)
+        return w
+
+    def new_live(self, w: Window) -> set:
+        """{(ptr, size)} allocated since ``w`` opened and live now (no GC)."""
+        return self.strategy.live_sizes().items() - (w.live0 or {}).items()
+
+    def leaks(self, w: Window, collect: bool = True) -> list:
+        """Allocations made since ``w`` opened that are still live, largest
+        first (:class:`cupy_memstrat.Allocation`, with origins where tracked).
+        With ``collect``, a non-empty answer is checked again after
+        ``gc.collect()`` and clearing CuPy's caches."""
+        new = self.new_live(w)
+        if new and collect:
+            gc.collect()
+            clear_cupy_caches(self.devices)
+            new = self.new_live(w)
+        if not new:
+            return []
+        return [a for a in self.strategy.live_allocations() if (a.ptr, a.size) in new]
+
+    def largest_new(self, w: Window, n: int = 10) -> list:
+        """The ``n`` largest allocations made since ``w`` opened and live now."""
+        new = self.new_live(w)
+        if not new:
+            return []
+        return [a for a in self.strategy.live_allocations() if (a.ptr, a.size) in new][:n]
+
+    # -- page faults ----------------------------------------------------------------------
+    def fault_counter(self):
+        """The session's FaultCounter, made on first use.
+
+        Raises:
+            cupy_memstrat.FaultCountersUnavailable: no counter on this machine.
+        """
+        if self._counter is None and self._counter_error is None:
+            try:
+                self._counter = _faults.FaultCounter(backend=self.strategy.backend)
+            except cupy_memstrat.FaultCountersUnavailable as exc:
+                self._counter_error = exc
+        if self._counter is None:
+            raise self._counter_error
+        return self._counter
+
+    def fault_status(self) -> str:
+        try:
+            c = self.fault_counter()
+        except cupy_memstrat.FaultCountersUnavailable as exc:
+            return f"unavailable: {exc}"
+        return f"{c.source} counters" + ("" if c.exact else " (lower bounds)")
+
+
+@dataclass
+class Measurement:
+    """The result of ``gpumem.measure()``, filled when the block ends.
+
+    Attributes:
+        peak: bytes; the highest GPU memory in use during the block on top of
+            what was in use when it began (the highest over devices).
+        allocated / freed: allocations and frees made during the block (counts).
+        leaked: bytes of allocations made in the block and still live at its
+            end (after ``gc.collect()``).
+        leaked_allocations: those allocations (``cupy_memstrat.Allocation``).
+        faults: ``cupy_memstrat.faults.FaultCounts`` when counting was on, else None.
+    """
+
+    peak: int = 0
+    allocated: int = 0
+    freed: int = 0
+    leaked: int = 0
+    leaked_allocations: list = field(default_factory=list)
+    faults: object = None
+    peaks: list = field(default_factory=list)
+
+
+def describe(allocs, limit: int = 10) -> str:
+    lines = [f"  {cupy_memstrat.format_size(a.size):>10}  device {a.device}  0x{a.ptr:x}"
+             + (f"  {a.origin}" if a.origin else "") for a in allocs[:limit]]
+    if len(allocs) > limit:
+        lines.append(f"  ... and {len(allocs) - limit} more")
+    return "\n".join(lines)
+
+
+class GpuMem:
+    """The ``gpumem`` fixture: the GPU memory of the test that uses it,
+    measured from the fixture's setup on."""
+
+    def __init__(self, meter: Meter, count_faults: bool = False):
+        self._meter = meter
+        self._count_faults = count_faults
+        self._window = meter.open()
+
+    @property
+    def strategy(self):
+        """The cupy_memstrat strategy measured through."""
+        return self._meter.strategy
+
+    @property
+    def peak(self) -> int:
+        """Bytes: the highest GPU memory in use since the fixture was set up,
+        on top of what was in use then (the highest over devices)."""
+        return max(self._meter.read(self._window)[0], default=0)
+
+    @property
+    def in_use(self) -> int:
+        """Bytes in use now on top of what was in use when the fixture was set up (all devices)."""
+        return sum(self._meter.read(self._window)[1])
+
+    def live_allocations(self) -> list:
+        """Allocations made since the fixture was set up that are live now,
+        largest first (``cupy_memstrat.Allocation``; ``origin`` set when the
+        strategy tracks origins)."""
+        return self._meter.leaks(self._window, collect=False)
+
+    def assert_no_leaks(self, limit=0) -> None:
+        """Fail (``AssertionError``) if allocations made since the fixture was
+        set up are still live, after ``gc.collect()`` and clearing CuPy's
+        caches, totalling more than ``limit`` (bytes or a size string)."""
+        limit = cupy_memstrat.parse_size(limit, what="limit")
+        leaked = self._meter.leaks(self._window)
+        total = sum(a.size for a in leaked)
+        if total > limit:
+            n = len(leaked)
+            raise AssertionError(
+                f"leaked {n} allocation{'' if n == 1 else 's'}, {cupy_memstrat.format_size(total)} > limit "
+                f"{cupy_memstrat.format_size(limit)}\n{describe(leaked)}"
+            )
+
+    @contextlib.contextmanager
+    def measure(self, faults: bool | None = None):
+        """Measure a block: ``with gpumem.measure() as m: ...`` then ``m.peak``,
+        ``m.allocated``, ``m.freed``, ``m.leaked``, ``m.faults``.
+
+        Args:
+            faults: count page faults in the block (default: as the session,
+                ``--gpumem-faults``). Raises ``FaultCountersUnavailable``
+                where there is no counter.
+        """
+        m = Measurement()
+        count = self._count_faults if faults is None else faults
+        counter = None
+        if count:
+            counter = _faults.FaultCounter(backend=self._meter.strategy.backend)
+        w = self._meter.open()
+        if counter is not None:
+            counter.start()
+        try:
+            yield m
+        finally:
+            if counter is not None:
+                m.faults = counter.stop()
+            self._meter.close(w)
+            m.peaks, m.peak = list(w.peak), max(w.peak, default=0)
+            m.allocated, m.freed = w.n_allocs, w.n_frees
+            m.leaked_allocations = self._meter.leaks(w)
+            m.leaked = sum(a.size for a in m.leaked_allocations)
+
+    def _close(self) -> None:
+        if not self._window.closed:
+            self._meter.close(self._window)

@@ -1,0 +1,317 @@
+"""The plugin's settings: command line, environment, ini; markers.
+
+Every setting has a command-line option, an environment variable and an ini
+key. Precedence: marker (per test) > command line > environment > ini >
+default. Every value is checked when pytest starts (markers when tests are
+collected); a bad one is a ``pytest.UsageError`` that names where it came
+from, e.g. ``environment variable GPUMEM_BUDGET='lots': cannot parse ...``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+
+import cupy_memstrat
+
+__all__ = ["SETTINGS", "Settings", "add_options", "resolve", "Plan", "plan_for", "MARKERS"]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_OFF = ("off", "none", "no", "false")
+
+
+def parse_bool(raw: str):
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
+
+
+def parse_budget(raw: str):
+    """``None`` (off), bytes (int) or ``"N%"`` (a share of each device's memory)."""
+    v = raw.strip()
+    if v.lower() in _OFF:
+        return None
+    cupy_memstrat.parse_size(v, total=100, what="budget")  # checks the syntax, percentages included
+    if v.endswith("%"):
+        return v
+    return cupy_memstrat.parse_size(v, what="budget")
+
+
+def _choice(*choices):
+    def parse(raw: str):
+        v = raw.strip().lower()
+        if v not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return v
+
+    return parse
+
+
+def parse_strategy(raw: str):
+    spec = raw.strip()
+    cupy_memstrat.validate(spec)
+    return spec
+
+
+def parse_top(raw: str):
+    try:
+        n = int(raw.strip())
+    except ValueError:
+        raise ValueError("expected a whole number of tests >= 0") from None
+    if n < 0:
+        raise ValueError("expected a whole number of tests >= 0")
+    return n
+
+
+def parse_path(raw: str):
+    return raw.strip()
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # attribute of Settings; the option's dest is "gpumem_" + name
+    option: str
+    env: str
+    ini: str
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+    flag: bool = False
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.option.lstrip("-").replace("-", "_")
+
+
+SETTINGS = (
+    Setting("measure", "--gpumem", "GPUMEM", "gpumem", parse_bool, False,
+            "measure every test's GPU memory (peak, leaks where checked) and report it", flag=True),
+    Setting("budget", "--gpumem-budget", "GPUMEM_BUDGET", "gpumem_budget", parse_budget, None,
+            "fail a test whose peak GPU memory (on top of what was in use when its call began) exceeds "
+            "SIZE: '512MiB', '2GB', '10%%' of the device's memory; 'off' for none", metavar="SIZE"),
+    Setting("leaks", "--gpumem-leaks", "GPUMEM_LEAKS", "gpumem_leaks", _choice("fail", "warn", "off"), "off",
+            "a test that leaves GPU memory allocated after it ends: fail, warn or off (default)",
+            metavar="fail|warn|off"),
+    Setting("strategy", "--gpumem-strategy", "GPUMEM_STRATEGY", "gpumem_strategy", parse_strategy, None,
+            "run the session with this cupy_memstrat strategy as CuPy's allocator, e.g. 'device' "
+            "(default: CuPy's own pool; measured through the 'pool' strategy when measuring)",
+            metavar="NAME[:KEY=VALUE,...]"),
+    Setting("faults", "--gpumem-faults", "GPUMEM_FAULTS", "gpumem_faults", parse_bool, False,
+            "count unified-memory page faults and migrations per test (driver counters, CUPTI fallback)",
+            flag=True),
+    Setting("faults_missing", "--gpumem-faults-missing", "GPUMEM_FAULTS_MISSING", "gpumem_faults_missing",
+            _choice("skip", "fail"), "skip",
+            "a test with limit_page_faults where no page-fault counter exists: skip (default) or fail",
+            metavar="skip|fail"),
+    Setting("top", "--gpumem-top", "GPUMEM_TOP", "gpumem_top", parse_top, 10,
+            "show the N measured tests with the highest peak at the end (0: no table; default 10)", metavar="N"),
+    Setting("json", "--gpumem-json", "GPUMEM_JSON", "gpumem_json", parse_path, None,
+            "write every measured test's numbers, with machine and versions, to PATH as JSON", metavar="PATH"),
+)
+
+
+def add_options(parser) -> None:
+    group = parser.getgroup("gpumem", "GPU memory (cupy-memstrat)")
+    for s in SETTINGS:
+        env = f" [env {s.env}, ini {s.ini}]"
+        if s.flag:
+            group.addoption(s.option, action="store_const", const=True, default=None, dest=s.dest,
+                            help=s.help + env)
+            group.addoption("--no-" + s.option[2:], action="store_const", const=False, dest=s.dest,
+                            help=f"switch {s.option} off (over the environment and the ini file)")
+        else:
+            group.addoption(s.option, default=None, dest=s.dest, metavar=s.metavar, help=s.help + env)
+        parser.addini(s.ini, f"{s.help} (as {s.option})".replace("%%", "%"), default="")
+
+
+@dataclass
+class Settings:
+    """Resolved session settings: each value with the place it came from."""
+
+    values: dict = field(default_factory=dict)
+    sources: dict = field(default_factory=dict)
+
+    def __getattr__(self, name):
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def source(self, name: str) -> str | None:
+        return self.sources.get(name)
+
+    @property
+    def measuring(self) -> bool:
+        """Whether every test (not only marked ones) is measured."""
+        return bool(self.measure or self.budget is not None or self.leaks != "off" or self.faults)
+
+
+def resolve(config, environ=None) -> Settings:
+    """Read every setting (command line > environment > ini > default).
+
+    Raises:
+        pytest.UsageError: a bad value; the message names its source.
+    """
+    environ = os.environ if environ is None else environ
+    out = Settings()
+    for s in SETTINGS:
+        cli = config.getoption(s.dest)
+        if cli is not None:
+            if s.flag:
+                out.values[s.name], out.sources[s.name] = cli, s.option if cli else "--no-" + s.option[2:]
+                continue
+            raw, label, src = cli, f"{s.option}={cli!r}", s.option
+        elif environ.get(s.env, "").strip():
+            raw = environ[s.env]
+            label, src = f"environment variable {s.env}={raw!r}", f"environment variable {s.env}"
+        elif str(config.getini(s.ini)).strip():
+            raw = str(config.getini(s.ini))
+            label, src = f"ini key {s.ini}={raw!r}", f"ini key {s.ini}"
+        else:
+            out.values[s.name], out.sources[s.name] = s.default, None
+            continue
+        if not raw.strip():  # an empty command-line value switches a setting off
+            out.values[s.name], out.sources[s.name] = s.default, src
+            continue
+        try:
+            out.values[s.name] = s.parse(raw)
+        except (ValueError, TypeError) as exc:
+            raise pytest.UsageError(f"{label}: {exc}") from None
+        out.sources[s.name] = src
+    return out
+
+
+# -- markers -------------------------------------------------------------------------
+
+MARKERS = (
+    "limit_gpu_memory(size): fail the test if its peak GPU memory exceeds size ('512MiB', '2GB', '10%'; "
+    "None: no budget for this test); overrides --gpumem-budget",
+    "limit_gpu_leaks(size='0B'): fail the test if it leaves more than size of GPU memory allocated after "
+    "it ends; overrides --gpumem-leaks",
+    "limit_page_faults(gpu=None, cpu=None, migrated=None): fail the test if it causes more GPU page faults, "
+    "CPU page faults or migrated bytes than given (skipped or failed where no counter exists, "
+    "per --gpumem-faults-missing)",
+    "gpumem_skip: do not measure or check this test's GPU memory",
+)
+
+
+@dataclass
+class Plan:
+    """What the plugin does for one test."""
+
+    budget: Any = None  # None, bytes, or "N%"
+    budget_source: str | None = None
+    leaks: str = "off"  # off | warn | fail
+    leak_limit: int = 0
+    leak_source: str | None = None
+    faults: bool = False  # count page faults
+    fault_limits: dict | None = None  # {"gpu": int, "cpu": int, "migrated": int} (given ones only)
+    fault_source: str | None = None
+
+
+def _marker_error(marker, item, exc) -> pytest.UsageError:
+    args = ", ".join([repr(a) for a in marker.args] + [f"{k}={v!r}" for k, v in marker.kwargs.items()])
+    return pytest.UsageError(f"marker {marker.name}({args}) on {item.nodeid}: {exc}")
+
+
+def _one_arg(marker, name: str, default=pytest):  # pytest: a sentinel for "required"
+    args, kwargs = list(marker.args), dict(marker.kwargs)
+    extra = sorted(set(kwargs) - {name})
+    if extra:
+        raise ValueError(f"unknown argument {extra[0]!r}; expected {name}")
+    if len(args) > 1 or (args and name in kwargs):
+        raise ValueError(f"expected one argument, {name}")
+    if args:
+        return args[0]
+    if name in kwargs:
+        return kwargs[name]
+    if default is pytest:
+        raise ValueError(f"missing the {name} argument, e.g. {marker.name}('512MiB')")
+    return default
+
+
+def _marker_size(value, what: str, percent: bool):
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() in _OFF:
+        return None
+    if percent and isinstance(value, str) and value.strip().endswith("%"):
+        cupy_memstrat.parse_size(value, total=100, what=what)
+        return value.strip()
+    return cupy_memstrat.parse_size(value, what=what)
+
+
+def _count(value, what: str):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what}: expected a whole number >= 0 or None, got {value!r}")
+    return value
+
+
+def plan_for(item, settings: Settings) -> Plan | None:
+    """The plan for ``item``, or None if nothing is measured for it.
+
+    Raises:
+        pytest.UsageError: a marker with a bad value (names the marker and the test).
+    """
+    if item.get_closest_marker("gpumem_skip") is not None:
+        return None
+    plan = Plan(
+        budget=settings.budget,
+        budget_source=settings.source("budget"),
+        leaks=settings.leaks,
+        leak_source=settings.source("leaks"),
+        faults=settings.faults,
+    )
+    marked = False
+    m = item.get_closest_marker("limit_gpu_memory")
+    if m is not None:
+        marked = True
+        try:
+            plan.budget = _marker_size(_one_arg(m, "size"), "size", percent=True)
+        except (ValueError, TypeError) as exc:
+            raise _marker_error(m, item, exc) from None
+        plan.budget_source = "limit_gpu_memory marker"
+    m = item.get_closest_marker("limit_gpu_leaks")
+    if m is not None:
+        marked = True
+        try:
+            limit = _marker_size(_one_arg(m, "size", "0B"), "size", percent=False)
+        except (ValueError, TypeError) as exc:
+            raise _marker_error(m, item, exc) from None
+        if limit is None:
+            plan.leaks, plan.leak_limit = "off", 0
+        else:
+            plan.leaks, plan.leak_limit = "fail", limit
+        plan.leak_source = "limit_gpu_leaks marker"
+    m = item.get_closest_marker("limit_page_faults")
+    if m is not None:
+        marked = True
+        try:
+            if m.args:
+                raise ValueError("takes keyword arguments only: gpu=, cpu=, migrated=")
+            extra = sorted(set(m.kwargs) - {"gpu", "cpu", "migrated"})
+            if extra:
+                raise ValueError(f"unknown argument {extra[0]!r}; expected gpu, cpu, migrated")
+            limits = {
+                "gpu": _count(m.kwargs.get("gpu"), "gpu"),
+                "cpu": _count(m.kwargs.get("cpu"), "cpu"),
+                "migrated": _marker_size(m.kwargs.get("migrated"), "migrated", percent=False),
+            }
+        except (ValueError, TypeError) as exc:
+            raise _marker_error(m, item, exc) from None
+        plan.fault_limits = {k: v for k, v in limits.items() if v is not None}
+        plan.faults = True
+        plan.fault_source = "limit_page_faults marker"
+    if not (marked or settings.measuring):
+        return None
+    return plan

@@ -1,0 +1,78 @@
+"""Per-test records, the terminal table and the JSON report."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+
+import cupy_memstrat
+
+__all__ = ["user_properties", "write_json", "table_lines", "JSON_VERSION"]
+
+JSON_VERSION = 1
+fmt = cupy_memstrat.format_size
+
+
+def user_properties(rec: dict) -> list[tuple[str, object]]:
+    """``gpumem_*`` properties for ``report.user_properties`` (JUnit XML)."""
+    props = [("gpumem_peak_bytes", rec["peak_bytes"]), ("gpumem_allocations", rec["allocated"])]
+    if rec.get("leaked_bytes") is not None:
+        props += [("gpumem_leaked_bytes", rec["leaked_bytes"]), ("gpumem_leaked_allocations", rec["leaked_count"])]
+    f = rec.get("faults")
+    if f:
+        props += [
+            ("gpumem_gpu_faults", f["gpu_faults"]),
+            ("gpumem_cpu_faults", f["cpu_faults"]),
+            ("gpumem_bytes_htod", f["bytes_htod"]),
+            ("gpumem_bytes_dtoh", f["bytes_dtoh"]),
+        ]
+    return props
+
+
+def table_lines(records: list[dict], top: int) -> list[str]:
+    """The terminal table: the ``top`` tests by peak, with leaks and faults
+    columns where any test has them."""
+    rows = sorted(records, key=lambda r: (-r["peak_bytes"], r["nodeid"]))[:top]
+    show_leaks = any(r.get("leaked_bytes") is not None for r in records)
+    show_faults = any(r.get("faults") for r in records)
+    head = [f"{'peak':>10}", f"{'allocs':>7}"]
+    if show_leaks:
+        head.append(f"{'leaked':>10}")
+    if show_faults:
+        head += [f"{'GPU faults':>10}", f"{'CPU faults':>10}", f"{'migrated':>10}"]
+    lines = ["  ".join(head + ["test"])]
+    for r in rows:
+        cells = [f"{fmt(r['peak_bytes']):>10}", f"{r['allocated']:>7}"]
+        if show_leaks:
+            lb = r.get("leaked_bytes")
+            cells.append(f"{'-' if lb is None else fmt(lb):>10}")
+        if show_faults:
+            f = r.get("faults")
+            if f:
+                cells += [f"{f['gpu_faults']:>10}", f"{f['cpu_faults']:>10}",
+                          f"{fmt(f['bytes_htod'] + f['bytes_dtoh']):>10}"]
+            else:
+                cells += [f"{'-':>10}"] * 3
+        tail = f"  [{r['verdict']}]" if r.get("verdict") else ""
+        where = f" ({r['worker']})" if r.get("worker") else ""
+        lines.append("  ".join(cells + [r["nodeid"] + where + tail]))
+    return lines
+
+
+def write_json(path: str, records: list[dict], state_info: dict) -> None:
+    doc = {
+        "version": JSON_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        **state_info,
+        "tests": records,
+    }
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+        f.write("\n")
+    os.replace(tmp, path)

@@ -1,0 +1,584 @@
+"""pytest_gpumem end to end on the fake backend (CUPY_MEMSTRAT_BACKEND=fake):
+options, ini keys, environment variables, markers, precedence, bad values,
+leaks, the fixtures, the reports and pytest-xdist."""
+
+import json
+import os
+import xml.etree.ElementTree as ET
+
+import pytest
+
+import cupy_memstrat.cuda as C
+
+cupy = pytest.importorskip("cupy", reason="the plugin's tests make CuPy arrays (no GPU needed)")
+
+HEAD = """
+import gc, sys
+import numpy as np
+import pytest
+import cupy
+MiB = 1 << 20
+KEEP = []
+def alloc(n):
+    return cupy.ndarray((n,), dtype=np.uint8)
+"""
+
+
+@pytest.fixture
+def fake_env(monkeypatch):
+    """The inner session runs on a simulated 1 GiB device; nothing of the
+    outer environment's GPUMEM_* settings leaks in; the process's backend
+    and CuPy allocator are put back afterwards."""
+    for k in list(os.environ):
+        if k.startswith("GPUMEM"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
+    monkeypatch.setattr(C, "_backend", None)
+    prev = cupy.cuda.get_allocator()
+    yield monkeypatch
+    cupy.cuda.set_allocator(prev)
+
+
+def run(pytester, *args):
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", *args)
+
+
+def _gpu_present():
+    try:
+        C.RealBackend()
+        return True
+    except Exception:
+        return False
+
+
+# -- options, ini keys, environment -------------------------------------------------------------
+
+
+def test_every_option_and_ini_key_is_registered(pytester):
+    r = pytester.runpytest_subprocess("--help")
+    for opt in ("--gpumem ", "--no-gpumem", "--gpumem-budget=SIZE", "--gpumem-leaks=fail|warn|off",
+                "--gpumem-strategy=NAME", "--gpumem-faults ", "--no-gpumem-faults",
+                "--gpumem-faults-missing=skip|fail", "--gpumem-top=N", "--gpumem-json=PATH"):
+        assert opt in r.stdout.str(), opt
+    for ini in ("gpumem ", "gpumem_budget ", "gpumem_leaks ", "gpumem_strategy ", "gpumem_faults ",
+                "gpumem_faults_missing ", "gpumem_top ", "gpumem_json "):
+        assert "  " + ini in r.stdout.str(), ini
+    r = pytester.runpytest_subprocess("--markers")
+    r.stdout.fnmatch_lines(["@pytest.mark.limit_gpu_memory(size)*", "@pytest.mark.limit_gpu_leaks(size='0B')*",
+                            "@pytest.mark.limit_page_faults(gpu=None, cpu=None, migrated=None)*",
+                            "@pytest.mark.gpumem_skip*"])
+
+
+def test_gpumem_measures_every_test_and_reports_the_top_n(pytester, fake_env):
+    pytester.makepyfile(HEAD + """
+def test_small():
+    x = alloc(1 * MiB)
+def test_big():
+    x = alloc(5 * MiB)
+    y = alloc(2 * MiB)
+def test_none():
+    pass
+""")
+    r = run(pytester, "--gpumem", "--gpumem-top=2")
+    r.assert_outcomes(passed=3)
+    r.stdout.fnmatch_lines([
+        "gpumem: measuring every test through strategy 'pool' on 1 device: Fake NVIDIA H200 (1.0 GiB)",
+        "*gpumem: top 2 of 3 measured tests by peak GPU memory (strategy pool)*",
+        "*peak*allocs*test",
+        "*7.0 MiB*2*test_gpumem_measures_every_test_and_reports_the_top_n.py::test_big",
+        "*1.0 MiB*1*::test_small",
+    ])
+    assert "::test_none" not in r.stdout.str()
+    r = run(pytester, "--gpumem", "--gpumem-top=0")
+    assert "measured tests by peak" not in r.stdout.str()
+
+
+def test_environment_variables_and_ini_keys_switch_it_on(pytester, fake_env):
+    pytester.makepyfile(HEAD + "def test_a():\n    x = alloc(MiB)\n")
+    fake_env.setenv("GPUMEM", "yes")
+    r = run(pytester)
+    r.stdout.fnmatch_lines(["gpumem: measuring every test*", "*1.0 MiB*::test_a"])
+    r = run(pytester, "--no-gpumem")  # the command line wins over the environment
+    assert "gpumem" not in r.stdout.str()
+    fake_env.delenv("GPUMEM")
+    pytester.makeini("[pytest]\ngpumem = true\ngpumem_top = 1\n")
+    r = run(pytester)
+    r.stdout.fnmatch_lines(["*top 1 of 1 measured tests*"])
+    fake_env.setenv("GPUMEM", "0")  # the environment wins over the ini file
+    r = run(pytester)
+    assert "gpumem" not in r.stdout.str()
+
+
+# -- budgets ------------------------------------------------------------------------------------------
+
+
+def test_over_budget_fails_with_one_line_and_the_status_letter(pytester, fake_env):
+    pytester.makepyfile(HEAD + """
+@pytest.mark.limit_gpu_memory("512KiB")
+def test_over():
+    x = alloc(MiB)
+    KEEP.append(alloc(100))
+@pytest.mark.limit_gpu_memory("2MiB")
+def test_under():
+    x = alloc(MiB)
+""")
+    r = run(pytester, "-ra")
+    r.assert_outcomes(failed=1, passed=1)
+    out = r.stdout.str()
+    r.stdout.fnmatch_lines([
+        "*M.*",
+        "*_ test_over _*",
+        "peak 1.0 MiB > budget 512.0 KiB (limit_gpu_memory marker)",
+        "*- gpumem -*",
+        "during the call: 2 allocations, 1 free; in use when it began: 0 B",
+        "largest allocations made by the test and still live at the end of its call:",
+        "       100 B  device 0  0x*",
+        "GPUMEM *::test_over*",
+    ])
+    assert "test_under" not in out.split("short test summary")[1]
+    r = run(pytester, "-v")
+    r.stdout.fnmatch_lines(["*::test_over GPUMEM*", "*::test_under PASSED*"])
+
+
+def test_a_percentage_budget_is_of_the_device_memory(pytester, fake_env):
+    pytester.makepyfile(HEAD + "def test_a():\n    x = alloc(16 * MiB)\n")
+    r = run(pytester, "--gpumem-budget=1%")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["peak 16.0 MiB > budget 10.2 MiB = 1% of device 0's 1.0 GiB (--gpumem-budget)"])
+
+
+@pytest.mark.parametrize(
+    "ini, env, cli, marker, expect",
+    [
+        ("1MiB", None, None, None, "budget 1.0 MiB (ini key gpumem_budget)"),
+        ("1MiB", "2MiB", None, None, "budget 2.0 MiB (environment variable GPUMEM_BUDGET)"),
+        ("1MiB", "2MiB", "2.5MiB", None, "budget 2.5 MiB (--gpumem-budget)"),
+        ("1MiB", "2MiB", "2.5MiB", "'2.9MiB'", "budget 2.9 MiB (limit_gpu_memory marker)"),
+        ("1MiB", "2MiB", "2.5MiB", "'4MiB'", None),
+        ("1MiB", "2MiB", "", None, None),  # an empty option switches the budget off
+        ("1MiB", "2MiB", "off", None, None),
+        ("1MiB", None, "1MiB", "None", None),  # a marker switches it off for one test
+    ],
+)
+def test_budget_precedence_marker_option_environment_ini(pytester, fake_env, ini, env, cli, marker, expect):
+    pytester.makeini(f"[pytest]\ngpumem_budget = {ini}\n")
+    if env:
+        fake_env.setenv("GPUMEM_BUDGET", env)
+    deco = f"@pytest.mark.limit_gpu_memory({marker})\n" if marker else ""
+    pytester.makepyfile(HEAD + deco + "def test_a():\n    x = alloc(3 * MiB)\n")
+    r = run(pytester, "--gpumem", *([f"--gpumem-budget={cli}"] if cli is not None else []))
+    if expect is None:
+        r.assert_outcomes(passed=1)
+    else:
+        r.assert_outcomes(failed=1)
+        r.stdout.fnmatch_lines([f"peak 3.0 MiB > {expect}"])
+
+
+def test_the_peak_is_on_top_of_what_was_in_use_when_the_call_began(pytester, fake_env):
+    pytester.makepyfile(HEAD + """
+@pytest.fixture(scope="module")
+def big():
+    return alloc(64 * MiB)
+@pytest.fixture
+def medium():
+    x = alloc(8 * MiB)
+    yield x
+    y = alloc(32 * MiB)   # teardown: not the test's call
+@pytest.mark.limit_gpu_memory("2MiB")
+def test_a(big, medium):
+    x = alloc(MiB)
+""")
+    r = run(pytester, "--gpumem-json=out.json")
+    r.assert_outcomes(passed=1)
+    (t,) = json.loads((pytester.path / "out.json").read_text())["tests"]
+    assert t["peak_bytes"] == 1 << 20 and t["in_use_before_bytes"] == 72 << 20
+
+
+# -- bad values: usage errors at start-up, naming their source ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "setting, value, message",
+    [
+        ("budget", "lots", "cannot parse 'lots' as a size"),
+        ("budget", "150%", "expected a percentage between 0% and 100%"),
+        ("leaks", "sometimes", "expected one of fail, warn, off"),
+        ("strategy", "nope", "unknown strategy 'nope'"),
+        ("faults", "maybe", "expected one of 1, true, yes, on, 0, false, no, off"),
+        ("faults_missing", "ignore", "expected one of skip, fail"),
+        ("top", "-1", "expected a whole number of tests >= 0"),
+        ("top", "ten", "expected a whole number of tests >= 0"),
+        ("", "perhaps", "expected one of 1, true"),
+    ],
+)
+@pytest.mark.parametrize("where", ["option", "env", "ini"])
+def test_bad_values_are_usage_errors_naming_the_source(pytester, fake_env, setting, value, message, where):
+    name = "gpumem" + (f"_{setting}" if setting else "")
+    opt = "--" + name.replace("_", "-")
+    pytester.makepyfile("def test_a():\n    pass\n")
+    args = []
+    if where == "option":
+        if not setting or setting == "faults":
+            pytest.skip("a flag takes no value on the command line")
+        args, label = [f"{opt}={value}"], f"{opt}={value!r}"
+    elif where == "env":
+        fake_env.setenv(name.upper(), value)
+        label = f"environment variable {name.upper()}={value!r}"
+    else:
+        pytester.makeini(f"[pytest]\n{name} = {value}\n")
+        label = f"ini key {name}={value!r}"
+    r = run(pytester, *args)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert f"{label}: " in r.stderr.str() and message in r.stderr.str(), r.stderr.str()
+
+
+@pytest.mark.parametrize(
+    "marker, message",
+    [
+        ("limit_gpu_memory('lots')", "marker limit_gpu_memory('lots') on *::test_a: size: cannot parse 'lots'*"),
+        ("limit_gpu_memory()", "marker limit_gpu_memory() on *::test_a: missing the size argument*"),
+        ("limit_gpu_memory('1MiB', '2MiB')", "*expected one argument, size"),
+        ("limit_gpu_leaks(limit='1MiB')", "*limit_gpu_leaks(limit='1MiB')*unknown argument 'limit'; expected size"),
+        ("limit_gpu_leaks('5%')", "*a percentage ('5%') needs the device's total memory*"),
+        ("limit_page_faults(gpu=-1)", "*limit_page_faults(gpu=-1)*gpu: expected a whole number >= 0 or None, got -1"),
+        ("limit_page_faults(5)", "*takes keyword arguments only: gpu=, cpu=, migrated="),
+        ("limit_page_faults(dtoh=5)", "*unknown argument 'dtoh'; expected gpu, cpu, migrated"),
+        ("limit_page_faults(migrated='x')", "*migrated: cannot parse 'x' as a size*"),
+    ],
+)
+def test_bad_markers_are_usage_errors_at_collection(pytester, fake_env, marker, message):
+    pytester.makepyfile(f"import pytest\n@pytest.mark.{marker}\ndef test_a():\n    raise AssertionError('BODY RAN')\n")
+    r = run(pytester)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["ERROR: " + message])
+    assert "BODY RAN" not in r.stdout.str()
+
+
+def test_bad_markers_are_usage_errors_also_without_gpu(pytester, monkeypatch):
+    if _gpu_present():
+        pytest.skip("a GPU is present")
+    monkeypatch.delenv("CUPY_MEMSTRAT_BACKEND", raising=False)
+    pytester.makepyfile("import pytest\n@pytest.mark.limit_gpu_memory('lots')\ndef test_a():\n    pass\n")
+    r = pytester.runpytest_subprocess()
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+
+
+# -- leaks -------------------------------------------------------------------------------------------
+
+
+LEAKY = HEAD + """
+def test_leaks():
+    KEEP.append(alloc(3 * MiB))
+    KEEP.append(alloc(MiB))
+    KEEP.append(alloc(1000))
+def test_clean():
+    x = alloc(MiB)
+def test_cycle_is_collected():
+    a = [alloc(MiB)]
+    a.append(a)                       # garbage, but only the collector frees it
+def test_fails_and_leaks():
+    KEEP.append(alloc(MiB))
+    assert False
+def test_traceback_keeps_arrays():
+    def f():
+        x = alloc(2 * MiB)
+        raise ValueError("boom")
+    try:
+        f()
+    except ValueError as e:
+        KEEP.append(e)                # its traceback holds f's frame, and x
+@pytest.mark.limit_gpu_leaks("5MiB")
+def test_within_its_limit():
+    KEEP.append(alloc(4 * MiB))
+@pytest.mark.gpumem_skip
+def test_not_checked():
+    KEEP.append(alloc(MiB))
+"""
+
+
+def test_leaks_fail_the_test_listing_each_leaked_allocation(pytester, fake_env):
+    pytester.makepyfile(LEAKY)
+    r = run(pytester, "--gpumem-leaks=fail", "-ra", "--gpumem-json=out.json")
+    r.assert_outcomes(failed=3, passed=4)
+    r.stdout.fnmatch_lines([
+        "*_ test_leaks _*",
+        "leaked 3 allocations, 4.0 MiB > limit 0 B (--gpumem-leaks)",
+        "*- gpumem -*",
+        "allocations made by the test and still live after its teardown and gc.collect(), largest first:",
+        "     3.0 MiB  device 0  0x*",
+        "     1.0 MiB  device 0  0x*",
+        "      1000 B  device 0  0x*",
+        "  (where each was allocated: run with --gpumem-strategy=pool:track_origins=true)",
+    ])
+    r.stdout.fnmatch_lines(["*_ test_traceback_keeps_arrays _*", "leaked 1 allocation, 2.0 MiB > limit 0 B*"])
+    out = r.stdout.str()
+    summary = out.split("short test summary info")[1]
+    assert "GPUMEM *::test_leaks" not in summary
+    for name in ("test_clean", "test_cycle_is_collected", "test_within_its_limit", "test_not_checked"):
+        assert f"::{name} " not in summary
+    assert "FAILED test_leaks_fail_the_test_listing_each_leaked_allocation.py::test_fails_and_leaks" in summary
+    tests = {t["nodeid"].split("::")[1]: t for t in json.loads((pytester.path / "out.json").read_text())["tests"]}
+    assert tests["test_leaks"]["leaked_bytes"] == 4 * 2**20 + 1000 and tests["test_leaks"]["leaked_count"] == 3
+    assert [x["size"] for x in tests["test_leaks"]["leaks"]] == [3 << 20, 1 << 20, 1000]
+    assert tests["test_leaks"]["verdict"] == "leaks" and tests["test_leaks"]["outcome"] == "failed"
+    assert tests["test_fails_and_leaks"]["leaked_bytes"] is None  # no leak verdict on a failed test
+    assert tests["test_fails_and_leaks"]["leak_check"].startswith("skipped")
+    assert tests["test_cycle_is_collected"]["leaked_bytes"] == 0
+    assert tests["test_within_its_limit"]["leaked_bytes"] == 4 << 20
+    assert "test_not_checked" not in tests
+
+
+def test_origins_are_listed_with_track_origins(pytester, fake_env):
+    pytester.makepyfile(HEAD + "def test_leaks():\n    KEEP.append(alloc(MiB))\n")
+    r = run(pytester, "--gpumem-leaks=fail", "--gpumem-strategy=pool:track_origins=true")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["     1.0 MiB  device 0  0x*  *test_origins_are_listed_with_track_origins.py:8 in alloc"])
+
+
+def test_leaks_warn(pytester, fake_env):
+    pytester.makepyfile(LEAKY)
+    r = run(pytester, "--gpumem-leaks=warn")
+    r.assert_outcomes(failed=1, passed=6, warnings=2)
+    r.stdout.fnmatch_lines(["*GpuMemLeakWarning: *::test_leaks: leaked 3 allocations, 4.0 MiB > limit 0 B*"])
+    r = run(pytester, "--gpumem-leaks=warn", "-W", "error::pytest_gpumem.plugin.GpuMemLeakWarning")
+    r.assert_outcomes(failed=3, passed=4)
+
+
+def test_leak_marker_without_any_option_and_cufft_plans_are_not_leaks(pytester, fake_env):
+    pytester.makepyfile(HEAD + """
+@pytest.mark.limit_gpu_leaks
+def test_leaks():
+    KEEP.append(alloc(100))
+@pytest.mark.limit_gpu_leaks()
+def test_clean():
+    x = alloc(100)
+""")
+    r = run(pytester)
+    r.assert_outcomes(failed=1, passed=1)
+    r.stdout.fnmatch_lines(["leaked 1 allocation, 100 B > limit 0 B (limit_gpu_leaks marker)"])
+
+
+# -- page faults (the fake backend's counters) ------------------------------------------------------
+
+FAULTS = HEAD + """
+from cupy_memstrat.cuda import get_backend
+def migrate(prefetch=False):
+    b = get_backend()
+    p = b.malloc_managed(4 * MiB)
+    b.touch(p, 4 * MiB, "host")
+    if prefetch:
+        b.mem_prefetch(p, 4 * MiB, 0, 0)
+    b.touch(p, 4 * MiB, "device")
+    b.free(p)
+@pytest.mark.limit_page_faults(gpu=0)
+def test_faulting():
+    migrate()
+@pytest.mark.limit_page_faults(gpu=0, migrated="4MiB")
+def test_prefetched():
+    migrate(prefetch=True)
+@pytest.mark.limit_page_faults(migrated="1MiB")
+def test_migrates_too_much():
+    migrate(prefetch=True)
+def test_unlimited():
+    migrate()
+"""
+
+
+def test_page_fault_budgets(pytester, fake_env):
+    pytester.makepyfile(FAULTS)
+    r = run(pytester, "--gpumem-json=out.json")
+    r.assert_outcomes(failed=2, passed=2)
+    r.stdout.fnmatch_lines([
+        "*_ test_faulting _*",
+        "64 GPU page faults > limit 0 (limit_page_faults marker; fake counters)",
+        "*- gpumem -*",
+        "page faults during the call: 64 GPU faults, * (fake backend, exact)",
+        "*_ test_migrates_too_much _*",
+        "migrated 4.0 MiB > limit 1.0 MiB (limit_page_faults marker; fake counters)",
+    ])
+    tests = {t["nodeid"].split("::")[1]: t for t in json.loads((pytester.path / "out.json").read_text())["tests"]}
+    assert tests["test_faulting"]["faults"]["gpu_faults"] == 64
+    assert tests["test_prefetched"]["faults"]["gpu_faults"] == 0
+    assert tests["test_prefetched"]["faults"]["bytes_htod"] == 4 << 20
+    assert "test_unlimited" not in tests  # not measured: no marker, no option
+
+
+def test_gpumem_faults_counts_every_test(pytester, fake_env):
+    pytester.makepyfile(FAULTS)
+    r = run(pytester, "--gpumem-faults")
+    r.assert_outcomes(failed=2, passed=2)
+    r.stdout.fnmatch_lines([
+        "gpumem: measuring every test * page faults: fake counters",
+        "*peak*allocs*GPU faults*CPU faults*migrated*test",
+    ])
+    r.stdout.fnmatch_lines(["* 64 * 4.0 MiB  *::test_unlimited"])
+
+
+def test_page_fault_markers_without_a_gpu_skip_or_fail(pytester, monkeypatch):
+    if _gpu_present():
+        pytest.skip("a GPU is present")
+    monkeypatch.delenv("CUPY_MEMSTRAT_BACKEND", raising=False)
+    pytester.makepyfile("import pytest\n@pytest.mark.limit_page_faults(gpu=0)\ndef test_a():\n    pass\n"
+                        "def test_b():\n    pass\n")
+    r = pytester.runpytest_subprocess("-rs")
+    r.assert_outcomes(skipped=1, passed=1)
+    r.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_page_fault_markers_without_a_gpu_skip_or_fail.py:2: "
+                            "gpumem: limit_page_faults cannot be checked: GPU measurement is off: no CUDA device*"])
+    r = pytester.runpytest_subprocess("--gpumem-faults-missing=fail")
+    r.assert_outcomes(failed=1, passed=1)
+    r.stdout.fnmatch_lines(["*gpumem: limit_page_faults cannot be checked: GPU measurement is off*"])
+
+
+# -- without a GPU -------------------------------------------------------------------------------------
+
+
+def test_without_gpu_the_session_runs_unmeasured_and_says_so_once(pytester, monkeypatch):
+    if _gpu_present():
+        pytest.skip("a GPU is present")
+    monkeypatch.delenv("CUPY_MEMSTRAT_BACKEND", raising=False)
+    pytester.makepyfile("import pytest\n@pytest.mark.limit_gpu_memory('1B')\ndef test_a():\n    pass\n"
+                        "def test_b(gpumem):\n    pass\n")
+    r = pytester.runpytest_subprocess("--gpumem-budget=1B", "--gpumem-leaks=fail", "-rs")
+    r.assert_outcomes(passed=1, skipped=1)
+    assert r.stdout.str().count("GPU measurement is off") == 2  # the header, and the fixture's skip reason
+    r.stdout.fnmatch_lines(["gpumem: GPU measurement is off, tests run unmeasured: no CUDA device is available*",
+                            "SKIPPED*gpumem: GPU measurement is off: no CUDA device*"])
+    r = pytester.runpytest_subprocess()  # markers only: no header, one line at the end
+    r.assert_outcomes(passed=1, skipped=1)
+    r.stdout.fnmatch_lines(["gpumem: 1 test(s) asked for GPU measurement, which is off: no CUDA device*"])
+
+
+# -- fixtures ---------------------------------------------------------------------------------------------
+
+
+def test_the_gpumem_fixture_works_without_options(pytester, fake_env):
+    pytester.makepyfile(HEAD + """
+def test_fixture(gpumem):
+    assert gpumem.strategy.name == "pool"
+    with gpumem.measure() as m:
+        t = alloc(3 * MiB)
+        del t
+        kept = alloc(MiB)
+    assert (m.peak, m.allocated, m.freed, m.leaked) == (3 * MiB, 2, 1, MiB)
+    assert [a.size for a in m.leaked_allocations] == [MiB] and m.faults is None
+    assert gpumem.in_use == MiB and gpumem.peak == 3 * MiB
+    assert [a.size for a in gpumem.live_allocations()] == [MiB]
+    gpumem.assert_no_leaks(limit="1MiB")
+    with pytest.raises(AssertionError, match=r"leaked 1 allocation, 1.0 MiB > limit 0 B"):
+        gpumem.assert_no_leaks()
+    del kept
+    gpumem.assert_no_leaks()
+    with gpumem.measure(faults=True) as m2:
+        pass
+    assert m2.faults.gpu_faults == 0
+def test_nested_windows_keep_the_outer_peak(gpumem):
+    a = alloc(8 * MiB)
+    del a
+    with gpumem.measure() as m:
+        b = alloc(MiB)
+    assert m.peak == MiB and gpumem.peak == 8 * MiB
+@pytest.mark.limit_gpu_memory("6MiB")
+def test_a_measure_block_does_not_reset_the_tests_peak(gpumem):
+    a = alloc(8 * MiB)
+    del a
+    with gpumem.measure():
+        pass
+""")
+    r = run(pytester)
+    r.assert_outcomes(passed=2, failed=1)
+    r.stdout.fnmatch_lines(["peak 8.0 MiB > budget 6.0 MiB (limit_gpu_memory marker)"])
+
+
+def test_gpumem_strategy_runs_a_test_under_each_strategy(pytester, fake_env):
+    pytester.makepyfile(HEAD + """
+import cupy_memstrat
+def test_each(gpumem_strategy):
+    assert cupy_memstrat.current() is gpumem_strategy
+    x = alloc(MiB)
+    assert gpumem_strategy.stats().bytes_in_use >= MiB
+@pytest.mark.parametrize("gpumem_strategy", ["device", "nope"], indirect=True)
+def test_chosen(gpumem_strategy):
+    assert gpumem_strategy.name == "device"
+""")
+    r = run(pytester, "-v", "-rs")
+    r.assert_outcomes(passed=5, skipped=1)
+    r.stdout.fnmatch_lines(["*::test_each[[]async[]] PASSED*", "*::test_each[[]device[]] PASSED*",
+                            "*::test_each[[]managed[]] PASSED*", "*::test_each[[]pool[]] PASSED*",
+                            "*strategy 'nope' cannot be created here: unknown strategy 'nope'*"])
+
+
+def test_an_installed_strategy_is_measured_through(pytester, fake_env):
+    pytester.makeconftest("import cupy_memstrat\ncupy_memstrat.use('device')\n")
+    pytester.makepyfile(HEAD + "@pytest.mark.limit_gpu_memory('1KiB')\ndef test_a():\n    x = alloc(MiB)\n")
+    r = run(pytester, "--gpumem")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["gpumem: measuring every test through strategy 'device' (already installed)*",
+                            "peak 1.0 MiB > budget 1.0 KiB (limit_gpu_memory marker)"])
+
+
+def test_the_strategy_option_with_measuring(pytester, fake_env):
+    pytester.makepyfile(HEAD + "import cupy_memstrat\ndef test_a():\n    assert cupy_memstrat.current().name == 'async'\n")
+    fake_env.setenv("GPUMEM_STRATEGY", "async")
+    r = run(pytester, "--gpumem")
+    r.assert_outcomes(passed=1)
+    r.stdout.fnmatch_lines(["gpumem: CuPy allocates with strategy 'async' (environment variable GPUMEM_STRATEGY='async')",
+                            "gpumem: measuring every test through strategy 'async'*"])
+
+
+# -- reports -----------------------------------------------------------------------------------------------
+
+
+def test_json_and_junit_carry_the_numbers(pytester, fake_env):
+    pytester.makepyfile(HEAD + """
+def test_a():
+    x = alloc(2 * MiB)
+@pytest.mark.limit_gpu_memory("1MiB")
+def test_b():
+    x = alloc(2 * MiB)
+""")
+    r = run(pytester, "--gpumem-leaks=fail", "--gpumem-json=sub/out.json", "--junitxml=junit.xml")
+    r.assert_outcomes(passed=1, failed=1)
+    r.stdout.fnmatch_lines(["gpumem: JSON report written to sub/out.json"])
+    doc = json.loads((pytester.path / "sub" / "out.json").read_text())
+    assert doc["version"] == 1 and doc["strategy"] == {"name": "pool", "options": {"track_origins": False}}
+    assert doc["machine"]["backend"] == "fake" and doc["machine"]["devices"][0]["name"] == "Fake NVIDIA H200"
+    assert doc["machine"]["driver_version"] == 13000 and doc["packages"]["cupy_memstrat"]
+    assert doc["settings"]["leaks"] == "fail"
+    a, b = doc["tests"]
+    assert a["nodeid"].endswith("::test_a") and a["outcome"] == "passed" and a["worker"] is None
+    assert (a["peak_bytes"], a["allocated"], a["freed"], a["leaked_bytes"], a["leaked_count"]) == (2 << 20, 1, 1, 0, 0)
+    assert b["outcome"] == "failed" and b["verdict"] == "budget" and b["budget_bytes"] == 1 << 20
+    root = ET.parse(pytester.path / "junit.xml").getroot()
+    cases = {c.get("name"): c for c in root.iter("testcase")}
+    props = {p.get("name"): p.get("value") for p in cases["test_a"].iter("property")}
+    assert props == {"gpumem_peak_bytes": str(2 << 20), "gpumem_allocations": "1",
+                     "gpumem_leaked_bytes": "0", "gpumem_leaked_allocations": "0"}
+    failure = cases["test_b"].find("failure")
+    assert failure is not None and failure.get("message").startswith("peak 2.0 MiB > budget 1.0 MiB")
+
+
+def test_xdist_workers_measure_and_the_controller_merges(pytester, monkeypatch):
+    pytest.importorskip("xdist")
+    for k in list(os.environ):
+        if k.startswith("GPUMEM"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
+    body = "\n".join(f"def test_{i}():\n    x = alloc({i + 1} * MiB)\n" for i in range(6))
+    pytester.makepyfile(HEAD + body + "@pytest.mark.limit_gpu_memory('1MiB')\ndef test_over():\n    x = alloc(2 * MiB)\n"
+                        "def test_leak():\n    KEEP.append(alloc(MiB))\n")
+    r = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", "--gpumem-leaks=fail",
+                                      "--gpumem-json=out.json", "--junitxml=junit.xml")
+    r.assert_outcomes(passed=6, failed=2)
+    r.stdout.fnmatch_lines(["gpumem: measuring every test on each pytest-xdist worker; leaks: fail (--gpumem-leaks)",
+                            "*gpumem: top 8 of 8 measured tests by peak GPU memory*",
+                            "*6.0 MiB*::test_5 (gw*)"])
+    assert "M" in r.stdout.str()
+    doc = json.loads((pytester.path / "out.json").read_text())
+    tests = {t["nodeid"].split("::")[1]: t for t in doc["tests"]}
+    assert len(tests) == 8 and {t["worker"] for t in tests.values()} <= {"gw0", "gw1"}
+    assert {tests[f"test_{i}"]["peak_bytes"] for i in range(6)} == {(i + 1) << 20 for i in range(6)}
+    assert tests["test_leak"]["leaked_bytes"] == 1 << 20 and tests["test_over"]["verdict"] == "budget"
+    assert doc["machine"]["backend"] == "fake"
+    root = ET.parse(pytester.path / "junit.xml").getroot()
+    props = [p.get("name") for p in root.iter("property")]
+    assert props.count("gpumem_peak_bytes") == 8
