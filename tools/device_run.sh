@@ -5,6 +5,10 @@
 #   tools/device_run.sh main              install, info, tests (all), bench alloc, bench async,
 #                                         compute-sanitizer out-of-bounds demo
 #   tools/device_run.sh managed           install, info, tests (all), bench managed
+#   tools/device_run.sh plugin            the plugin's cost on CuPy's subset (creation + manipulation,
+#                                         -n 8): a warm-up run, then plain / --gpumem + budget + leaks=fail /
+#                                         the same + --gpumem-faults, interleaved twice; then one run with
+#                                         --gpumem --gpumem-leaks=warn --gpumem-json
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -55,6 +59,40 @@ if [ "$part" = managed ]; then
 
   step bench managed
   python3 -m cupy_memstrat bench managed --json "$OUT/bench_managed.json"
+fi
+
+if [ "$part" = plugin ] && [ -d .cupy_tests/tests ]; then
+  R=/tmp/plugin_runs; mkdir -p $R
+  CM="tests/cupy_tests/creation_tests tests/cupy_tests/manipulation_tests"
+  declare -A OPTS=(
+    [plain]=""
+    [measure]="--gpumem --gpumem-budget=64GiB --gpumem-leaks=fail"
+    [faults]="--gpumem --gpumem-budget=64GiB --gpumem-leaks=fail --gpumem-faults"
+  )
+  run_cm() {  # tag, options...
+    local tag=$1; shift
+    local t0=$(date +%s.%N)
+    ( cd .cupy_tests && timeout 300 python3 -m pytest $CM -n 8 -q -p no:cacheprovider --timeout=120 \
+        --timeout-method=thread "$@" --junitxml=$R/$tag.xml > $R/$tag.log 2>&1; echo "exit $?" >> $R/$tag.log )
+    local t1=$(date +%s.%N)
+    python3 -c "import json, sys; print(json.dumps({'run': sys.argv[1], 'seconds': round(float(sys.argv[3]) - float(sys.argv[2]), 2)}))" \
+      "$tag" $t0 $t1 >> $R/times.jsonl
+    echo "$tag: $(tail -2 $R/$tag.log | head -1) ($(tail -1 $R/times.jsonl))"
+  }
+  step "warm-up (compiles the kernels)"
+  run_cm warmup
+  for round in 1 2; do
+    for mode in plain measure faults; do
+      step "round $round: $mode"
+      run_cm "${mode}_$round" ${OPTS[$mode]}
+    done
+  done
+  step "report run: --gpumem --gpumem-leaks=warn --gpumem-json"
+  run_cm report --gpumem --gpumem-leaks=warn --gpumem-top=15 --gpumem-json=$R/gpumem.json
+  grep -A25 -i "gpumem" $R/report.log | tail -40
+  cp $R/gpumem.json "$OUT/cupy_gpumem.json" 2>/dev/null
+  cp $R/times.jsonl "$OUT/plugin_times.jsonl"
+  tar -czf "$OUT/plugin_runs.tar.gz" -C /tmp plugin_runs
 fi
 
 if [ "$part" = cupy ] && [ -d .cupy_tests/tests ]; then
