@@ -218,8 +218,11 @@ def test_bad_values_are_usage_errors_naming_the_source(pytester, fake_env, setti
     pytester.makepyfile("def test_a():\n    pass\n")
     args = []
     if where == "option":
-        if not setting or setting == "faults":
-            pytest.skip("a flag takes no value on the command line")
+        if not setting or setting == "faults":  # a flag: argparse refuses a value, also a usage error
+            r = run(pytester, f"{opt}={value}")
+            assert r.ret == pytest.ExitCode.USAGE_ERROR
+            assert f"argument {opt}: ignored explicit argument {value!r}" in r.stderr.str(), r.stderr.str()
+            return
         args, label = [f"{opt}={value}"], f"{opt}={value!r}"
     elif where == "env":
         fake_env.setenv(name.upper(), value)
