@@ -367,7 +367,8 @@ def _no_device_hint() -> str:
     if not os.path.exists("/dev/nvidiactl") and sys.platform.startswith("linux"):
         return (
             " (this machine has no NVIDIA driver or GPU at all: /dev/nvidiactl is missing; "
-            "to try strategies without a GPU, pass backend=cupy_memstrat.testing.FakeBackend())"
+            "to try strategies without a GPU, set CUPY_MEMSTRAT_BACKEND=fake or pass "
+            "backend=cupy_memstrat.testing.FakeBackend())"
         )
     return ""
 

@@ -842,7 +842,9 @@ class FaultCounter:
             The counts always cover the whole process: the driver counts per
             address space, not per device.
         backend: the backend used to synchronise (default: the process's
-            :func:`cupy_memstrat.cuda.get_backend`).
+            :func:`cupy_memstrat.cuda.get_backend`; with
+            ``CUPY_MEMSTRAT_BACKEND=fake`` that is a fake, whose simulated
+            counters are then used).
 
     Raises:
         ValueError: an unknown ``source``; ``"fake"`` without a fake backend,
@@ -867,6 +869,8 @@ class FaultCounter:
             )
         if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
             raise TypeError(f"device must be an int device ordinal or None, got {type(device).__name__} {device!r}")
+        if backend is None and os.environ.get("CUPY_MEMSTRAT_BACKEND", "").strip().lower().startswith("fake"):
+            backend = _real_backend()  # the process-wide fake that CUPY_MEMSTRAT_BACKEND asks for
         if isinstance(backend, type):
             raise TypeError(
                 f"backend: expected a backend object, got the class {backend.__name__}; "
@@ -994,6 +998,12 @@ class FaultCounter:
     def __exit__(self, *exc) -> None:
         if self._base is not None:
             self.stop()
+
+    def __str__(self) -> str:
+        """The counts (:class:`FaultCounts`) once counted, e.g. after a ``with`` block."""
+        if self._base is None and self._last is not None:
+            return str(self._last)
+        return repr(self)
 
     def __repr__(self) -> str:
         state = "running" if self._base is not None else ("stopped" if self._last is not None else "new")

@@ -32,13 +32,17 @@ from . import report as _report
 from .measure import GpuMem, Meter, describe
 from .options import MARKERS, add_options, plan_for, resolve
 
-__all__ = ["GpuMemLeakWarning"]
+__all__ = ["GpuMemLeakWarning", "GpuMemAllocatorWarning"]
 
 fmt = cupy_memstrat.format_size
 
 
 class GpuMemLeakWarning(pytest.PytestWarning):
     """A test left GPU memory allocated (``--gpumem-leaks=warn``)."""
+
+
+class GpuMemAllocatorWarning(pytest.PytestWarning):
+    """A test or fixture replaced CuPy's allocator during the session."""
 
 
 class _State:
@@ -59,6 +63,8 @@ class _State:
         self.machine: dict | None = None
         self.machine_sent = False
         self.n_unmeasured = 0  # tests that asked for measuring while it was off
+        self._expected_allocator = None  # CuPy's allocator as the plugin installed or adopted it
+        self.allocator_changes: list[str] = []
 
     # -- the strategy ----------------------------------------------------------------
     def activate(self) -> None:
@@ -82,11 +88,40 @@ class _State:
                 self.strategy = cupy_memstrat.use(spec or "pool")
                 self.previous, self.installed = previous, True
             self.meter = Meter(self.strategy)
+            self._expected_allocator = cupy.cuda.get_allocator()
         except (cupy_memstrat.NoDeviceError, cupy_memstrat.CuPyNotInstalledError, RuntimeError) as exc:
             self.why_off = str(exc)
             self.strategy = self.meter = None
         except ValueError as exc:  # e.g. a bad CUPY_MEMSTRAT_BACKEND, an option the device refuses
             raise pytest.UsageError(str(exc)) from None
+
+    def follow_allocator(self, item) -> None:
+        """Before a measured call: if a test or fixture replaced CuPy's
+        allocator (``cupy_memstrat.use``, ``cupy.cuda.set_allocator``), measure
+        through the new strategy, or, if it is not a cupy_memstrat strategy,
+        stop measuring; either way say so once."""
+        import cupy
+
+        if cupy.cuda.get_allocator() is self._expected_allocator:
+            return
+        new = cupy_memstrat.current()
+        if new is self.strategy:  # the same strategy, installed again
+            self._expected_allocator = cupy.cuda.get_allocator()
+            return
+        if new is not None:
+            msg = (f"CuPy's allocator changed before {item.nodeid} to strategy {new.name!r} "
+                   f"(cupy_memstrat.use in a test or fixture); gpumem measures through it from here on")
+            self.strategy, self.meter = new, Meter(new)
+            self._expected_allocator = cupy.cuda.get_allocator()
+        else:
+            msg = (f"CuPy's allocator changed before {item.nodeid} to {cupy.cuda.get_allocator()!r}, "
+                   "which is not a cupy_memstrat strategy: gpumem cannot measure through it, and the "
+                   "tests from here on are not measured (install strategies with cupy_memstrat.use, or "
+                   "restore CuPy's allocator at the end of the test)")
+            self.why_off = msg
+            self.strategy = self.meter = None
+        self.allocator_changes.append(msg)
+        warnings.warn(GpuMemAllocatorWarning(msg), stacklevel=1)
 
     def restore(self) -> None:
         if self.installed:
@@ -414,6 +449,8 @@ def pytest_runtest_call(item):
             except TypeError:  # a pytest without that argument
                 exc = pytest.skip.Exception(msg)
             raise exc
+    if state.meter is not None:
+        state.follow_allocator(item)
     meter = state.meter
     if meter is None:
         state.n_unmeasured += 1
@@ -481,6 +518,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if state is None:
         return
     tr = terminalreporter
+    for msg in state.allocator_changes:
+        tr.write_line(f"gpumem: {msg}")
     if state.why_off and state.n_unmeasured and not state.settings.measuring:
         tr.write_line(f"gpumem: {state.n_unmeasured} test(s) asked for GPU measurement, which is off: {state.why_off}")
     recs = state.records

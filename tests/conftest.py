@@ -1,3 +1,9 @@
+import os
+
+# This suite chooses its backends itself (FakeBackend objects, and subprocesses that set
+# CUPY_MEMSTRAT_BACKEND where they test it): a value inherited from the shell must not leak in.
+os.environ.pop("CUPY_MEMSTRAT_BACKEND", None)
+
 import pytest
 
 from cupy_memstrat.testing import FakeBackend

@@ -29,7 +29,7 @@ def test_info_reports_a_fake_device():
     assert "memory: 4.0 GiB total, 4.0 GiB free" in text
     assert "concurrentManagedAccess 1, pageableMemoryAccess 0, memoryPoolsSupported 1" in text
     assert "CUDA driver API 13.0 (13000)" in text
-    assert "page-fault counters: unknown (no CUDA device: backend 'fake')" in text
+    assert "page-fault counters: the fake backend's simulated counters (exact)" in text
     assert "device: one cudaMalloc per allocation" in text
 
 
@@ -63,3 +63,22 @@ def test_bench_refuses_an_unwritable_json_path_before_running(tmp_path, capsys):
     assert cli.main(["bench", "alloc", "--json", str(tmp_path / "no" / "such" / "dir.json")]) == 2
     assert "cannot write --json" in capsys.readouterr().err
     assert cli.main(["bench", "alloc", "--json", str(tmp_path)]) == 2
+
+
+def test_bench_refuses_the_fake_backend_clearly(monkeypatch, capsys):
+    from cupy_memstrat import cuda as C
+    from cupy_memstrat.cli import main
+
+    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake")
+    monkeypatch.setattr(C, "_backend", None)
+    assert main(["bench", "managed", "--quiet"]) == 2
+    assert "benchmarks time a real GPU, and this process runs on the fake backend" in capsys.readouterr().err
+
+
+def test_a_bad_backend_variable_is_reported_not_a_traceback(monkeypatch):
+    from cupy_memstrat import cuda as C
+
+    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "bogus")
+    monkeypatch.setattr(C, "_backend", None)
+    report = collect()
+    assert "CUPY_MEMSTRAT_BACKEND='bogus': unknown backend" in report["error"]

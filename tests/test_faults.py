@@ -783,11 +783,11 @@ def test_this_machine_without_the_driver_says_so():
         faults._reset()
 
 
-def test_info_reports_fault_counters_only_for_a_real_device(monkeypatch):
+def test_info_reports_the_fault_counters_of_each_backend(monkeypatch):
     from cupy_memstrat.info import collect
     from cupy_memstrat.testing import FakeBackend
 
-    assert collect(FakeBackend())["page_fault_counters"] == "unknown (no CUDA device: backend 'fake')"
+    assert collect(FakeBackend())["page_fault_counters"] == "the fake backend's simulated counters (exact)"
 
     class RealNamed(FakeBackend):
         name = "cuda"
@@ -856,3 +856,16 @@ def test_a_backend_class_instead_of_an_instance_is_named():
 
     with pytest.raises(TypeError, match="got the class FakeBackend; pass an instance such as FakeBackend()"):
         faults.FaultCounter(backend=FakeBackend)
+
+
+def test_cupy_memstrat_backend_fake_gives_the_fake_counters(monkeypatch):
+    from cupy_memstrat import cuda as C
+
+    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake")
+    monkeypatch.setattr(C, "_backend", None)
+    fake = C.get_backend()
+    p = fake.malloc_managed(1 << 20)
+    with faults.count() as c:
+        fake.touch(p, 1 << 20, 0)
+    assert c.source == "fake" and c.gpu_faults == 16
+    assert str(c).startswith("16 GPU faults, 0 CPU faults")  # print(c) shows the counts

@@ -519,3 +519,9 @@ def test_prefetch_and_advise_take_cupy_arrays_and_views(fake, restore_cupy_alloc
     assert fake.residency(mem.ptr, 8 * MiB) == {"host": 8 * MiB}
     with pytest.raises(TypeError, match="nbytes: only for a raw pointer"):
         cupy_memstrat.prefetch(x, nbytes=10, backend=fake)
+
+
+def test_warnings_point_at_the_users_line(fake):
+    with pytest.warns(cupy_memstrat.ManagedMemoryWarning) as rec:
+        cupy_memstrat.create("managed", backend=fake, read_mostly=True)
+    assert rec[0].filename == __file__

@@ -585,3 +585,39 @@ def test_xdist_workers_measure_and_the_controller_merges(pytester, monkeypatch):
     root = ET.parse(pytester.path / "junit.xml").getroot()
     props = [p.get("name") for p in root.iter("property")]
     assert props.count("gpumem_peak_bytes") == 8
+
+
+# -- a test that replaces CuPy's allocator ------------------------------------------------------
+
+
+def test_a_strategy_installed_by_a_test_is_measured_through_and_said_once(pytester, fake_env):
+    pytester.makepyfile(HEAD + """
+import cupy_memstrat
+def test_1_switches():
+    cupy_memstrat.use("device")
+def test_2_leaks():
+    KEEP.append(alloc(MiB))
+""")
+    r = run(pytester, "--gpumem-leaks=fail", "-p", "no:randomly")
+    r.assert_outcomes(passed=1, failed=1)  # the leak after the switch is still caught
+    r.stdout.fnmatch_lines([
+        "*leaked 1 allocation, 1.0 MiB > limit 0 B (--gpumem-leaks)*",
+        "gpumem: CuPy's allocator changed before *test_2_leaks to strategy 'device' *",
+    ])
+
+
+def test_a_foreign_allocator_installed_by_a_test_stops_measuring_loudly(pytester, fake_env):
+    pytester.makepyfile(HEAD + """
+import cupy
+def test_1_switches():
+    cupy.cuda.set_allocator(None)
+def test_2_after():
+    pass
+""")
+    r = run(pytester, "--gpumem-leaks=fail", "-W", "default")
+    r.assert_outcomes(passed=2)
+    r.stdout.fnmatch_lines([
+        "*GpuMemAllocatorWarning: CuPy's allocator changed before *test_2_after to <built-in function _malloc>, "
+        "which is not a cupy_memstrat strategy*",
+        "gpumem: CuPy's allocator changed before *test_2_after to *the tests from here on are not measured*",
+    ])

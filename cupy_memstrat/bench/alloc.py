@@ -26,6 +26,25 @@ N_TEMPS = 30
 WORKLOAD_ELEMS = 4096
 
 
+def require_real_gpu():
+    """The real CUDA backend, or a clear MemstratError: benchmarks time real
+    kernels and CUDA calls, which a fake backend (``CUPY_MEMSTRAT_BACKEND=fake``)
+    does not have."""
+    from ..cuda import RealBackend, get_backend
+    from ..errors import NoDeviceError
+
+    try:
+        backend = get_backend()
+    except ValueError as exc:  # a bad CUPY_MEMSTRAT_BACKEND
+        raise NoDeviceError(str(exc)) from None
+    if not isinstance(backend, RealBackend):
+        raise NoDeviceError(
+            f"benchmarks time a real GPU, and this process runs on the {backend.name} backend "
+            "(CUPY_MEMSTRAT_BACKEND is set): unset it on a machine with a GPU"
+        )
+    return backend
+
+
 def python_floor_allocator(cupy):
     """A ``PythonFunctionAllocator`` over the least a Python allocator can do:
     a free list per 512-byte size and a pointer -> size dict, no statistics
@@ -152,11 +171,10 @@ def run(*, rounds: int = 7, target_s: float = 0.03, progress=None, strategies=No
     Raises:
         NoDeviceError, CuPyNotInstalledError: nothing to measure on.
     """
-    from ..cuda import get_backend
     from ..info import collect
     from ..registry import get_registry
 
-    get_backend()  # fail fast and clearly without a GPU
+    require_real_gpu()  # fail fast and clearly without a GPU
     import cupy
 
     say = progress or (lambda msg: None)

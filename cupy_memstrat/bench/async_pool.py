@@ -186,9 +186,7 @@ def run(*, rounds: int = 7, target_s: float = 0.03, progress=None) -> dict:
     Raises:
         NoDeviceError, CuPyNotInstalledError: nothing to measure on.
     """
-    from ..cuda import get_backend
-
-    get_backend()
+    _alloc.require_real_gpu()
     import cupy
 
     say = progress or (lambda msg: None)

@@ -27,6 +27,7 @@ deadlocks (seen on the H200 with CuPy's test suite).
 from __future__ import annotations
 
 import operator
+import os
 import sys
 import threading
 import warnings
@@ -635,6 +636,20 @@ def _cupy_pool_hint(device: int) -> str:
         f". CuPy's default memory pool still caches {format_size(cached)} on this device: "
         "cupy.get_default_memory_pool().free_all_blocks() gives it back"
     )
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../cupy_memstrat/
+
+
+def _warn_at_caller(message: str, category) -> None:
+    """Warn, attributed to the first frame outside cupy_memstrat (the user's
+    line, however deep the call went through use() / create())."""
+    if sys.is_finalizing():
+        return
+    level, f = 2, sys._getframe(1)
+    while f is not None and _PACKAGE_DIR and f.f_code.co_filename.startswith(_PACKAGE_DIR):
+        f, level = f.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def _warn(message: str, category, stacklevel: int) -> None:

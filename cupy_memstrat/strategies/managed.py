@@ -12,7 +12,7 @@ from ..errors import ManagedMemoryWarning
 from ..options import Option, as_bool, as_size
 from ..sizes import format_size, parse_size
 from ..stats import capture_origin
-from .base import _FOLD_AT, _SIZE_T_LIMIT, Strategy, _warn
+from .base import _FOLD_AT, _SIZE_T_LIMIT, Strategy, _warn, _warn_at_caller
 
 __all__ = ["ManagedStrategy", "ManagedStats", "CHUNK_BYTES"]
 
@@ -246,21 +246,19 @@ class ManagedStrategy(Strategy):
                         f"({props.get('name')}) has none (Windows, WSL2, Jetson): CUDA cannot prefetch "
                         "managed memory to it"
                     )
-                _warn(
+                _warn_at_caller(
                     f"managed: device {d} ({props.get('name')}) has concurrentManagedAccess = 0 "
                     "(Windows, WSL2, Jetson): the host must not touch managed memory while any kernel "
                     "runs on it, or the process crashes; synchronize before host access",
                     ManagedMemoryWarning,
-                    stacklevel=4,
                 )
         if cfg["read_mostly"]:
-            _warn(
+            _warn_at_caller(
                 "managed: read_mostly=True duplicates pages on each processor that reads them, and every "
                 "write invalidates all copies: for data the GPU writes it is harmful (on an H200 a GPU "
                 "pass writing a 1 GiB read-mostly buffer took 2.4-3.5 s, the next one 0.4-0.5 s, against "
                 "1.4 ms without the advice; docs/managed.md). Use it only for data that nobody writes",
                 ManagedMemoryWarning,
-                stacklevel=4,
             )
         # Per device: free slots of shared chunks by class index, free large
         # blocks by size, and the chunks (base -> (bytes, class index or -1)).

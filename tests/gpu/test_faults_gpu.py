@@ -130,7 +130,7 @@ def test_a_counter_costs_little_beyond_the_synchronisation(cp, capsys):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cupti") is None,
-                    reason="cupti-python is not installed (carry the cupti-python 13.0.1 wheel, FACTS.md)")
+                    reason="cupti-python is not installed (pip install 'cupy-memstrat[cupti]')")
 def test_cupti_is_a_lower_bound_of_the_driver(cp, capsys):
     # CUPTI sees only managed memory allocated after it was switched on
     # (measured: a counter started after the allocation counted nothing):
