@@ -281,7 +281,8 @@ class ManagedStrategy(Strategy):
         return _cuda.HOST if loc == "host" else (device if loc == "device" else loc)
 
     def _apply_policies(self, ptr: int, nbytes: int, device: int) -> None:
-        """Advice on a new chunk (or run of chunks); prefetch if asked."""
+        """The advice options on a new chunk (or run of chunks), once. (The
+        ``prefetch`` option is applied per allocation by the caller.)"""
         b, cfg = self.backend, self.config
         if cfg["preferred_location"] is not None:
             b.mem_advise(ptr, nbytes, _cuda.ADVISE_SET_PREFERRED_LOCATION, self._location(cfg["preferred_location"], device))
@@ -392,7 +393,6 @@ class ManagedStrategy(Strategy):
     def _release(self, device: int, keep: int) -> int:
         """Give cached chunks of ``device`` back to CUDA until at most
         ``keep`` bytes stay cached; returns the bytes released."""
-        b = self.backend
         released = 0
         with self._chunk_lock:
             chunks = self._chunks[device]
