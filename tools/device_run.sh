@@ -7,8 +7,18 @@
 #   tools/device_run.sh managed           install, info, tests (all), bench managed
 #   tools/device_run.sh plugin            the plugin's cost on CuPy's subset (creation + manipulation,
 #                                         -n 8): a warm-up run, then plain / --gpumem + budget + leaks=fail /
-#                                         the same + --gpumem-faults, interleaved twice; then one run with
+#                                         the same + --gpumem-faults, interleaved three times (order
+#                                         rotated each round); then one run with
 #                                         --gpumem --gpumem-leaks=warn --gpumem-json
+#   tools/device_run.sh checks_smoke      tests/gpu/test_checks_gpu.py, then CuPy's subset once with --gpumem-check=all
+#   tools/device_run.sh checks            info, tests/gpu, then CuPy's subset: a warm-up, then plain /
+#                                         --gpumem --gpumem-budget=64GiB --gpumem-leaks=fail ("unchecked") /
+#                                         + --gpumem-check=streams / + --gpumem-check=all, interleaved twice,
+#                                         then a --gpumem-check=all run with --gpumem-json (its findings)
+#   tools/device_run.sh final             tests/gpu, then CuPy's subset: warm-up, plain, unchecked, streams,
+#                                         all (with --gpumem-json), then compute-sanitizer memcheck capped
+#                                         at SAN_TIMEOUT seconds (default 240; the share of tests done is kept)
+#   tools/device_run.sh sanitizer         CuPy's subset plain, then under compute-sanitizer --tool memcheck
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -20,6 +30,18 @@ part=${1:-main}; shift || true
 LOG="$OUT/run_$part.log"
 exec > >(tee -a "$LOG") 2>&1
 step() { echo; echo "=== $* ($(date -u +%T))"; }
+
+# CuPy's v14.2.0 creation + manipulation tests, 8 workers
+CM_ARGS="tests/cupy_tests/creation_tests tests/cupy_tests/manipulation_tests -n 8 -q -p no:cacheprovider --timeout=120 --timeout-method=thread"
+run_subset() {  # results folder, tag, pytest options...: one timed run, appended to $R/times.jsonl
+  local R=$1 tag=$2; shift 2
+  local t0=$(date +%s.%N)
+  ( cd .cupy_tests && timeout 300 python3 -m pytest $CM_ARGS "$@" --junitxml=$R/$tag.xml > $R/$tag.log 2>&1; echo "exit $?" >> $R/$tag.log )
+  local t1=$(date +%s.%N)
+  python3 -c "import json, sys; print(json.dumps({'run': sys.argv[1], 'seconds': round(float(sys.argv[3]) - float(sys.argv[2]), 2)}))" \
+    "$tag" $t0 $t1 >> $R/times.jsonl
+  echo "$tag: $(tail -2 $R/$tag.log | head -1) ($(tail -1 $R/times.jsonl))"
+}
 
 step install
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -63,36 +85,135 @@ fi
 
 if [ "$part" = plugin ] && [ -d .cupy_tests/tests ]; then
   R=/tmp/plugin_runs; mkdir -p $R
-  CM="tests/cupy_tests/creation_tests tests/cupy_tests/manipulation_tests"
   declare -A OPTS=(
     [plain]=""
     [measure]="--gpumem --gpumem-budget=64GiB --gpumem-leaks=fail"
     [faults]="--gpumem --gpumem-budget=64GiB --gpumem-leaks=fail --gpumem-faults"
   )
-  run_cm() {  # tag, options...
-    local tag=$1; shift
-    local t0=$(date +%s.%N)
-    ( cd .cupy_tests && timeout 300 python3 -m pytest $CM -n 8 -q -p no:cacheprovider --timeout=120 \
-        --timeout-method=thread "$@" --junitxml=$R/$tag.xml > $R/$tag.log 2>&1; echo "exit $?" >> $R/$tag.log )
-    local t1=$(date +%s.%N)
-    python3 -c "import json, sys; print(json.dumps({'run': sys.argv[1], 'seconds': round(float(sys.argv[3]) - float(sys.argv[2]), 2)}))" \
-      "$tag" $t0 $t1 >> $R/times.jsonl
-    echo "$tag: $(tail -2 $R/$tag.log | head -1) ($(tail -1 $R/times.jsonl))"
-  }
   step "warm-up (compiles the kernels)"
-  run_cm warmup
-  for round in 1 2; do
-    for mode in plain measure faults; do
+  run_subset $R warmup
+  # three rounds, the order rotated each round so that drift in the machine does not favour one setting
+  orders=("plain measure faults" "measure faults plain" "faults plain measure")
+  for round in 1 2 3; do
+    for mode in ${orders[$((round - 1))]}; do
       step "round $round: $mode"
-      run_cm "${mode}_$round" ${OPTS[$mode]}
+      run_subset $R "${mode}_$round" ${OPTS[$mode]}
     done
   done
   step "report run: --gpumem --gpumem-leaks=warn --gpumem-json"
-  run_cm report --gpumem --gpumem-leaks=warn --gpumem-top=15 --gpumem-json=$R/gpumem.json
+  run_subset $R report --gpumem --gpumem-leaks=warn --gpumem-top=15 --gpumem-json=$R/gpumem.json
   grep -A25 -i "gpumem" $R/report.log | tail -40
   cp $R/gpumem.json "$OUT/cupy_gpumem.json" 2>/dev/null
   cp $R/times.jsonl "$OUT/plugin_times.jsonl"
   tar -czf "$OUT/plugin_runs.tar.gz" -C /tmp plugin_runs
+fi
+
+if [ "$part" = checks_smoke ]; then
+  step "tests/gpu/test_checks_gpu.py"
+  python3 -m pytest tests/gpu/test_checks_gpu.py -v -p no:cacheprovider -rs --junitxml="$OUT/tests_checks.xml"
+  if [ -d .cupy_tests/tests ]; then
+    step "CuPy subset with --gpumem-check=all (findings listed in JSON)"
+    ( cd .cupy_tests && timeout 300 python3 -m pytest $CM_ARGS --gpumem --gpumem-check=all --gpumem-top=5 \
+        --gpumem-json=$OUT/cupy_checks.json > $OUT/cupy_checks.log 2>&1; echo "exit $?" >> $OUT/cupy_checks.log )
+    tail -15 $OUT/cupy_checks.log
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); f=[(t['nodeid'],x['kind'],x['message'][:160]) for t in d['tests'] for x in t.get('findings') or []]; print(len(f),'findings'); [print(*x) for x in f[:30]]" $OUT/cupy_checks.json
+  fi
+fi
+
+if [ "$part" = checks ] && [ -d .cupy_tests/tests ]; then
+  step info
+  python3 -m cupy_memstrat info --json > "$OUT/info.json"
+  step "tests/gpu"
+  python3 -m pytest tests/gpu -p no:cacheprovider -q -rs --junitxml="$OUT/tests_gpu.xml" 2>&1 | tail -25
+  R=/tmp/check_runs; mkdir -p $R
+  M="--gpumem --gpumem-budget=64GiB --gpumem-leaks=fail"
+  declare -A COPTS=(
+    [plain]=""
+    [unchecked]="$M"
+    [streams]="$M --gpumem-check=streams"
+    [all]="$M --gpumem-check=streams,poison,redzone"
+  )
+  step "warm-up (compiles the kernels)"
+  run_subset $R warmup --gpumem
+  orders=("plain unchecked streams all" "all streams unchecked plain")
+  for round in 1 2; do
+    for mode in ${orders[$((round - 1))]}; do
+      step "round $round: $mode"
+      run_subset $R "${mode}_$round" ${COPTS[$mode]}
+    done
+  done
+  step "report run: --gpumem-check=all --gpumem-json"
+  run_subset $R report --gpumem --gpumem-check=all --gpumem-top=5 --gpumem-json=$R/checks.json
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); f=[(t['nodeid'],x['kind']) for t in d['tests'] for x in t.get('findings') or []]; print(len(f),'findings'); [print(*x) for x in f[:30]]" $R/checks.json
+  cp $R/checks.json "$OUT/cupy_checks.json"
+  cp $R/times.jsonl "$OUT/check_times.jsonl"
+  tar -czf "$OUT/check_runs.tar.gz" -C /tmp check_runs
+fi
+
+if [ "$part" = final ] && [ -d .cupy_tests/tests ]; then
+  # one call: tests/gpu, then CuPy's subset: a warm-up, plain / unchecked / streams / all (the last
+  # one writing its findings as JSON), then compute-sanitizer memcheck for ${SAN_TIMEOUT:-240} s at most
+  step info
+  python3 -m cupy_memstrat info --json > "$OUT/info.json"
+  step "tests/gpu"
+  python3 -m pytest tests/gpu -p no:cacheprovider -q -rs --junitxml="$OUT/tests_gpu.xml" 2>&1 | tail -25
+  R=/tmp/final_runs; mkdir -p $R
+  M="--gpumem --gpumem-budget=64GiB --gpumem-leaks=fail"
+  step "warm-up (compiles the kernels)"
+  run_subset $R warmup --gpumem
+  for mode in plain unchecked streams all; do
+    step "$mode"
+    case $mode in
+      plain) run_subset $R plain ;;
+      unchecked) run_subset $R unchecked $M ;;
+      streams) run_subset $R streams $M --gpumem-check=streams ;;
+      all) run_subset $R all $M --gpumem-check=streams,poison,redzone --gpumem-top=5 --gpumem-json=$R/checks.json ;;
+    esac
+  done
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); f=[(t['nodeid'],x['kind'],x['message'][:200]) for t in d['tests'] for x in t.get('findings') or []]; print(len(f),'findings'); [print(*x) for x in f[:20]]" $R/checks.json
+  step "compute-sanitizer --tool memcheck (at most ${SAN_TIMEOUT:-240} s)"
+  compute-sanitizer --version | tail -1
+  t0=$(date +%s.%N)
+  ( cd .cupy_tests && timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool memcheck --target-processes all \
+      --print-limit 10 --log-file $R/memcheck.%p.log python3 -m pytest $CM_ARGS --timeout=400 > $R/memcheck.log 2>&1; \
+      echo "exit $?" >> $R/memcheck.log )
+  t1=$(date +%s.%N)
+  tail -4 $R/memcheck.log
+  grep -h "ERROR SUMMARY" $R/memcheck.*.log 2>/dev/null | sort | uniq -c | head
+  python3 - $R/memcheck.log $t0 $t1 <<'PY' | tee -a $R/times.jsonl
+import json, re, sys
+text = open(sys.argv[1]).read()
+done = sum(len(re.sub(r"[^.FEsxXM]", "", line.split("[")[0])) for line in text.splitlines() if re.match(r"^[.FEsxXM]+ *\[ *\d+%\]", line))
+pct = re.findall(r"\[ *(\d+)%\]", text)
+print(json.dumps({"run": "memcheck", "seconds": round(float(sys.argv[3]) - float(sys.argv[2]), 2),
+                  "tests_done_in_full_progress_lines": done, "last_progress_percent": int(pct[-1]) if pct else 0,
+                  "finished": "passed" in text.splitlines()[-2] if len(text.splitlines()) > 1 else False}))
+PY
+  cp $R/checks.json "$OUT/cupy_checks.json"
+  cp $R/times.jsonl "$OUT/final_times.jsonl"
+  tar -czf "$OUT/final_runs.tar.gz" -C /tmp final_runs
+fi
+
+if [ "$part" = sanitizer ] && [ -d .cupy_tests/tests ]; then
+  # The same subset, plain (CuPy's own pool) and under compute-sanitizer memcheck, which
+  # follows the pytest-xdist workers (--target-processes all). ${SAN_TIMEOUT:-420} s at most.
+  R=/tmp/san_runs; mkdir -p $R
+  step "plain"
+  t0=$(date +%s.%N)
+  ( cd .cupy_tests && timeout 300 python3 -m pytest $CM_ARGS > $R/plain.log 2>&1; echo "exit $?" >> $R/plain.log )
+  t1=$(date +%s.%N)
+  tail -2 $R/plain.log
+  step "compute-sanitizer --tool memcheck"
+  compute-sanitizer --version | tail -1
+  ( cd .cupy_tests && timeout ${SAN_TIMEOUT:-420} compute-sanitizer --tool memcheck --target-processes all \
+      --print-limit 10 --log-file $R/memcheck.%p.log python3 -m pytest $CM_ARGS --timeout=400 > $R/memcheck.log 2>&1; \
+      echo "exit $?" >> $R/memcheck.log )
+  t2=$(date +%s.%N)
+  tail -3 $R/memcheck.log
+  grep -h "ERROR SUMMARY" $R/memcheck.*.log | sort | uniq -c | head
+  python3 -c "import json, sys; t0, t1, t2 = map(float, sys.argv[1:]); print(json.dumps({'plain_seconds': round(t1 - t0, 2), 'memcheck_seconds': round(t2 - t1, 2)}))" \
+    $t0 $t1 $t2 | tee "$OUT/sanitizer_times.json"
+  tar -czf "$OUT/san_runs.tar.gz" -C /tmp san_runs
 fi
 
 if [ "$part" = cupy ] && [ -d .cupy_tests/tests ]; then
