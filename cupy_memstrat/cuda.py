@@ -70,6 +70,19 @@ is a device ordinal or :data:`HOST`:
     ``cudaMemAdvise``; ``advice`` is one of the ``ADVISE_*`` values.
 ``mem_prefetch(ptr, size, location, stream)``
     ``cudaMemPrefetchAsync`` on ``stream`` (a raw handle).
+
+The checking layer (:mod:`cupy_memstrat.checks`); ``stream`` and ``event``
+are raw handles:
+
+``stream_busy(stream) -> bool`` / ``stream_non_blocking(stream) -> bool``
+    ``cudaStreamQuery`` (work still queued) / ``cudaStreamGetFlags``.
+``event_create() -> event``, ``event_record(event, stream)``,
+``event_done(event) -> bool``, ``event_destroy(event)``
+    events without timing (``cudaEventDisableTiming``), ``cudaEventQuery``.
+``memset_async(ptr, value, nbytes, stream)``
+    ``cudaMemsetAsync`` of the byte ``value``.
+``check_kernels() -> CheckKernels``
+    the verification kernel of ``csrc/checks.cu`` and its result slots.
 """
 
 from __future__ import annotations
@@ -86,10 +99,13 @@ __all__ = [
     "ERROR_MEMORY_ALLOCATION",
     "ERROR_INVALID_DEVICE",
     "ERROR_INVALID_RESOURCE_HANDLE",
+    "ERROR_NOT_READY",
     "ERROR_NO_DEVICE",
     "ERROR_INSUFFICIENT_DRIVER",
     "HOST",
     "RealBackend",
+    "CheckKernels",
+    "kernel_source",
     "get_backend",
     "error_name",
 ]
@@ -102,6 +118,7 @@ ERROR_INSUFFICIENT_DRIVER = 35
 ERROR_NO_DEVICE = 100
 ERROR_INVALID_DEVICE = 101
 ERROR_INVALID_RESOURCE_HANDLE = 400
+ERROR_NOT_READY = 600
 
 _ERROR_NAMES = {
     ERROR_SUCCESS: "cudaSuccess",
@@ -111,6 +128,7 @@ _ERROR_NAMES = {
     ERROR_NO_DEVICE: "cudaErrorNoDevice",
     ERROR_INVALID_DEVICE: "cudaErrorInvalidDevice",
     ERROR_INVALID_RESOURCE_HANDLE: "cudaErrorInvalidResourceHandle",
+    ERROR_NOT_READY: "cudaErrorNotReady",
 }
 
 # cudaMemPoolAttr values (CUDA runtime API, driver_types.h).
@@ -198,6 +216,7 @@ class RealBackend:
         self.pool_set_attribute = runtime.memPoolSetAttribute
         self.device_default_pool = runtime.deviceGetDefaultMemPool
         self.device_current_pool = runtime.deviceGetMemPool
+        self._check_kernels = None
 
     # -- managed memory ----------------------------------------------------------
     def malloc_managed(self, size: int) -> int:
@@ -341,6 +360,58 @@ class RealBackend:
         rt = self._runtime
         return {"driver": rt.driverGetVersion(), "runtime": rt.runtimeGetVersion()}
 
+    # -- streams, events, memset: the checking layer (cupy_memstrat.checks) ------------
+    def stream_busy(self, stream: int) -> bool:
+        """``cudaStreamQuery``: True while ``stream`` has work queued that has
+        not finished. ``cudaErrorNotReady`` is not an error and is not left
+        as CUDA's last error; any other status (a destroyed handle) counts as
+        idle."""
+        status = self._runtime.streamQuery(stream)
+        if status == ERROR_SUCCESS:
+            return False
+        if status == ERROR_NOT_READY:
+            return True
+        self.clear_last_error()
+        return False
+
+    def stream_non_blocking(self, stream: int) -> bool:
+        """Whether ``stream`` was created with ``cudaStreamNonBlocking`` (it
+        does not synchronise with the legacy default stream)."""
+        if stream in (0, 1):
+            return False
+        return bool(self._runtime.streamGetFlags(stream) & 1)
+
+    def event_create(self) -> int:
+        """``cudaEventCreateWithFlags(cudaEventDisableTiming)`` on the current device."""
+        return self._runtime.eventCreateWithFlags(2)
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._runtime.eventRecord(event, stream)
+
+    def event_done(self, event: int) -> bool:
+        """``cudaEventQuery``: True once the work before the record has finished."""
+        status = self._runtime.eventQuery(event)
+        if status == ERROR_NOT_READY:
+            return False
+        if status != ERROR_SUCCESS:
+            self.clear_last_error()
+        return True
+
+    def event_destroy(self, event: int) -> None:
+        self._runtime.eventDestroy(event)
+
+    def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
+        """``cudaMemsetAsync``: ``nbytes`` bytes at ``ptr`` set to the byte
+        ``value``, on ``stream``."""
+        self._runtime.memsetAsync(ptr, value, nbytes, stream)
+
+    def check_kernels(self) -> "CheckKernels":
+        """The checking layer's kernels (compiled on first use)."""
+        k = self._check_kernels
+        if k is None:
+            k = self._check_kernels = CheckKernels(self)
+        return k
+
     def clear_last_error(self) -> int:
         # CuPy's runtime already cleared its own copy (see __init__). Code that
         # also uses cuda.bindings' runtime keeps a separate last-error state:
@@ -350,6 +421,136 @@ class RealBackend:
             return ERROR_SUCCESS
         (err,) = rt.cudaGetLastError()
         return int(err)
+
+
+def kernel_source(name: str) -> str:
+    """The text of ``csrc/<name>``: from the installed package data
+    (``cupy_memstrat.csrc``), or from the source tree's ``csrc/``.
+
+    Raises:
+        FileNotFoundError: neither has it (a broken install).
+    """
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(here, "csrc", name), os.path.join(os.path.dirname(here), "csrc", name)):
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+    try:
+        from importlib.resources import files
+
+        return (files("cupy_memstrat.csrc") / name).read_text(encoding="utf-8")
+    except (ModuleNotFoundError, FileNotFoundError, TypeError):
+        pass
+    raise FileNotFoundError(f"cupy_memstrat: kernel source csrc/{name} is missing from this installation")
+
+
+class CheckKernels:
+    """The GPU side of :mod:`cupy_memstrat.checks`: ``memstrat_verify``
+    (csrc/checks.cu) compiled through CuPy (NVRTC) on first use, a results
+    buffer of :attr:`SLOTS` slots per device (``cudaMalloc``, never the
+    allocator being checked) and one host-mapped flag word
+    (``cudaHostAlloc(cudaHostAllocPortable | cudaHostAllocMapped)``) that a
+    kernel sets when it finds damage.
+
+    A slot holds two uint64: the number of bytes that differed, and the first
+    differing offset (``2**64 - 1`` for none).
+    """
+
+    SLOTS = 1 << 14
+    _BLOCK = 256
+
+    def __init__(self, backend: RealBackend):
+        import numpy as np
+        import ctypes
+
+        rt = backend._runtime
+        self._backend, self._rt, self._np = backend, rt, np
+        self._flag_ptr = rt.hostAlloc(64, 3)  # portable | mapped; UVA: the same address on the device
+        self._flag = np.ctypeslib.as_array((ctypes.c_uint32 * 16).from_address(self._flag_ptr))
+        self._flag[:] = 0
+        self._results: dict[int, int] = {}
+        self._kernel = None
+
+    def _kernel_fn(self):
+        if self._kernel is None:
+            import cupy
+
+            module = cupy.RawModule(code=kernel_source("checks.cu"), options=("--std=c++14",))
+            self._kernel = module.get_function("memstrat_verify")
+        return self._kernel
+
+    def _results_of(self, device: int) -> int:
+        ptr = self._results.get(device)
+        if ptr is None:
+            ptr = self._rt.malloc(16 * self.SLOTS)  # cudaMalloc on the current device (= device)
+            self._reset_all(ptr)
+            self._results[device] = ptr
+        return ptr
+
+    def _reset_all(self, ptr: int) -> None:
+        np = self._np
+        host = np.zeros(2 * self.SLOTS, dtype=np.uint64)
+        host[1::2] = np.iinfo(np.uint64).max
+        self._rt.memcpy(ptr, host.ctypes.data, host.nbytes, 1)  # cudaMemcpyHostToDevice
+
+    def verify(self, device: int, ptr: int, start: int, end: int, pattern: int, slot: int, stream: int) -> None:
+        """Queue a check of bytes ``[start, end)`` of ``ptr`` against the byte
+        ``pattern`` on ``stream`` (of ``device``); the result lands in ``slot``."""
+        rt = self._rt
+        cur = rt.getDevice()
+        if cur != device:
+            rt.setDevice(device)
+        try:
+            results = self._results_of(device)
+            n = end - start
+            blocks = max(1, min(1024, (n // 8 + self._BLOCK - 1) // self._BLOCK))
+            self._kernel_fn()(
+                (blocks,), (self._BLOCK,),
+                (ptr, start, end, pattern, results, slot, self._flag_ptr),
+                stream=_ExternalStreamPtr(stream),
+            )
+        finally:
+            if cur != device:
+                rt.setDevice(cur)
+
+    def flagged(self) -> bool:
+        """Whether a kernel has reported damage since :meth:`clear_flag`."""
+        return bool(self._flag[0])
+
+    def clear_flag(self) -> None:
+        self._flag[0] = 0
+
+    def read(self, device: int) -> "dict[int, tuple[int, int]]":
+        """``{slot: (bytes that differed, first differing offset)}`` for the
+        slots of ``device`` that found damage; those slots are reset.
+        Synchronise the device first: this reads what has finished."""
+        np = self._np
+        ptr = self._results.get(device)
+        if ptr is None:
+            return {}
+        host = np.empty(2 * self.SLOTS, dtype=np.uint64)
+        rt = self._rt
+        cur = rt.getDevice()
+        if cur != device:
+            rt.setDevice(device)
+        try:
+            rt.memcpy(host.ctypes.data, ptr, host.nbytes, 2)  # cudaMemcpyDeviceToHost
+            bad = np.flatnonzero(host[0::2])
+            if bad.size:
+                self._reset_all(ptr)
+        finally:
+            if cur != device:
+                rt.setDevice(cur)
+        return {int(i): (int(host[2 * i]), int(host[2 * i + 1])) for i in bad}
+
+
+class _ExternalStreamPtr:
+    """What CuPy's kernel launch reads of a stream: ``.ptr``."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
 
 
 def _bindings_runtime():

@@ -68,7 +68,18 @@ Managed memory (``cudaMallocManaged`` path, FACTS.md):
 * :meth:`FakeBackend.uvm_counters` gives the cumulative counters that the
   driver's ``/dev/nvidia-uvm-tools`` interface reports.
 
-What it does not simulate: memory contents, the driver's page-size rounding of
+Work, events and contents (the checking layer, :mod:`cupy_memstrat.checks`):
+
+* :meth:`FakeBackend.launch` queues simulated work on a stream, which stays
+  busy (``stream_busy``) until :meth:`FakeBackend.finish` or a
+  synchronisation; an event recorded on a stream is done once the work
+  queued before it has finished. Streams may be non-blocking.
+* ``memset_async`` and :meth:`FakeBackend.write` set bytes of a contents
+  model; the check kernels compare byte ranges with it. Bytes never written
+  are unknown and match nothing.
+
+What it does not simulate: the contents of memory other than through
+``memset_async`` / ``write``, the driver's page-size rounding of
 large ``cudaMalloc`` calls (not measured; the fake rounds to 256 bytes), and
 how a pool splits and coalesces its blocks: it reuses same-size blocks at
 once, and merges all idle blocks into free space only when it cannot grow
@@ -121,10 +132,11 @@ class FakeStream:
     (the handle), ``device_id``; ``with s:`` makes it the current stream of
     its device in this thread; destroyed by :meth:`destroy` or when it dies."""
 
-    def __init__(self, backend: "FakeBackend", device: int, ptr: int):
+    def __init__(self, backend: "FakeBackend", device: int, ptr: int, non_blocking: bool = False):
         self._backend = backend
         self.device_id = device
         self.ptr = ptr
+        self.non_blocking = non_blocking
 
     @property
     def destroyed(self) -> bool:
@@ -230,6 +242,12 @@ class FakeBackend:
         self._default_pool = [self._new_pool(d, 0, is_default=True).handle for d in range(devices)]
         self._current_pool = list(self._default_pool)
         self.n_device_synchronize_calls = 0
+        self._stream_flags: dict[int, int] = {}
+        self._submitted: dict = {}
+        self._completed: dict = {}
+        self._events: dict[int, object] = {}
+        self._contents = _Contents()
+        self._check_kernels = None
         # managed memory
         self._managed: dict[int, _Managed] = {}
         self._next_managed = _MANAGED_BASE
@@ -325,6 +343,9 @@ class FakeBackend:
         with self._lock:
             self.n_device_synchronize_calls += 1
             self._synchronized(device, None)
+            for key, n in self._submitted.items():
+                if (key[0] if isinstance(key, tuple) else self._stream_device.get(key)) == device:
+                    self._completed[key] = n
 
     def _synchronized(self, device: int, key) -> None:
         # A sync ordered the frees queued on stream `key` (None: every stream)
@@ -338,21 +359,110 @@ class FakeBackend:
                 self._apply_threshold(pool)
 
     # -- streams --------------------------------------------------------------
-    def stream(self, device: int | None = None) -> FakeStream:
-        """A new stream on ``device`` (default: the current device)."""
+    def stream(self, device: int | None = None, non_blocking: bool = False) -> FakeStream:
+        """A new stream on ``device`` (default: the current device);
+        ``non_blocking``: created with ``cudaStreamNonBlocking`` (no implicit
+        ordering with the legacy default stream)."""
         device = self.get_device() if device is None else device
         if not 0 <= device < len(self._capacity):
             self._fail(_cuda.ERROR_INVALID_DEVICE)
         with self._lock:
             self._next_handle += 0x100
             self._stream_device[self._next_handle] = device
-            return FakeStream(self, device, self._next_handle)
+            self._stream_flags[self._next_handle] = 1 if non_blocking else 0
+            return FakeStream(self, device, self._next_handle, non_blocking)
+
+    # -- work on streams (the checking layer) ------------------------------------
+    # A stream's queue is a count of items submitted and completed; nothing
+    # completes until the test says so (finish) or a synchronisation does.
+    def _work_key(self, stream: int):
+        return (self.get_device(), 0) if stream <= 2 else stream
+
+    def launch(self, stream, writes=()) -> None:
+        """Simulate a kernel queued on ``stream`` (an object with ``.ptr`` or a
+        handle): the stream is busy until :meth:`finish` or a synchronisation.
+        ``writes``: ``(address, bytes)`` pairs the kernel writes, applied at
+        once (the contents model does not order them)."""
+        handle = getattr(stream, "ptr", stream)
+        key = self._work_key(handle)
+        with self._lock:
+            self._submitted[key] = self._submitted.get(key, 0) + 1
+        for addr, data in writes:
+            self.write(addr, data)
+
+    def finish(self, stream=None) -> None:
+        """Complete the queued work of ``stream`` (default: every stream)."""
+        with self._lock:
+            if stream is None:
+                self._completed.update(self._submitted)
+            else:
+                key = self._work_key(getattr(stream, "ptr", stream))
+                self._completed[key] = self._submitted.get(key, 0)
+
+    def stream_busy(self, stream: int) -> bool:
+        """``cudaStreamQuery``: True while :meth:`launch` work is unfinished."""
+        key = self._work_key(stream)
+        return self._completed.get(key, 0) < self._submitted.get(key, 0)
+
+    def stream_non_blocking(self, stream: int) -> bool:
+        return bool(self._stream_flags.get(stream, 0))
+
+    def event_create(self) -> int:
+        with self._lock:
+            self._next_handle += 0x100
+            self._events[self._next_handle] = None
+            return self._next_handle
+
+    def event_record(self, event: int, stream: int) -> None:
+        key = self._work_key(stream)
+        with self._lock:
+            if event not in self._events:
+                self._fail(_cuda.ERROR_INVALID_RESOURCE_HANDLE)
+            self._events[event] = (key, self._submitted.get(key, 0))
+
+    def event_done(self, event: int) -> bool:
+        rec = self._events.get(event)
+        if rec is None:
+            return True
+        key, ticket = rec
+        return self._completed.get(key, 0) >= ticket
+
+    def event_destroy(self, event: int) -> None:
+        with self._lock:
+            self._events.pop(event, None)
+
+    # -- memory contents (the checking layer) ------------------------------------------
+    def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
+        """``cudaMemsetAsync``: applied at once in the contents model."""
+        self._stream_key(stream)  # a destroyed stream fails
+        if nbytes:
+            self._contents.set(ptr, ptr + nbytes, value & 0xFF)
+
+    def write(self, ptr: int, data: bytes) -> None:
+        """Simulate a kernel (or copy) writing ``data`` at address ``ptr``."""
+        for i, b in enumerate(bytes(data)):
+            self._contents.set(ptr + i, ptr + i + 1, b)
+
+    def read(self, ptr: int, nbytes: int) -> list:
+        """The simulated bytes at ``ptr`` (None where nothing was written)."""
+        return [self._contents.get(ptr + i) for i in range(nbytes)]
+
+    def check_kernels(self) -> "_FakeCheckKernels":
+        if self._check_kernels is None:
+            self._check_kernels = _FakeCheckKernels(self)
+        return self._check_kernels
 
     def _stream_stack(self, device: int) -> list:
         stacks = getattr(self._local, "streams", None)
         if stacks is None:
             stacks = self._local.streams = [[] for _ in self._capacity]
         return stacks[device]
+
+    def null_stream(self, device: int | None = None) -> FakeStream:
+        """The legacy default stream of ``device`` (``cupy.cuda.Stream.null``);
+        ``with fake.null_stream():`` makes it current, as code that hard-codes
+        it does."""
+        return self._null_streams[self.get_device() if device is None else device]
 
     def current_stream(self, device: int = -1) -> FakeStream:
         """The calling thread's current stream on ``device`` (CuPy's
@@ -374,6 +484,7 @@ class FakeBackend:
         with self._lock:
             key = self._stream_key(stream)
             self._synchronized(key[0] if isinstance(key, tuple) else self._stream_device[key], key)
+            self._completed[key] = self._submitted.get(key, 0)
 
     # -- stream-ordered pools -----------------------------------------------
     def _new_pool(self, device: int, max_size: int, is_default: bool = False) -> _FakePool:
@@ -696,6 +807,102 @@ class FakeBackend:
     def owner_device(self, ptr: int) -> int:
         """Device that holds ``ptr``; KeyError if it is not live."""
         return self._live[ptr][1]
+
+
+class _Contents:
+    """Simulated memory contents: sorted, disjoint byte runs ``[start, end)``
+    with one value each; bytes never written are unknown (None)."""
+
+    def __init__(self):
+        self._starts: list[int] = []
+        self._runs: list[list] = []  # [start, end, value], sorted by start
+
+    def set(self, start: int, end: int, value: int) -> None:
+        import bisect
+
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i < 0 or self._runs[i][1] <= start:
+            i += 1
+        new = []
+        j = i
+        while j < len(self._runs) and self._runs[j][0] < end:
+            r = self._runs[j]
+            if r[0] < start:
+                new.append([r[0], start, r[2]])
+            if r[1] > end:
+                new.append([end, r[1], r[2]])
+            j += 1
+        new.append([start, end, value])
+        new.sort()
+        self._runs[i:j] = new
+        self._starts[i:j] = [r[0] for r in new]
+
+    def get(self, addr: int):
+        import bisect
+
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i >= 0 and addr < self._runs[i][1]:
+            return self._runs[i][2]
+        return None
+
+    def mismatches(self, start: int, end: int, value: int) -> tuple[int, int]:
+        """(bytes in [start, end) that are not ``value``, first such address or -1)."""
+        import bisect
+
+        bad, first, pos = 0, -1, start
+        i = max(0, bisect.bisect_right(self._starts, start) - 1)
+        while pos < end:
+            r = self._runs[i] if i < len(self._runs) else None
+            if r is None or r[0] >= end:
+                bad += end - pos
+                first = pos if first < 0 else first
+                break
+            if r[1] <= pos:
+                i += 1
+                continue
+            if r[0] > pos:  # a gap: unknown bytes
+                bad += r[0] - pos
+                first = pos if first < 0 else first
+                pos = r[0]
+                continue
+            stop = min(r[1], end)
+            if r[2] != value:
+                bad += stop - pos
+                first = pos if first < 0 else first
+            pos = stop
+            i += 1
+        return bad, first
+
+
+class _FakeCheckKernels:
+    """The fake's :class:`cupy_memstrat.cuda.CheckKernels`: the same
+    interface, checking the contents model at once."""
+
+    SLOTS = 1 << 14
+
+    def __init__(self, backend: "FakeBackend"):
+        self._backend = backend
+        self._flag = False
+        self._bad: dict[int, dict[int, tuple[int, int]]] = {}
+        self.n_launches = 0
+
+    def verify(self, device: int, ptr: int, start: int, end: int, pattern: int, slot: int, stream: int) -> None:
+        self._backend._stream_key(stream)
+        self.n_launches += 1
+        bad, first = self._backend._contents.mismatches(ptr + start, ptr + end, pattern & 0xFF)
+        if bad:
+            prev = self._bad.setdefault(device, {}).get(slot, (0, _UINT64_MAX))
+            self._bad[device][slot] = (prev[0] + bad, min(prev[1], first - ptr))
+            self._flag = True
+
+    def flagged(self) -> bool:
+        return self._flag
+
+    def clear_flag(self) -> None:
+        self._flag = False
+
+    def read(self, device: int) -> dict:
+        return self._bad.pop(device, {})
 
 
 _POOL_ATTRS = {
