@@ -60,9 +60,15 @@ def create(strategy: str | Strategy, **options) -> Strategy:
     Args:
         strategy: a registered name, optionally with options
             (``"device"``, ``"async:release_threshold=4GiB"``), or an existing
-            :class:`Strategy` (returned as is; ``options`` must then be empty).
+            :class:`Strategy` (returned as is, or wrapped in checks; other
+            options are refused).
         **options: strategy options; they may not repeat one given in the
-            spec string. ``backend=`` selects the CUDA seam (tests).
+            spec string. ``backend=`` selects the CUDA seam (tests). Every
+            strategy also takes the checking layer's options: ``check=``
+            (``"streams,poison,redzone"``, any subset, or ``"all"``),
+            ``on_finding``, ``quarantine_bytes``, ``quarantine_count``,
+            ``redzone_bytes`` (:mod:`cupy_memstrat.checks`); with checks the
+            result is a :class:`~cupy_memstrat.checks.CheckedStrategy`.
 
     Raises:
         ValueError: unknown strategy (the message lists the available ones),
@@ -71,14 +77,39 @@ def create(strategy: str | Strategy, **options) -> Strategy:
         NoDeviceError: no CUDA device is available.
     """
     if isinstance(strategy, Strategy):
+        check_options = {k: options.pop(k) for k in list(options) if k in _CHECK_OPTIONS}
         if options:
             raise ValueError(
                 f"options {sorted(options)} given with an existing strategy object {strategy!r}; "
-                "options apply only when a strategy is created by name"
+                "options apply only when a strategy is created by name (check options excepted)"
             )
-        return strategy
+        return _with_checks(strategy, check_options)
     cls, merged = _resolve(strategy, options)
-    return cls(**merged)
+    check_options = {k: merged.pop(k) for k in list(merged) if k in _CHECK_OPTIONS}
+    if check_options:
+        from .checks.layer import CheckedStrategy
+
+        CheckedStrategy.parse_options(check_options)  # bad check options fail before anything is made
+    return _with_checks(cls(**merged), check_options)
+
+
+#: options of the checking layer (cupy_memstrat.checks), accepted with every strategy
+_CHECK_OPTIONS = ("check", "on_finding", "quarantine_bytes", "quarantine_count", "redzone_bytes")
+
+
+def _with_checks(s: Strategy, check_options: dict) -> Strategy:
+    """``s`` wrapped in the checking layer if ``check_options`` name checks."""
+    if not check_options:
+        return s
+    from .checks import parse_checks
+    from .checks.layer import CheckedStrategy
+
+    if not parse_checks(check_options.get("check", "")):
+        extra = sorted(k for k in check_options if k != "check")
+        if extra:
+            raise ValueError(f"option {extra[0]!r} needs checks to apply to: add check='streams,poison,redzone'")
+        return s
+    return CheckedStrategy(s, **check_options)
 
 
 def _resolve(strategy: str, options: dict):
@@ -104,7 +135,18 @@ def validate(strategy: str, **options) -> tuple[str, dict]:
     options = dict(options)
     options.pop("backend", None)  # an object, not an option: checked when created
     cls, merged = _resolve(strategy, options)
-    return cls.name, cls.parse_options(merged)
+    check_options = {k: merged.pop(k) for k in list(merged) if k in _CHECK_OPTIONS}
+    parsed = cls.parse_options(merged)
+    if check_options:
+        from .checks.layer import CheckedStrategy
+
+        checks = CheckedStrategy.parse_options(check_options)
+        if checks["check"] and "check" in check_options:
+            parsed.update({k: checks[k] for k in _CHECK_OPTIONS})
+        elif len(check_options) > ("check" in check_options):
+            extra = sorted(k for k in check_options if k != "check")
+            raise ValueError(f"option {extra[0]!r} needs checks to apply to: add check='streams,poison,redzone'")
+    return cls.name, parsed
 
 
 def use(strategy: str | Strategy, **options) -> Strategy:

@@ -1,6 +1,7 @@
 """Strategy specs (``"async:release_threshold=4GiB"``) and option declarations.
 
-A spec is ``NAME`` or ``NAME:KEY=VALUE[,KEY=VALUE...]``. Values in a spec are
+A spec is ``NAME`` or ``NAME:KEY=VALUE[,KEY=VALUE...]``. An item without ``=``
+continues the previous value (``device:check=streams,poison``). Values in a spec are
 strings; each option's parser turns a string or a native Python value into the
 same thing, so ``use("async:release_threshold=4GiB")`` and
 ``use("async", release_threshold="4GiB")`` mean the same.
@@ -37,9 +38,14 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
         raise ValueError(f"strategy spec {spec!r}: expected NAME or NAME:KEY=VALUE,... with a name")
     options: dict[str, str] = {}
     if sep and rest.strip():
+        last = None
         for item in rest.split(","):
             key, eq, value = item.partition("=")
             key = key.strip()
+            if not eq and last is not None and key:
+                # a value that itself has commas: check=streams,poison
+                options[last] += "," + item.strip()
+                continue
             if not eq or not key:
                 raise ValueError(
                     f"strategy spec {spec!r}: expected KEY=VALUE after ':', got {item.strip()!r}"
@@ -47,6 +53,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
             if key in options:
                 raise ValueError(f"strategy spec {spec!r}: option {key!r} is given twice")
             options[key] = value.strip()
+            last = key
     return name, options
 
 
