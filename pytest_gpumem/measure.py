@@ -61,6 +61,7 @@ class Window:
     faults: object = None  # FaultCounts
     # filled by the plugin
     top_live: list = field(default_factory=list)
+    check_start: int = 0  # len(cupy_memstrat.checks.findings()) when the call began
 
 
 class Meter:
@@ -157,9 +158,17 @@ class Meter:
         ``gc.collect()`` and clearing CuPy's caches."""
         new = self.new_live(w)
         if new and collect:
-            gc.collect()
-            clear_cupy_caches(self.devices)
+            # Most arrays kept past a test are in young reference cycles (a
+            # traceback's frames): a collection of generations 0 and 1 frees
+            # them for a fraction of a full collection's cost, which grows
+            # with the session's heap. Only what survives that pays for the
+            # full collection and the cleared caches.
+            gc.collect(1)
             new = self.new_live(w)
+            if new:
+                gc.collect()
+                clear_cupy_caches(self.devices)
+                new = self.new_live(w)
         if not new:
             return []
         return [a for a in self.strategy.live_allocations() if (a.ptr, a.size) in new]

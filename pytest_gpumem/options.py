@@ -70,6 +70,12 @@ def parse_top(raw: str):
     return n
 
 
+def parse_check(raw: str):
+    from cupy_memstrat.checks import parse_checks
+
+    return parse_checks(raw)
+
+
 def parse_path(raw: str):
     return raw.strip()
 
@@ -113,6 +119,15 @@ SETTINGS = (
             metavar="skip|fail"),
     Setting("top", "--gpumem-top", "GPUMEM_TOP", "gpumem_top", parse_top, 10,
             "show the N measured tests with the highest peak at the end (0: no table; default 10)", metavar="N"),
+    Setting("check", "--gpumem-check", "GPUMEM_CHECK", "gpumem_check", parse_check, frozenset(),
+            "run every test under cupy_memstrat's checking layer and fail a test in which a check finds a "
+            "problem: any of streams, poison, redzone (comma-separated), all, or off (docs/checks.md)",
+            metavar="streams,poison,redzone"),
+    Setting("stream_policy", "--gpumem-stream-policy", "GPUMEM_STREAM_POLICY", "gpumem_stream_policy",
+            _choice("current", "fresh"), "current",
+            "fresh: run each test's call on a new non-blocking current stream, which exposes code that "
+            "hard-codes the legacy default stream (reported with --gpumem-check=streams); current: as is",
+            metavar="current|fresh"),
     Setting("json", "--gpumem-json", "GPUMEM_JSON", "gpumem_json", parse_path, None,
             "write every measured test's numbers, with machine and versions, to PATH as JSON", metavar="PATH"),
 )
@@ -151,7 +166,10 @@ class Settings:
     @property
     def measuring(self) -> bool:
         """Whether every test (not only marked ones) is measured."""
-        return bool(self.measure or self.budget is not None or self.leaks != "off" or self.faults)
+        return bool(
+            self.measure or self.budget is not None or self.leaks != "off" or self.faults or self.check
+            or self.stream_policy != "current"
+        )
 
 
 def resolve(config, environ=None) -> Settings:

@@ -21,12 +21,14 @@ leak found after teardown fails the test's call report.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
 import pytest
 
 import cupy_memstrat
+from cupy_memstrat import checks as _checks
 
 from . import report as _report
 from .measure import GpuMem, Meter, describe
@@ -81,11 +83,13 @@ class _State:
             return
         try:
             current = None if spec else cupy_memstrat.current()
-            if current is not None:
+            checks = self.settings.check
+            if current is not None and not checks:
                 self.strategy = current
             else:
                 previous = cupy.cuda.get_allocator()
-                self.strategy = cupy_memstrat.use(spec or "pool")
+                extra = {"check": checks, "on_finding": "record"} if checks else {}
+                self.strategy = cupy_memstrat.use(current if current is not None else (spec or "pool"), **extra)
                 self.previous, self.installed = previous, True
             self.meter = Meter(self.strategy)
             self._expected_allocator = cupy.cuda.get_allocator()
@@ -215,6 +219,23 @@ class _State:
                         details.append(listing)
         elif plan.leaks != "off":
             rec["leak_check"] = "skipped: the test did not pass"
+        if self.settings.check:
+            found = self.findings_since(w)
+            rec["findings"] = [f.as_dict() for f in found[:20]]
+            rec["n_findings"] = len(found)
+            if found:
+                k = len(found)
+                kinds = ", ".join(sorted({f.kind for f in found}))
+                text = "\n\n".join(str(f) for f in found[:10])
+                if k > 10:
+                    text += f"\n\n... and {k - 10} more (--gpumem-json lists 20)"
+                if not_passed:
+                    if call is not None:
+                        call.sections.append(("gpumem checks", text))
+                else:
+                    problems.append(("checks", f"{k} check finding{'' if k == 1 else 's'} ({kinds}): "
+                                               f"{found[0].message}"))
+                    details.append(text)
         if plan.fault_limits and w.faults is not None:
             f = w.faults
             src = f"{f.source} counters" + ("" if f.exact else ", lower bounds")
@@ -247,6 +268,17 @@ class _State:
             self.machine_sent = True
         reports[-1].gpumem = rec
 
+    def findings_since(self, w) -> list:
+        """The checking layer's findings since ``w`` opened, after finishing
+        every pending check (quarantine, queued kernels)."""
+        from cupy_memstrat import checks
+
+        try:
+            checks.collect()
+        except checks.CheckError:
+            pass  # a strategy of the test's own with on_finding="raise": its findings are recorded too
+        return checks.findings()[w.check_start:]
+
     def info(self) -> dict:
         s = self.settings
         strategy = None
@@ -255,7 +287,8 @@ class _State:
         return {
             "strategy": strategy,
             "strategy_spec": s.strategy,
-            "settings": {k: s.values[k] for k in ("measure", "budget", "leaks", "faults", "faults_missing")},
+            "settings": {k: s.values[k] for k in ("measure", "budget", "leaks", "faults", "faults_missing")}
+            | {"check": sorted(s.check), "stream_policy": s.stream_policy},
             "packages": _package_versions(),
             "machine": self.machine,
             "measuring_off": self.why_off,
@@ -342,6 +375,10 @@ def _settings_summary(state) -> str:
         parts.append(f"leaks: {s.leaks} ({s.source('leaks')})")
     if s.faults:
         parts.append("page faults: " + (state.meter.fault_status() if state.meter else "on"))
+    if s.check:
+        parts.append(f"checks: {','.join(c for c in _checks.CHECKS if c in s.check)} ({s.source('check')})")
+    if s.stream_policy != "current":
+        parts.append(f"stream policy: {s.stream_policy} ({s.source('stream_policy')})")
     return "; ".join(parts)
 
 
@@ -463,18 +500,24 @@ def pytest_runtest_call(item):
             counter = None
     w = meter.open(snapshot=True)
     item.stash[_WINDOW] = w
-    if counter is not None:
-        counter.start()
-    try:
-        return (yield)
-    finally:
-        if counter is not None and counter.running:
-            w.faults = counter.stop()
-        meter.close(w)
-        if plan.budget is not None and any(
-            w.peak[d] > meter.limit(plan.budget, d) for d in meter.devices
-        ):
-            w.top_live = meter.largest_new(w)  # while the test's arrays may still be alive
+    w.check_start = len(_checks.findings()) if state.settings.check else 0
+    with contextlib.ExitStack() as scope:
+        if state.settings.stream_policy == "fresh":
+            scope.enter_context(_checks.fresh_stream(backend=state.strategy.backend))
+        if counter is not None:
+            counter.start()
+        try:
+            return (yield)
+        finally:
+            _finish_call(state, plan, meter, w, counter)
+
+
+def _finish_call(state, plan, meter, w, counter) -> None:
+    if counter is not None and counter.running:
+        w.faults = counter.stop()
+    meter.close(w)
+    if plan.budget is not None and any(w.peak[d] > meter.limit(plan.budget, d) for d in meter.devices):
+        w.top_live = meter.largest_new(w)  # while the test's arrays may still be alive
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -58,10 +58,12 @@ def test_every_option_and_ini_key_is_registered(pytester):
     r = pytester.runpytest_subprocess("--help")
     for opt in ("--gpumem ", "--no-gpumem", "--gpumem-budget=SIZE", "--gpumem-leaks=fail|warn|off",
                 "--gpumem-strategy=NAME", "--gpumem-faults ", "--no-gpumem-faults",
-                "--gpumem-faults-missing=skip|fail", "--gpumem-top=N", "--gpumem-json=PATH"):
+                "--gpumem-faults-missing=skip|fail", "--gpumem-top=N", "--gpumem-json=PATH",
+                "--gpumem-check=streams,poison,redzone", "--gpumem-stream-policy=current|fresh"):
         assert opt in r.stdout.str(), opt
     for ini in ("gpumem ", "gpumem_budget ", "gpumem_leaks ", "gpumem_strategy ", "gpumem_faults ",
-                "gpumem_faults_missing ", "gpumem_top ", "gpumem_json "):
+                "gpumem_faults_missing ", "gpumem_top ", "gpumem_json ", "gpumem_check ",
+                "gpumem_stream_policy "):
         assert "  " + ini in r.stdout.str(), ini
     r = pytester.runpytest_subprocess("--markers")
     r.stdout.fnmatch_lines(["@pytest.mark.limit_gpu_memory(size)*", "@pytest.mark.limit_gpu_leaks(size='0B')*",
@@ -208,6 +210,8 @@ def test_a(big, medium):
         ("faults_missing", "ignore", "expected one of skip, fail"),
         ("top", "-1", "expected a whole number of tests >= 0"),
         ("top", "ten", "expected a whole number of tests >= 0"),
+        ("check", "leaks", "unknown check 'leaks' in 'leaks'; valid: streams, poison, redzone or all"),
+        ("stream_policy", "sometimes", "expected one of current, fresh"),
         ("", "perhaps", "expected one of 1, true"),
     ],
 )
@@ -621,3 +625,120 @@ def test_2_after():
         "which is not a cupy_memstrat strategy*",
         "gpumem: CuPy's allocator changed before *test_2_after to *the tests from here on are not measured*",
     ])
+
+
+# -- the checking layer: --gpumem-check, --gpumem-stream-policy ----------------------------------------
+
+CHECKS_HEAD = HEAD + """
+import cupy_memstrat
+def backend():
+    return cupy_memstrat.current().backend
+"""
+
+
+def test_check_findings_fail_the_test_with_both_sites(pytester, fake_env):
+    pytester.makepyfile(CHECKS_HEAD + """
+def test_out_of_bounds():
+    x = alloc(1000)
+    backend().write(x.data.ptr + 1003, b"\\0")   # a kernel writing past the end
+    del x
+def test_write_after_free():
+    x = alloc(1000)
+    p = x.data.ptr
+    del x
+    backend().write(p, b"\\1")                  # a kernel still writing after the free
+def test_cross_stream_reuse():
+    b = backend()
+    other = b.stream(non_blocking=True)
+    with b.stream(non_blocking=True):
+        x = alloc(1000)
+        with other:
+            y = alloc(10)
+            b.launch(other)                       # a long kernel on the other stream reads x
+        del x                                     # no event orders it before x's stream
+def test_clean():
+    x = alloc(1000)
+    del x
+""")
+    r = run(pytester, "--gpumem-check=all", "--gpumem-json=out.json")
+    r.assert_outcomes(passed=1, failed=3)
+    out = r.stdout.str()
+    r.stdout.fnmatch_lines([
+        "*gpumem: measuring every test through strategy 'pool'*checks: streams,poison,redzone (--gpumem-check)",
+        "*MMM.*",
+        "*1 check finding (out-of-bounds write): 1 byte of the red zone after a 1000 B block*byte 4 past the end*",
+        "*allocated at *test_check_findings_fail_the_test_with_both_sites.py:* in alloc on stream 0*",
+        "*freed at *test_check_findings_fail_the_test_with_both_sites.py:* in test_out_of_bounds while stream 0*",
+        "*1 check finding (write after free)*",
+        "*1 check finding (cross-stream reuse)*still had work queued*",
+    ])
+    assert out.count("[checks]") == 3
+    doc = json.loads((pytester.path / "out.json").read_text())
+    assert doc["settings"]["check"] == ["poison", "redzone", "streams"]
+    tests = {t["nodeid"].split("::")[1]: t for t in doc["tests"]}
+    assert tests["test_clean"]["n_findings"] == 0
+    f = tests["test_out_of_bounds"]["findings"][0]
+    assert f["kind"] == "out-of-bounds write" and f["first_bad_offset"] == 1003 and "test_out_of_bounds" in f["free_site"]
+
+
+def test_without_checks_the_same_bugs_pass_unnoticed(pytester, fake_env):
+    pytester.makepyfile(CHECKS_HEAD + """
+def test_out_of_bounds():
+    x = alloc(1000)
+    backend().write(x.data.ptr + 1003, b"\\0")
+""")
+    run(pytester, "--gpumem").assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("where", ["env", "ini"])
+def test_checks_from_the_environment_and_ini(pytester, fake_env, where):
+    pytester.makepyfile(CHECKS_HEAD + """
+def test_write_after_free():
+    x = alloc(1000)
+    p = x.data.ptr
+    del x
+    backend().write(p, b"\\1")
+""")
+    if where == "env":
+        fake_env.setenv("GPUMEM_CHECK", "poison")
+    else:
+        pytester.makeini("[pytest]\ngpumem_check = poison\n")
+    r = run(pytester)
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*checks: poison (*GPUMEM_CHECK*" if where == "env" else "*checks: poison (ini key gpumem_check)"])
+
+
+LEGACY = CHECKS_HEAD + """
+def normalise(x):
+    with backend().null_stream():    # library code that hard-codes the legacy default stream
+        return alloc(x.size)
+def test_uses_hard_coded_legacy_stream():
+    x = alloc(100)
+    y = normalise(x)
+"""
+
+
+def test_fresh_stream_policy_exposes_code_hard_coded_to_the_legacy_stream(pytester, fake_env):
+    pytester.makepyfile(LEGACY)
+    run(pytester, "--gpumem-check=streams").assert_outcomes(passed=1)  # missed without the policy
+    r = run(pytester, "--gpumem-check=streams", "--gpumem-stream-policy=fresh")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines([
+        "*stream policy: fresh (--gpumem-stream-policy)*",
+        "*1 check finding (legacy stream): 100 B allocated on device 0 while the legacy default stream was current*",
+        "*allocated at *in alloc on stream 0 (the legacy default stream)*",
+    ])
+
+
+def test_fresh_stream_policy_alone_runs_each_call_on_a_new_stream(pytester, fake_env):
+    pytester.makepyfile(CHECKS_HEAD + """
+SEEN = []
+def test_a():
+    s = backend().current_stream()
+    SEEN.append(s.ptr)
+    assert s.ptr not in (0, 1, 2) and s.non_blocking
+def test_b():
+    s = backend().current_stream()
+    assert s.ptr not in (0, SEEN[0])
+""")
+    run(pytester, "--gpumem-stream-policy=fresh").assert_outcomes(passed=2)
