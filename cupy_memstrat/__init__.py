@@ -7,6 +7,7 @@
     cupy_memstrat.prefetch(x)            # move a managed array to the GPU ahead of use
     with cupy_memstrat.faults.count() as c:   # exact page-fault counters
         ...
+    cupy_memstrat.use("pool", check="all")   # catch stream races, writes after free, overruns
     print(cupy_memstrat.stats())          # bytes in use, peak, reserved, counts
     for a in cupy_memstrat.live_allocations():
         print(a)
@@ -14,7 +15,7 @@
 Importing this package does not import CuPy or touch the GPU.
 """
 
-from . import faults
+from . import checks, faults
 from .api import (
     advise,
     available,
@@ -39,6 +40,7 @@ from .errors import (
     NoStrategyError,
 )
 from .hookspecs import hookimpl
+from .options import parse_spec
 from .sizes import format_size, parse_size
 from .stats import Allocation, Origin, Stats
 from .strategies import AsyncPoolStrategy, CuPyPoolStrategy, DeviceStrategy, ManagedStats, ManagedStrategy, PoolStats, Strategy
@@ -70,6 +72,8 @@ __all__ = [
     "Origin",
     "parse_size",
     "format_size",
+    "parse_spec",
+    "checks",
     "hookimpl",
     "MemstratError",
     "NoDeviceError",

@@ -78,6 +78,13 @@ def create(strategy: str | Strategy, **options) -> Strategy:
     """
     if isinstance(strategy, Strategy):
         check_options = {k: options.pop(k) for k in list(options) if k in _CHECK_OPTIONS}
+        from .checks.layer import CheckedStrategy
+
+        if check_options and isinstance(strategy, CheckedStrategy):
+            raise ValueError(
+                f"check options {sorted(check_options)} given with {strategy!r}, which is already checked; "
+                "wrap the strategy it checks (.inner) instead"
+            )
         if options:
             raise ValueError(
                 f"options {sorted(options)} given with an existing strategy object {strategy!r}; "
@@ -89,16 +96,19 @@ def create(strategy: str | Strategy, **options) -> Strategy:
     if check_options:
         from .checks.layer import CheckedStrategy
 
-        CheckedStrategy.parse_options(check_options)  # bad check options fail before anything is made
-    return _with_checks(cls(**merged), check_options)
+        checks = CheckedStrategy.parse_options(check_options)  # bad check options fail before anything is made
+        if checks["check"]:
+            CheckedStrategy.check_options_apply(checks["check"], check_options)
+    return _with_checks(cls(**merged), check_options, owns=True)
 
 
 #: options of the checking layer (cupy_memstrat.checks), accepted with every strategy
 _CHECK_OPTIONS = ("check", "on_finding", "quarantine_bytes", "quarantine_count", "redzone_bytes")
 
 
-def _with_checks(s: Strategy, check_options: dict) -> Strategy:
-    """``s`` wrapped in the checking layer if ``check_options`` name checks."""
+def _with_checks(s: Strategy, check_options: dict, owns: bool = False) -> Strategy:
+    """``s`` wrapped in the checking layer if ``check_options`` name checks
+    (``owns``: ``s`` was made here, and is closed with the layer)."""
     if not check_options:
         return s
     from .checks import parse_checks
@@ -109,7 +119,7 @@ def _with_checks(s: Strategy, check_options: dict) -> Strategy:
         if extra:
             raise ValueError(f"option {extra[0]!r} needs checks to apply to: add check='streams,poison,redzone'")
         return s
-    return CheckedStrategy(s, **check_options)
+    return CheckedStrategy(s, owns_inner=owns, **check_options)
 
 
 def _resolve(strategy: str, options: dict):
@@ -142,6 +152,7 @@ def validate(strategy: str, **options) -> tuple[str, dict]:
 
         checks = CheckedStrategy.parse_options(check_options)
         if checks["check"] and "check" in check_options:
+            CheckedStrategy.check_options_apply(checks["check"], check_options)
             parsed.update({k: checks[k] for k in _CHECK_OPTIONS})
         elif len(check_options) > ("check" in check_options):
             extra = sorted(k for k in check_options if k != "check")
@@ -204,8 +215,13 @@ def using(strategy: str | Strategy, **options) -> Iterator[Strategy]:
         with cuda.using_allocator(s.cupy_allocator()):
             yield s
     finally:
-        if s is not strategy:  # made here from a spec: give back what nobody uses
-            if any(s.live_allocations()):
+        if s is not strategy:  # made here: give back what nobody uses
+            from .checks.layer import CheckedStrategy
+
+            if isinstance(s, CheckedStrategy) and not s._owns_inner:
+                # checks around a strategy passed in: that strategy is left as it is
+                s.close() if not any(s.live_allocations()) else s._drain()
+            elif any(s.live_allocations()):
                 s.trim()
             else:
                 s.close()

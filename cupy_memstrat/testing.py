@@ -816,8 +816,13 @@ class _Contents:
     def __init__(self):
         self._starts: list[int] = []
         self._runs: list[list] = []  # [start, end, value], sorted by start
+        self._lock = threading.RLock()
 
     def set(self, start: int, end: int, value: int) -> None:
+        with self._lock:
+            self._set(start, end, value)
+
+    def _set(self, start: int, end: int, value: int) -> None:
         import bisect
 
         i = bisect.bisect_right(self._starts, start) - 1
@@ -838,6 +843,10 @@ class _Contents:
         self._starts[i:j] = [r[0] for r in new]
 
     def get(self, addr: int):
+        with self._lock:
+            return self._get(addr)
+
+    def _get(self, addr: int):
         import bisect
 
         i = bisect.bisect_right(self._starts, addr) - 1
@@ -847,6 +856,10 @@ class _Contents:
 
     def mismatches(self, start: int, end: int, value: int) -> tuple[int, int]:
         """(bytes in [start, end) that are not ``value``, first such address or -1)."""
+        with self._lock:
+            return self._mismatches(start, end, value)
+
+    def _mismatches(self, start: int, end: int, value: int) -> tuple[int, int]:
         import bisect
 
         bad, first, pos = 0, -1, start

@@ -61,7 +61,7 @@ class Window:
     faults: object = None  # FaultCounts
     # filled by the plugin
     top_live: list = field(default_factory=list)
-    check_start: int = 0  # len(cupy_memstrat.checks.findings()) when the call began
+    check_start: int = 0  # cupy_memstrat.checks.mark() when the call began
 
 
 class Meter:

@@ -84,11 +84,21 @@ class _State:
         try:
             current = None if spec else cupy_memstrat.current()
             checks = self.settings.check
-            if current is not None and not checks:
-                self.strategy = current
+            extra = {"check": checks, "on_finding": "record"} if checks else {}
+            if spec:
+                _, spec_options = cupy_memstrat.parse_spec(spec)
+                if "check" in spec_options:
+                    if checks:
+                        raise pytest.UsageError(
+                            f"--gpumem-check ({self.settings.source('check')}) and a check= in the strategy "
+                            f"spec {spec!r} ({self.settings.source('strategy')}): give the checks in one place"
+                        )
+                    # the plugin reports findings per test: record them unless the spec says otherwise
+                    extra = {} if "on_finding" in spec_options else {"on_finding": "record"}
+            if current is not None and (not checks or isinstance(current, _checks.CheckedStrategy)):
+                self.strategy = current  # a strategy the session installed (conftest): measured as it is
             else:
                 previous = cupy.cuda.get_allocator()
-                extra = {"check": checks, "on_finding": "record"} if checks else {}
                 self.strategy = cupy_memstrat.use(current if current is not None else (spec or "pool"), **extra)
                 self.previous, self.installed = previous, True
             self.meter = Meter(self.strategy)
@@ -219,7 +229,7 @@ class _State:
                         details.append(listing)
         elif plan.leaks != "off":
             rec["leak_check"] = "skipped: the test did not pass"
-        if self.settings.check:
+        if self.checking:
             found = self.findings_since(w)
             rec["findings"] = [f.as_dict() for f in found[:20]]
             rec["n_findings"] = len(found)
@@ -268,6 +278,11 @@ class _State:
             self.machine_sent = True
         reports[-1].gpumem = rec
 
+    @property
+    def checking(self) -> bool:
+        """Whether the strategy measured through runs cupy_memstrat's checks."""
+        return isinstance(self.strategy, _checks.CheckedStrategy)
+
     def findings_since(self, w) -> list:
         """The checking layer's findings since ``w`` opened, after finishing
         every pending check (quarantine, queued kernels)."""
@@ -277,7 +292,7 @@ class _State:
             checks.collect()
         except checks.CheckError:
             pass  # a strategy of the test's own with on_finding="raise": its findings are recorded too
-        return checks.findings()[w.check_start:]
+        return checks.findings(since=w.check_start)
 
     def info(self) -> dict:
         s = self.settings
@@ -500,7 +515,7 @@ def pytest_runtest_call(item):
             counter = None
     w = meter.open(snapshot=True)
     item.stash[_WINDOW] = w
-    w.check_start = len(_checks.findings()) if state.settings.check else 0
+    w.check_start = _checks.mark()
     with contextlib.ExitStack() as scope:
         if state.settings.stream_policy == "fresh":
             scope.enter_context(_checks.fresh_stream(backend=state.strategy.backend))

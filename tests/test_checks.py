@@ -45,7 +45,7 @@ def test_parse_checks(value, expected):
     assert parse_checks(value) == frozenset(expected)
 
 
-@pytest.mark.parametrize("value, match", [("stream", "unknown check 'stream'.*valid: streams, poison, redzone"),
+@pytest.mark.parametrize("value, match", [("stream", "unknown check 'stream'.*valid: streams, poison, redzone, all or off"),
                                           ("poison,leaks", "unknown check 'leaks'")])
 def test_parse_checks_names_the_bad_value(value, match):
     with pytest.raises(ValueError, match=match):
@@ -81,6 +81,8 @@ def test_no_checks_gives_the_plain_strategy(fake):
         (dict(check="all", quarantine_bytes="lots"), "quarantine_bytes"),
         (dict(check="sanity"), "unknown check 'sanity'"),
         (dict(on_finding="warn"), "option 'on_finding' needs checks"),
+        (dict(check="streams", redzone_bytes=512), "option 'redzone_bytes' applies to the redzone check, which is not on"),
+        (dict(check="redzone", quarantine_count=3), "option 'quarantine_count' applies to the poison check"),
     ],
 )
 def test_bad_check_options_are_refused_before_anything_is_made(fake, opts, match):
@@ -510,6 +512,7 @@ def test_no_deadlock_when_the_garbage_collector_frees_inside_the_checks(fake, mo
         keep = s.raw_malloc(8)
     monkeypatch.setattr(C, "_findings", CollectingList())
     faulthandler.dump_traceback_later(30, exit=True)  # a deadlock ends the run loudly
+    gc.disable()  # only the collections this test runs free the blocks
     try:
         garbage(10)
         with B:
@@ -520,7 +523,220 @@ def test_no_deadlock_when_the_garbage_collector_frees_inside_the_checks(fake, mo
             s.raw_malloc(8)
         assert len(checks.findings()) == 20
     finally:
+        gc.enable()
         faulthandler.cancel_dump_traceback_later()
     gc.collect()
     checks.collect()
     assert len([f for f in checks.findings() if f.kind == "cross-stream reuse"]) == 20
+
+
+def test_a_deferred_stream_check_is_decided_before_collect_synchronises(fake):
+    """Both streams busy at the free: decided by events, which a
+    synchronisation would finish together. A quarantined block whose stream
+    is gone makes collect() synchronise; the stream check is decided first."""
+    s = make(fake, "all")
+    C = fake.stream()
+    with C:
+        s.raw_free(s.raw_malloc(64))  # quarantined; its stream dies next
+    del C
+    A, B = _streams(fake, non_blocking=True)
+    with A:
+        p = s.raw_malloc(1 << 20)
+    with B:
+        fake.launch(B)
+        s.raw_malloc(16)
+    with A:
+        fake.launch(A)
+        s.raw_free(p)
+    fake.finish(A)  # A's queue passes the free point while B still works
+    assert [f.kind for f in checks.collect()] == ["cross-stream reuse"]
+
+
+def test_trim_counts_the_quarantine_it_gives_back(fake):
+    s = make(fake, "poison")
+    s.raw_free(s.raw_malloc(10_000))
+    assert s.stats().bytes_reserved == 10_240
+    assert s.trim() == 10_240 and s.stats().bytes_reserved == 0
+
+
+# -- from an adversarial review ------------------------------------------------------------------------------
+
+
+def test_clear_reports_legacy_sites_again(fake):
+    s = make(fake, "streams")
+    F = fake.stream(non_blocking=True)
+
+    def helper():
+        with fake.null_stream():
+            s.raw_malloc(64)
+
+    for _ in range(2):
+        checks.clear()
+        with checks.expect_stream(F):
+            helper()
+        assert [f.kind for f in checks.findings()] == ["legacy stream"]
+
+
+def test_expect_stream_applies_to_its_own_device_only(fake2):
+    s = make(fake2, "streams")
+    F = fake2.stream(0, non_blocking=True)
+    with checks.expect_stream(F), F:
+        s.raw_malloc(100)
+        fake2.set_device(1)
+        s.raw_malloc(100)  # device 1's current stream is its legacy stream: another device, not a finding
+        fake2.set_device(0)
+    assert checks.findings() == []
+
+
+def test_marks_survive_clear(fake):
+    s = make(fake, "redzone")
+    m = checks.mark()
+    checks.clear()
+    p = s.raw_malloc(10)
+    fake.write(p + 10, b"\x00")
+    s.raw_free(p)
+    checks.collect()
+    assert [f.ptr for f in checks.findings(since=m)] == [p]
+    with pytest.raises(TypeError, match="since: expected an int from checks.mark"):
+        checks.findings(since="x")
+
+
+def test_warnings_as_errors_lose_no_block_and_no_finding(fake):
+    s = make(fake, "all", on_finding="warn")
+    A, B = _streams(fake)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with A:
+            x = s.raw_malloc(4096)
+        with B:
+            s.raw_malloc(64)
+            fake.launch(B)
+        with A:
+            s.raw_free(x)  # a cross-stream finding: the warning cannot leave a free...
+        with pytest.raises(CheckError) as exc:  # ...so it is raised at the next allocation
+            s.raw_malloc(10)
+        assert [f.kind for f in exc.value.findings] == ["cross-stream reuse"]
+        p, q = s.raw_malloc(10), s.raw_malloc(10)
+        for ptr in (p, q):
+            fake.write(ptr + 10, b"\x00")
+            s.raw_free(ptr)
+        with pytest.raises(CheckError) as exc:  # both kernels' findings, none lost
+            s.raw_malloc(10)
+    assert [f.kind for f in exc.value.findings] == ["out-of-bounds write"] * 2
+    assert s.stats().n_live == 1 and len(s.inner.live_sizes()) == 1 + len(s._quarantine)  # B's block: nothing lost
+
+
+def test_a_failed_canary_memset_gives_the_block_back(fake):
+    s = make(fake, "redzone")
+    S = fake.stream()
+    S.destroy()
+    with S, pytest.raises(Exception, match="cudaErrorInvalidResourceHandle"):
+        s.raw_malloc(1000)
+    assert s.inner.live_sizes() == {} and fake.used_bytes(0) == 0
+
+
+def test_using_leaves_a_strategy_passed_in_open(fake):
+    inner = cupy_memstrat.create("device", backend=fake)
+    s = checks.checked(inner, check="poison", on_finding="record")
+    assert not s._owns_inner
+    keep = inner.raw_malloc(1000)
+    s.close()
+    assert inner._pinned and inner.live_sizes() == {keep: 1000}  # not closed
+    owned = make(fake, "poison")
+    assert owned._owns_inner
+
+
+def test_frees_after_close_are_not_quarantined(fake):
+    s = make(fake, "poison")
+    p = s.raw_malloc(1000)
+    s.close()
+    s.raw_free(p)
+    assert not fake.is_allocated(p) and checks.collect() == []
+
+
+def test_out_of_memory_names_the_requested_size_and_counts_once(fake):
+    s = make(FakeBackend(memory="1MiB"), "all")
+    with pytest.raises(cupy_memstrat.OutOfMemoryError) as exc:
+        s.raw_malloc(2 << 20)
+    e = exc.value
+    assert e.requested == 2 << 20 and "allocating 2.0 MiB (2,097,152 bytes)" in str(e)
+    assert "with the checks' padding" in str(e) and s.stats().n_failed == 1
+    p = s.raw_malloc(700 << 10)
+    s.raw_free(p)
+    s.raw_malloc(700 << 10)  # succeeds after the quarantine is given back: no failure counted
+    assert s.stats().n_failed == 1
+
+
+def test_both_busy_is_decided_when_another_device_is_current(fake2):
+    s = make(fake2, "streams")
+    A, B = fake2.stream(0, non_blocking=True), fake2.stream(0, non_blocking=True)
+    with A:
+        x = s.raw_malloc(4096)
+    with B:
+        s.raw_malloc(64)
+        fake2.launch(B)
+    fake2.launch(A)
+    fake2.set_device(1)
+    with A:
+        s.raw_free(x)  # CuPy's finalisers run under whatever device is current
+    fake2.set_device(0)
+    fake2.finish(A)
+    with A:
+        s.raw_malloc(8)
+    assert [f.kind for f in checks.findings()] == ["cross-stream reuse"]
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda f: checks.collect(device="x"), TypeError, "device: expected an int device ordinal"),
+        (lambda f: checks.collect(device=70), ValueError, r"device: expected 0 <= device < \d+, got 70"),
+        (lambda f: checks.fresh_stream("fake").__enter__(), TypeError, "backend: expected a CUDA backend"),
+        (lambda f: checks.expect_stream(0).__enter__(), ValueError, "a stream other than the default streams"),
+        (lambda f: checks.checked(cupy_memstrat.create("device", backend=f), backend=f), TypeError,
+         "the checks use the wrapped strategy's backend"),
+        (lambda f: cupy_memstrat.create(make(f, "poison"), quarantine_count=1), ValueError, "already checked"),
+        (lambda f: parse_checks({"streams": 1}), TypeError, "check: expected a str"),
+        (lambda f: make(f, "all", on_finding="loud"), ValueError, "^on_finding: expected 'raise', 'warn' or 'record'"),
+    ],
+)
+def test_bad_arguments_name_what_was_expected(fake, call, error, match):
+    make(fake, "streams")  # a live layer, for collect()
+    with pytest.raises(error, match=match):
+        call(fake)
+
+
+def test_expect_stream_takes_any_integer_handle(fake):
+    import numpy as np
+
+    with checks.expect_stream(np.int64(0x5000)):
+        assert checks._expected
+    assert not checks._expected
+
+
+def test_trim_checks_its_argument_before_giving_anything_back(fake):
+    s = make(fake, "poison")
+    p = s.raw_malloc(1000)
+    s.raw_free(p)
+    with pytest.raises(ValueError, match="keep_bytes"):
+        s.trim("lots")
+    assert fake.is_allocated(p)  # still quarantined
+
+
+def test_the_fake_contents_survive_threads(fake):
+    import threading
+
+    s = make(fake, "all")
+
+    def work():
+        for i in range(300):
+            s.raw_free(s.raw_malloc(64 + i % 5))
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert checks.collect() == [] and checks.findings() == []
+    s.trim()
+    assert s.stats().n_live == 0 and fake.used_bytes(0) == 0

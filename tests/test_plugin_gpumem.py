@@ -210,7 +210,7 @@ def test_a(big, medium):
         ("faults_missing", "ignore", "expected one of skip, fail"),
         ("top", "-1", "expected a whole number of tests >= 0"),
         ("top", "ten", "expected a whole number of tests >= 0"),
-        ("check", "leaks", "unknown check 'leaks' in 'leaks'; valid: streams, poison, redzone or all"),
+        ("check", "leaks", "unknown check 'leaks' in 'leaks'; valid: streams, poison, redzone, all or off"),
         ("stream_policy", "sometimes", "expected one of current, fresh"),
         ("", "perhaps", "expected one of 1, true"),
     ],
@@ -742,3 +742,62 @@ def test_b():
     assert s.ptr not in (0, SEEN[0])
 """)
     run(pytester, "--gpumem-stream-policy=fresh").assert_outcomes(passed=2)
+
+
+OOB = CHECKS_HEAD + """
+from cupy_memstrat import checks
+def test_1_out_of_bounds():
+    x = alloc(1000)
+    backend().write(x.data.ptr + 1000, b"\\\\0")
+def test_2_clean():
+    x = alloc(1000)
+def test_3_clears_then_overruns():
+    checks.clear()
+    x = alloc(1000)
+    backend().write(x.data.ptr + 1000, b"\\\\0")
+"""
+
+
+@pytest.mark.parametrize("how", ["option", "spec", "conftest"])
+def test_checks_given_any_way_are_reported_per_test(pytester, fake_env, how):
+    pytester.makepyfile(OOB)
+    args = ["--gpumem"]
+    if how == "option":
+        args.append("--gpumem-check=redzone")
+    elif how == "spec":
+        args.append("--gpumem-strategy=pool:check=redzone")
+    else:
+        pytester.makeconftest("import cupy_memstrat\ncupy_memstrat.use('pool', check='redzone', on_finding='record')\n")
+        args.append("--gpumem-check=redzone")  # already checked: adopted, not wrapped twice
+    r = run(pytester, *args)
+    r.assert_outcomes(passed=1, failed=2)
+    r.stdout.fnmatch_lines(["*GPUMEM*test_1_out_of_bounds*", "*GPUMEM*test_3_clears_then_overruns*"])
+
+
+def test_checks_in_two_places_are_a_usage_error(pytester, fake_env):
+    pytester.makepyfile("def test_a():\n    pass\n")
+    r = run(pytester, "--gpumem-check=streams", "--gpumem-strategy=device:check=poison")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert "give the checks in one place" in r.stderr.str()
+
+
+def test_fresh_stream_policy_on_two_devices_reports_nothing_on_the_other(pytester, monkeypatch):
+    for k in list(os.environ):
+        if k.startswith("GPUMEM"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:devices=2,memory=1GiB")
+    monkeypatch.setattr(C, "_backend", None)
+    pytester.makepyfile(CHECKS_HEAD + """
+def test_two_devices():
+    x = alloc(100)
+    backend().set_device(1)
+    try:
+        y = alloc(100)
+    finally:
+        backend().set_device(0)
+""")
+    prev = cupy.cuda.get_allocator()
+    try:
+        run(pytester, "--gpumem-check=streams", "--gpumem-stream-policy=fresh").assert_outcomes(passed=1)
+    finally:
+        cupy.cuda.set_allocator(prev)

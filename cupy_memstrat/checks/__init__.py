@@ -68,6 +68,7 @@ __all__ = [
     "CHECKS",
     "POISON_BYTE",
     "CANARY_BYTE",
+    "KINDS",
     "Finding",
     "CheckError",
     "CheckWarning",
@@ -79,6 +80,7 @@ __all__ = [
     "collect",
     "expect_stream",
     "fresh_stream",
+    "mark",
 ]
 
 #: the checks, in the order they are reported
@@ -88,6 +90,7 @@ POISON_BYTE = 0xFF
 #: the byte red zones are filled with
 CANARY_BYTE = 0xCB
 
+#: the kinds of finding, and the check that finds each
 KINDS = {
     "cross-stream reuse": "streams",
     "legacy stream": "streams",
@@ -207,6 +210,11 @@ def parse_checks(value) -> frozenset:
         raw = value.replace("+", ",").replace("|", ",").replace(" ", ",")
         names = [n.strip().lower() for n in raw.split(",") if n.strip()]
     else:
+        if isinstance(value, dict) or not hasattr(value, "__iter__"):
+            raise TypeError(
+                f"check: expected a str such as 'streams,poison,redzone' or a list of names, "
+                f"got {type(value).__name__} {value!r}"
+            )
         try:
             names = list(value)
         except TypeError:
@@ -223,7 +231,7 @@ def parse_checks(value) -> frozenset:
         names = [n for n in names if n != "all"] + list(CHECKS)
     bad = [n for n in names if n not in CHECKS]
     if bad:
-        raise ValueError(f"check: unknown check {bad[0]!r} in {value!r}; valid: {', '.join(CHECKS)} or all")
+        raise ValueError(f"check: unknown check {bad[0]!r} in {value!r}; valid: {', '.join(CHECKS)}, all or off")
     return frozenset(names)
 
 
@@ -233,30 +241,53 @@ def parse_checks(value) -> frozenset:
 # collector may run while this thread already holds the lock.
 _lock = threading.RLock()
 _findings: list[Finding] = []
-_expected: dict[int, int] = {}  # thread ident -> the stream handle the thread's code should use
+_state = {"recorded": 0, "cleared": 0}  # findings ever recorded; how many of them clear() dropped
+# thread ident -> (stream handle, its device or -1 for any) the thread's code should use
+_expected: dict[int, tuple[int, int]] = {}
 
 
-def findings() -> list[Finding]:
-    """Every finding recorded in this process since the last :func:`clear`,
-    oldest first (all checked strategies, whatever their ``on_finding``).
-    Findings of kernels still running appear after :func:`collect`."""
+def mark() -> int:
+    """A position in the sequence of findings, for :func:`findings` ``since=``
+    (it survives :func:`clear`)."""
     with _lock:
-        return list(_findings)
+        return _state["recorded"]
+
+
+def findings(since: int | None = None) -> list[Finding]:
+    """Every finding recorded in this process since the last :func:`clear`
+    (or, with ``since``, since that :func:`mark`), oldest first, from all
+    checked strategies, whatever their ``on_finding``. Findings of kernels
+    still running appear after :func:`collect`.
+
+    Raises:
+        TypeError: ``since`` is not an int from :func:`mark`.
+    """
+    with _lock:
+        if since is None:
+            return list(_findings)
+        if isinstance(since, bool) or not isinstance(since, int):
+            raise TypeError(f"since: expected an int from checks.mark(), got {type(since).__name__} {since!r}")
+        return _findings[max(0, since - _state["cleared"]):]
 
 
 def clear() -> None:
-    """Forget the recorded findings (and any not yet raised)."""
+    """Forget the recorded findings (and any not yet raised); legacy-stream
+    sites already reported are reported again."""
     from .layer import _live_layers
 
     with _lock:
         _findings.clear()
+        _state["cleared"] = _state["recorded"]
     for layer in _live_layers():
         layer._to_raise.clear()
+        layer._legacy_sites.clear()
         layer._refresh_alarm()
 
 
 def collect(device: int | None = None) -> list[Finding]:
-    """Finish every pending check now and return the findings this produced.
+    """Finish every pending check now and return the findings made during
+    this call (:func:`findings` has all of them, also those found earlier,
+    e.g. at an allocation).
 
     For each checked strategy: quarantined blocks are verified and given back
     to the strategy, queued kernels are waited for (``cudaDeviceSynchronize``
@@ -272,10 +303,19 @@ def collect(device: int | None = None) -> list[Finding]:
     """
     from .layer import _live_layers
 
-    with _lock:
-        start = len(_findings)
+    layers = _live_layers()
+    if device is not None:
+        if isinstance(device, bool) or not isinstance(device, int):
+            raise TypeError(f"device: expected an int device ordinal or None, got {type(device).__name__} {device!r}")
+        n = max((layer.backend.device_count() for layer in layers), default=0)
+        if not 0 <= device < max(n, 1):
+            raise ValueError(f"device: expected 0 <= device < {max(n, 1)}, got {device}")
+    start = mark()
     raising = []
-    for layer in _live_layers():
+    for layer in layers:  # before any layer synchronises: a synchronisation makes them undecidable
+        if layer._deferred:
+            layer._poll_deferred()
+    for layer in layers:
         layer._collect(device)
     for layer in _live_layers():  # a layer's collection can report another's findings (shared kernels)
         if layer._to_raise:
@@ -284,8 +324,7 @@ def collect(device: int | None = None) -> list[Finding]:
             layer._refresh_alarm()
     if raising:
         raise CheckError(raising)
-    with _lock:
-        return _findings[start:]
+    return findings(since=start)
 
 
 @contextlib.contextmanager
@@ -294,18 +333,27 @@ def expect_stream(stream) -> Iterator[None]:
     ``stream`` (an object with ``.ptr``, e.g. ``cupy.cuda.Stream``, or a raw
     handle): with the ``streams`` check on, an allocation made while the
     legacy default stream is current is a *legacy stream* finding (once per
-    allocation site). The pytest plugin's ``--gpumem-stream-policy=fresh``
-    runs each test inside this with a fresh non-blocking stream.
+    allocation site) if it is made on ``stream``'s device (a raw handle:
+    any device). The pytest plugin's ``--gpumem-stream-policy=fresh`` runs
+    each test inside this with a fresh non-blocking stream.
 
     Raises:
         TypeError: ``stream`` has no integer ``.ptr`` and is not an int.
+        ValueError: ``stream`` is one of the default streams (handles 0-2).
     """
     ptr = getattr(stream, "ptr", stream)
-    if isinstance(ptr, bool) or not isinstance(ptr, int):
+    if isinstance(ptr, bool) or not hasattr(ptr, "__index__"):
         raise TypeError(f"stream: expected a stream object with .ptr or an int handle, got {stream!r}")
+    ptr = ptr.__index__()
+    if not 2 < ptr < 1 << 64:
+        raise ValueError(
+            f"stream: expected a stream other than the default streams (handles 0-2), got handle {ptr}"
+        )
+    device = getattr(stream, "device_id", -1)
+    device = device if isinstance(device, int) and device >= 0 else -1
     tid = threading.get_ident()
     previous = _expected.get(tid)
-    _expected[tid] = ptr
+    _expected[tid] = (ptr, device)
     try:
         yield
     finally:
@@ -335,6 +383,11 @@ def fresh_stream(backend=None) -> Iterator[object]:
     from .. import cuda as _cuda
 
     b = backend if backend is not None else _cuda.get_backend()
+    if not isinstance(b, _cuda.RealBackend) and not callable(getattr(b, "stream", None)):
+        raise TypeError(
+            "backend: expected a CUDA backend (cupy_memstrat.cuda.get_backend() or a "
+            f"cupy_memstrat.testing.FakeBackend), got {type(b).__name__} {b!r}"
+        )
     if isinstance(b, _cuda.RealBackend):
         import cupy
 
@@ -355,6 +408,7 @@ def fresh_stream(backend=None) -> Iterator[object]:
 def _record(finding: Finding) -> None:
     with _lock:
         _findings.append(finding)
+        _state["recorded"] += 1
 
 
 def checked(strategy, check="all", **options):
@@ -373,6 +427,8 @@ def checked(strategy, check="all", **options):
     """
     from .layer import CheckedStrategy
 
+    if "backend" in options:
+        raise TypeError("backend: the checks use the wrapped strategy's backend; pass backend= when creating it")
     return CheckedStrategy(strategy, check=check, **options)
 
 

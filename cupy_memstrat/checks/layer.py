@@ -23,7 +23,6 @@ from ..strategies.base import _FOLD_AT, Strategy, _warn as _warn_at
 from . import (
     CANARY_BYTE,
     CHECKS,
-    KINDS,
     POISON_BYTE,
     CheckError,
     Finding,
@@ -172,6 +171,9 @@ class CheckedStrategy(Strategy):
             (default 256); the canary starts right after the requested size,
             so the guard covers the rounding too.
         track_origins: always on here (findings name the allocation site).
+        owns_inner: close ``inner`` with this layer (what :func:`cupy_memstrat.create`
+            does for a strategy it made from a name); a strategy passed in
+            is left open.
 
     Raises:
         TypeError: ``inner`` is not a Strategy, or is already checked.
@@ -195,7 +197,9 @@ class CheckedStrategy(Strategy):
         Option("redzone_bytes", _as_redzone, 256, "guard bytes after each allocation (rounded up to 256)"),
     )
 
-    def __init__(self, inner: Strategy, **options):
+    def __init__(self, inner: Strategy, *, owns_inner: bool = False, **options):
+        if "backend" in options:
+            raise TypeError("backend: the checks use the wrapped strategy's backend; pass backend= when creating it")
         if not isinstance(inner, Strategy):
             raise TypeError(f"inner: expected a cupy_memstrat.Strategy to check, got {type(inner).__name__} {inner!r}")
         if isinstance(inner, CheckedStrategy):
@@ -204,7 +208,10 @@ class CheckedStrategy(Strategy):
         checks = self.config["check"]
         if not checks:
             raise ValueError("check: expected at least one of streams, poison, redzone (or all), got none")
+        self.check_options_apply(checks, options)
         self.inner = inner
+        self._owns_inner = owns_inner  # made from a spec for this layer: closed with it
+        self._closed = False
         self.name = inner.name
         self.checks = checks
         self._track_origins = True
@@ -227,8 +234,34 @@ class CheckedStrategy(Strategy):
         self._alarm = False
         self._legacy_sites: set = set()
         self._verifier = None
-        self.n_findings = 0
+        self.n_findings = 0  # findings this layer has reported
         _layers.add(self)
+
+    @classmethod
+    def parse_options(cls, options: dict) -> dict:
+        """As :meth:`Strategy.parse_options`; messages name the option
+        (``check: unknown check 'x' ...``)."""
+        specs = {o.name: o for o in cls.option_specs()}
+        unknown = sorted(set(options) - set(specs))
+        if unknown:
+            raise ValueError(f"unknown check option {unknown[0]!r}; valid options: {', '.join(sorted(specs))}")
+        return {n: (o.parse(options[n], n) if n in options else o.default) for n, o in specs.items()}
+
+    @staticmethod
+    def check_options_apply(checks, given) -> None:
+        """Refuse options given for a check that is off.
+
+        Raises:
+            ValueError: e.g. ``redzone_bytes`` without the ``redzone`` check.
+        """
+        needs = {"quarantine_bytes": "poison", "quarantine_count": "poison", "redzone_bytes": "redzone"}
+        for opt in sorted(set(given) & set(needs)):
+            if needs[opt] not in checks:
+                shown = ",".join(c for c in CHECKS if c in checks)
+                raise ValueError(
+                    f"option {opt!r} applies to the {needs[opt]} check, which is not on (check={shown}); "
+                    f"add {needs[opt]} to check= or leave {opt} out"
+                )
 
     # -- the hot path --------------------------------------------------------------------------
     def _build_hot_path(self):
@@ -259,31 +292,32 @@ class CheckedStrategy(Strategy):
             padded = ((size + 255) & ~255) + rz if pad else size
             try:
                 ptr = inner_malloc(padded, device)
-            except MemoryError:
-                if not state._quarantine:
-                    raise
-                state._drain(device)  # quarantined blocks go back; then try once more
-                ptr = inner_malloc(padded, device)
-            if redzone_on:
-                memset(ptr + size, CANARY_BYTE, padded - size, sptr)
-            tid = get_ident()
-            seq = next_seq()
-            table = seen_tables.get(tid)
-            if table is None:
-                table = seen_tables[tid] = {}
-            key = sptr if sptr > 2 else ~(device * 4 + sptr)  # 0-2: each device's own default streams
-            ent = table.get(key)
-            if ent is None or ent[1]() is not stream:
-                if len(table) > 64:
-                    state._prune(table)
-                ent = table[key] = [seq, ref(stream), sptr, None, device]
-            else:
-                ent[0] = seq
-            origin = capture_origin(1)
-            if streams_on and sptr < 2 and expected:
-                exp = expected.get(tid)
-                if exp is not None and exp > 1:
-                    legacy(origin, device, ptr, size, exp, tid)
+            except MemoryError as exc:
+                ptr = state._out_of_memory(size, padded, device, exc)
+            try:
+                if redzone_on:
+                    memset(ptr + size, CANARY_BYTE, padded - size, sptr)
+                tid = get_ident()
+                seq = next_seq()
+                table = seen_tables.get(tid)
+                if table is None:
+                    table = seen_tables[tid] = {}
+                key = sptr if sptr > 2 else ~(device * 4 + sptr)  # 0-2: each device's own default streams
+                ent = table.get(key)
+                if ent is None or ent[1]() is not stream:
+                    if len(table) > 64:
+                        state._prune(table)
+                    ent = table[key] = [seq, ref(stream), sptr, None, device]
+                else:
+                    ent[0] = seq
+                origin = capture_origin(1)
+                if streams_on and sptr < 2 and expected:
+                    exp = expected.get(tid)
+                    if exp is not None and exp[1] in (-1, device):
+                        legacy(origin, device, ptr, size, exp[0], tid)
+            except BaseException:
+                inner_free(ptr, device)  # nothing is lost: the block goes back before the error
+                raise
             ev = events[device]
             ev.append(size)
             origins[ptr] = origin
@@ -307,7 +341,7 @@ class CheckedStrategy(Strategy):
                 try:
                     check_streams(ptr, size, device, origin, ent, tid, seq)
                 except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
-                    _warn_at(f"cupy_memstrat.checks: the stream check of 0x{ptr:x} failed: {exc!r}", RuntimeWarning, 2)
+                    _quiet_warn(f"cupy_memstrat.checks: the stream check of 0x{ptr:x} failed: {exc!r}")
             if pad:
                 after_free(ptr, size, padded, device, origin, ent, tid)
             else:
@@ -361,11 +395,17 @@ class CheckedStrategy(Strategy):
             if not self._busy(ent):
                 info["free_site"] = capture_origin(0)
                 self._report(self._stream_finding(info, "had no queued work that could wait for it"))
-            elif ent[4] == device == b.get_device():
-                aptr, sp = ent[2], e[2]
-                ev_a, ev_s = b.event_create(), b.event_create()
-                b.event_record(ev_a, aptr)
-                b.event_record(ev_s, sp)
+            else:  # both busy: whichever finishes first decides, seen with events on the block's device
+                cur_dev = b.get_device()
+                if cur_dev != device:
+                    b.set_device(device)
+                try:
+                    ev_a, ev_s = b.event_create(), b.event_create()
+                    b.event_record(ev_a, ent[2])
+                    b.event_record(ev_s, e[2])
+                finally:
+                    if cur_dev != device:
+                        b.set_device(cur_dev)
                 info["free_site"] = capture_origin(0)
                 self._deferred.append((ev_a, ev_s, info))
                 self._alarm = True
@@ -467,14 +507,14 @@ class CheckedStrategy(Strategy):
             try:
                 sptr = ent[2]
                 if ent[1]() is None:  # the allocating stream is gone: wait for its work, use the null stream
-                    b.device_synchronize(device)
+                    self._synchronize(device)
                     sptr = 0
                 fstream = b.current_stream(device).ptr
                 info = (self, ptr, size, padded, device, origin, capture_origin(0), ent[2], fstream, tid,
                         threading.current_thread().name)
                 if self._redzone:
                     self._verifier_of().submit(device, ptr, size, padded, CANARY_BYTE, sptr, ("redzone",) + info)
-                if self._poison:
+                if self._poison and not self._closed:
                     b.memset_async(ptr, POISON_BYTE, padded, sptr)
                     self._quarantine.append((ptr, padded, device, ent, info))
                     self._q_bytes += padded
@@ -487,7 +527,7 @@ class CheckedStrategy(Strategy):
                 if cur_dev != device:
                     b.set_device(cur_dev)
         except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
-            _warn_at(f"cupy_memstrat.checks: checking the free of 0x{ptr:x} failed: {exc!r}", RuntimeWarning, 3)
+            _quiet_warn(f"cupy_memstrat.checks: checking the free of 0x{ptr:x} failed: {exc!r}")
         self._inner_free(ptr, device)
 
     def _release_oldest(self) -> None:
@@ -497,12 +537,37 @@ class CheckedStrategy(Strategy):
         try:
             sptr = ent[2]
             if ent[1]() is None:
-                b.device_synchronize(device)
+                self._synchronize(device)
                 sptr = 0
             self._verifier_of().submit(device, ptr, 0, padded, POISON_BYTE, sptr, ("poison",) + info)
         except Exception as exc:  # noqa: BLE001
-            _warn_at(f"cupy_memstrat.checks: verifying the poison of 0x{ptr:x} failed: {exc!r}", RuntimeWarning, 3)
+            _quiet_warn(f"cupy_memstrat.checks: verifying the poison of 0x{ptr:x} failed: {exc!r}")
         self._inner_free(ptr, device)
+
+    def _out_of_memory(self, size: int, padded: int, device: int, exc: BaseException) -> int:
+        """The wrapped strategy refused ``padded`` bytes: give the quarantine
+        back and try once more; else raise ``OutOfMemoryError`` for the
+        requested ``size``, counted in this layer's ``n_failed``."""
+        if self._quarantine:
+            self._drain(device)
+            try:
+                return self.inner._malloc(padded, device)
+            except MemoryError as again:
+                exc = again
+        with self._fold_lock:
+            self._counters[device].n_failed += 1
+        self._raise_out_of_memory(
+            size, device, reason=getattr(exc, "reason", "cuda"), cause=exc,
+            detail=f" ({padded:,} bytes with the checks' padding; {type(exc).__name__}: {exc})",
+        )
+
+    def _synchronize(self, device: int) -> None:
+        """``cudaDeviceSynchronize``, after deciding what the stream checks
+        waiting on events can decide (a synchronisation finishes their events)."""
+        for layer in _live_layers():
+            if layer._deferred:
+                layer._poll_deferred()
+        self.backend.device_synchronize(device)
 
     def _drain(self, device: int | None = None) -> None:
         """Verify and give back every quarantined block (of ``device``)."""
@@ -561,7 +626,11 @@ class CheckedStrategy(Strategy):
         self.n_findings += 1
         _record(finding)
         if self._policy == "warn":
-            _warn(finding)
+            try:
+                _warn(finding)
+            except Exception:  # noqa: BLE001 - warnings as errors: raised at the next allocation instead
+                self._to_raise.append(finding)
+                self._alarm = True
         elif self._policy == "raise":
             self._to_raise.append(finding)
             self._alarm = True
@@ -586,11 +655,13 @@ class CheckedStrategy(Strategy):
             self._on_alarm()
 
     def _collect(self, device: int | None = None) -> None:
-        """Drain the quarantine, decide deferred stream checks, read every
-        queued kernel (of every layer on this backend: they share the slots)."""
-        self._drain(device)
+        """Decide deferred stream checks, drain the quarantine, read every
+        queued kernel (of every layer on this backend: they share the slots).
+        The stream checks come first: a synchronisation finishes both of
+        their events, after which they cannot be decided."""
         if self._deferred:
             self._poll_deferred()
+        self._drain(device)
         if self._pad:
             for layer, finding in self._verifier_of().collect(device):
                 layer._report(finding)
@@ -611,7 +682,6 @@ class CheckedStrategy(Strategy):
         inner = self.inner.stats(st.device)
         return dataclasses.replace(
             st, bytes_reserved=inner.bytes_reserved, peak_bytes_reserved=inner.peak_bytes_reserved,
-            n_failed=inner.n_failed,
         )
 
     def reset_peak(self, device: int | None = None) -> None:
@@ -620,15 +690,29 @@ class CheckedStrategy(Strategy):
 
     def trim(self, keep_bytes=0, device: int | None = None) -> int:
         """Verify and give back the quarantined blocks (of ``device``), then
-        trim the wrapped strategy (:meth:`Strategy.trim`)."""
+        trim the wrapped strategy (:meth:`Strategy.trim`). Returns the bytes
+        given back to CUDA, the quarantined blocks included where the wrapped
+        strategy frees straight to CUDA (``device``)."""
         if device is not None:
             device = self._device_or_current(device)
+        from ..sizes import parse_size
+
+        parse_size(keep_bytes, total=100, what="keep_bytes")  # a bad value fails before anything is given back
+        devices = range(self.backend.device_count()) if device is None else [device]
+        before = sum(self.inner.stats(d).bytes_reserved for d in devices)
         self._drain(device)
-        return self.inner.trim(keep_bytes, device)
+        released = self.inner.trim(keep_bytes, device)
+        after = sum(self.inner.stats(d).bytes_reserved for d in devices)
+        return max(released, before - after)
 
     def close(self) -> None:
+        """Verify and give back the quarantine; later frees are verified and
+        given back at once. The wrapped strategy is closed too if this layer
+        made it (``owns_inner``)."""
+        self._closed = True
         self._drain()
-        self.inner.close()
+        if self._owns_inner:
+            self.inner.close()
         super().close()
 
     def __getattr__(self, name):
@@ -641,10 +725,17 @@ class CheckedStrategy(Strategy):
         return f"<CheckedStrategy check={','.join(c for c in CHECKS if c in self.checks)} over {self.inner!r}>"
 
 
+def _quiet_warn(message: str) -> None:
+    """A RuntimeWarning from a free, which must neither raise (CuPy calls it
+    from a finaliser) nor lose the block: with warnings as errors it is dropped."""
+    try:
+        _warn_at(message, RuntimeWarning, 3)
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def _wait_hint(a: int, s: int) -> str:
     if a in (0, 1):
         return "cupy.cuda.Stream.null.wait_event(other.record())"
     return "stream_a.wait_event(stream_b.record())"
 
-
-__all__ += ["KINDS", "CheckError"]
