@@ -292,7 +292,7 @@ class CheckedStrategy(Strategy):
             padded = ((size + 255) & ~255) + rz if pad else size
             try:
                 ptr = inner_malloc(padded, device)
-            except MemoryError as exc:
+            except (MemoryError, OverflowError) as exc:  # OverflowError: the padding passed size_t
                 ptr = state._out_of_memory(size, padded, device, exc)
             try:
                 if redzone_on:
@@ -552,7 +552,7 @@ class CheckedStrategy(Strategy):
             self._drain(device)
             try:
                 return self.inner._malloc(padded, device)
-            except MemoryError as again:
+            except (MemoryError, OverflowError) as again:
                 exc = again
         with self._fold_lock:
             self._counters[device].n_failed += 1
