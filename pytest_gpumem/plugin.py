@@ -286,13 +286,11 @@ class _State:
     def findings_since(self, w) -> list:
         """The checking layer's findings since ``w`` opened, after finishing
         every pending check (quarantine, queued kernels)."""
-        from cupy_memstrat import checks
-
         try:
-            checks.collect()
-        except checks.CheckError:
+            _checks.collect()
+        except _checks.CheckError:
             pass  # a strategy of the test's own with on_finding="raise": its findings are recorded too
-        return checks.findings(since=w.check_start)
+        return _checks.findings(since=w.check_start)
 
     def info(self) -> dict:
         s = self.settings
