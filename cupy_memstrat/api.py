@@ -77,49 +77,59 @@ def create(strategy: str | Strategy, **options) -> Strategy:
         NoDeviceError: no CUDA device is available.
     """
     if isinstance(strategy, Strategy):
-        check_options = {k: options.pop(k) for k in list(options) if k in _CHECK_OPTIONS}
         from .checks.layer import CheckedStrategy
 
-        if check_options and isinstance(strategy, CheckedStrategy):
+        given = sorted(set(options) & set(_CHECK_OPTIONS))
+        if given and isinstance(strategy, CheckedStrategy):
             raise ValueError(
-                f"check options {sorted(check_options)} given with {strategy!r}, which is already checked; "
+                f"check options {given} given with {strategy!r}, which is already checked; "
                 "wrap the strategy it checks (.inner) instead"
             )
+        check_options, checks = _check_options(options)
         if options:
             raise ValueError(
                 f"options {sorted(options)} given with an existing strategy object {strategy!r}; "
                 "options apply only when a strategy is created by name (check options excepted)"
             )
-        return _with_checks(strategy, check_options)
+        return CheckedStrategy(strategy, **check_options) if checks else strategy
     cls, merged = _resolve(strategy, options)
-    check_options = {k: merged.pop(k) for k in list(merged) if k in _CHECK_OPTIONS}
-    if check_options:
-        from .checks.layer import CheckedStrategy
+    check_options, checks = _check_options(merged)  # bad check options fail before anything is made
+    s = cls(**merged)
+    if not checks:
+        return s
+    from .checks.layer import CheckedStrategy
 
-        checks = CheckedStrategy.parse_options(check_options)  # bad check options fail before anything is made
-        if checks["check"]:
-            CheckedStrategy.check_options_apply(checks["check"], check_options)
-    return _with_checks(cls(**merged), check_options, owns=True)
+    return CheckedStrategy(s, owns_inner=True, **check_options)
 
 
 #: options of the checking layer (cupy_memstrat.checks), accepted with every strategy
 _CHECK_OPTIONS = ("check", "on_finding", "quarantine_bytes", "quarantine_count", "redzone_bytes")
 
 
-def _with_checks(s: Strategy, check_options: dict, owns: bool = False) -> Strategy:
-    """``s`` wrapped in the checking layer if ``check_options`` name checks
-    (``owns``: ``s`` was made here, and is closed with the layer)."""
-    if not check_options:
-        return s
-    from .checks import parse_checks
+def _check_options(options: dict) -> tuple[dict, dict | None]:
+    """Take the checking layer's options out of ``options`` and validate them.
+
+    Returns:
+        ``(the options taken, their parsed values)``; the parsed values are
+        ``None`` when no check is on (``check`` absent, empty or ``"off"``).
+
+    Raises:
+        ValueError, TypeError: a bad value, an option for a check that is
+            off, or check options without any check.
+    """
+    taken = {k: options.pop(k) for k in list(options) if k in _CHECK_OPTIONS}
+    if not taken:
+        return taken, None
     from .checks.layer import CheckedStrategy
 
-    if not parse_checks(check_options.get("check", "")):
-        extra = sorted(k for k in check_options if k != "check")
+    parsed = CheckedStrategy.parse_options(taken)
+    if "check" not in taken or not parsed["check"]:
+        extra = sorted(k for k in taken if k != "check")
         if extra:
             raise ValueError(f"option {extra[0]!r} needs checks to apply to: add check='streams,poison,redzone'")
-        return s
-    return CheckedStrategy(s, owns_inner=owns, **check_options)
+        return taken, None
+    CheckedStrategy.check_options_apply(parsed["check"], taken)
+    return taken, parsed
 
 
 def _resolve(strategy: str, options: dict):
@@ -145,18 +155,10 @@ def validate(strategy: str, **options) -> tuple[str, dict]:
     options = dict(options)
     options.pop("backend", None)  # an object, not an option: checked when created
     cls, merged = _resolve(strategy, options)
-    check_options = {k: merged.pop(k) for k in list(merged) if k in _CHECK_OPTIONS}
+    _, checks = _check_options(merged)
     parsed = cls.parse_options(merged)
-    if check_options:
-        from .checks.layer import CheckedStrategy
-
-        checks = CheckedStrategy.parse_options(check_options)
-        if checks["check"] and "check" in check_options:
-            CheckedStrategy.check_options_apply(checks["check"], check_options)
-            parsed.update({k: checks[k] for k in _CHECK_OPTIONS})
-        elif len(check_options) > ("check" in check_options):
-            extra = sorted(k for k in check_options if k != "check")
-            raise ValueError(f"option {extra[0]!r} needs checks to apply to: add check='streams,poison,redzone'")
+    if checks:
+        parsed.update({k: checks[k] for k in _CHECK_OPTIONS})
     return cls.name, parsed
 
 
