@@ -356,6 +356,22 @@ class RealBackend:
             "memory_pools_supported": rt.deviceGetAttribute(_ATTR_MEMORY_POOLS_SUPPORTED, device),
         }
 
+    def context_active(self, device: int) -> bool:
+        """Whether ``device``'s primary CUDA context exists in this process,
+        asked without creating it (``cuDevicePrimaryCtxGetState``). Memory can
+        only be held on a device that has one, and making one is costly: on an
+        H200 pair, reading CuPy's pool total on the second device made each of
+        8 pytest-xdist workers create a context there, 1.9 s each. True where
+        the driver cannot tell (the caller then asks as before).
+        """
+        from cuda.bindings import driver
+
+        err, dev = driver.cuDeviceGet(device)
+        if int(err) != 0:
+            return True
+        err, _flags, active = driver.cuDevicePrimaryCtxGetState(dev)
+        return bool(active) if int(err) == 0 else True
+
     def versions(self) -> dict:
         rt = self._runtime
         return {"driver": rt.driverGetVersion(), "runtime": rt.runtimeGetVersion()}

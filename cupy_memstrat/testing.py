@@ -222,6 +222,9 @@ class FakeBackend:
         self._live: dict[int, tuple[int, int]] = {}  # ptr -> (size, device)
         self._lock = threading.Lock()
         self._local = threading.local()  # the current device is per thread, as in CUDA
+        # Devices with a primary context: made by cudaSetDevice (CUDA 12+) or
+        # the first allocation on the current device, as in CUDA.
+        self._contexts: set[int] = set()
         self._last_error = threading.local()
         self._props = {
             "name": name,
@@ -282,6 +285,12 @@ class FakeBackend:
         if not 0 <= device < len(self._capacity):
             self._fail(_cuda.ERROR_INVALID_DEVICE)
         self._local.device = device
+        self._contexts.add(device)
+
+    def context_active(self, device: int) -> bool:
+        """Whether ``device`` has a primary context (``cuDevicePrimaryCtxGetState``):
+        once it was made current or allocated on."""
+        return device in self._contexts
 
     def mem_get_info(self, device: int) -> tuple[int, int]:
         if not 0 <= device < len(self._capacity):
@@ -303,6 +312,7 @@ class FakeBackend:
         if size == 0:
             return 0
         device = self.get_device()
+        self._contexts.add(device)
         rounded = -(-size // _ALIGN) * _ALIGN
         with self._lock:
             self.n_malloc_calls += 1
@@ -504,6 +514,7 @@ class FakeBackend:
             self._fail(_cuda.ERROR_INVALID_DEVICE)
         if max_size < 0:
             self._fail(_cuda.ERROR_INVALID_VALUE)
+        self._contexts.add(device)
         with self._lock:
             return self._new_pool(device, max_size).handle
 
@@ -665,6 +676,7 @@ class FakeBackend:
             self._fail(_cuda.ERROR_INVALID_VALUE)
         if size == 0:
             self._fail(_cuda.ERROR_INVALID_VALUE)  # CUDA refuses a 0-byte managed allocation
+        self._contexts.add(self.get_device())
         with self._lock:
             self.n_malloc_calls += 1
             if size > sum(self._capacity) * 4:  # beyond any host + device memory

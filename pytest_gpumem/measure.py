@@ -167,7 +167,10 @@ class Meter:
             new = self.new_live(w)
             if new:
                 gc.collect()
-                clear_cupy_caches(self.devices)
+                # only where the leaked blocks are: making another device
+                # current would create a CUDA context there
+                clear_cupy_caches(sorted({a.device for a in self.strategy.live_allocations()
+                                          if (a.ptr, a.size) in new}))
                 new = self.new_live(w)
         if not new:
             return []

@@ -93,6 +93,11 @@ class CuPyPoolStrategy(Strategy):
     def _pool_total(self, device: int) -> int:
         if self.backend.get_device() == device:
             return int(self._pool.total_bytes())
+        if not self.backend.context_active(device):
+            # No CUDA context there: the pool holds nothing on it, and making
+            # the device current to ask would create one (seconds, and
+            # hundreds of MiB of its memory, per process).
+            return 0
         with self._Device(device):
             return int(self._pool.total_bytes())
 
@@ -140,7 +145,7 @@ class CuPyPoolStrategy(Strategy):
             if self._pool is None:
                 continue
             before = self._pool_total(d)
-            if keep and before <= keep:
+            if before == 0 or (keep and before <= keep):
                 continue
             with self._Device(d):
                 self._pool.free_all_blocks()

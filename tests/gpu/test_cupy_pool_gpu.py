@@ -1,6 +1,9 @@
 """The pool strategy (CuPy's default MemoryPool, measured) on the GPU."""
 
 import gc
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -63,3 +66,30 @@ def test_out_of_memory_is_ours_and_counted(cp):
     assert s.stats().n_failed == 1
     x = cp.ones(MiB, dtype=cp.uint8)  # still usable
     assert int(x.sum()) == MiB
+
+
+def test_measuring_the_pool_creates_no_context_on_an_unused_device(n_devices):
+    """pytest_gpumem reads every device's statistics for every test. Reading
+    CuPy's pool total on a device made it current, which created a CUDA
+    context there in each process (1.9 s per pytest-xdist worker on an H200
+    pair, and device memory). A fresh process shows it."""
+    if n_devices < 2:
+        pytest.skip("needs two devices")
+    code = textwrap.dedent(
+        """
+        import cupy, cupy_memstrat
+        s = cupy_memstrat.use("pool")
+        x = cupy.arange(10)
+        b = s.backend
+        assert b.context_active(0) and not b.context_active(1)
+        st = s.stats(1); s.reset_peak(1); s.trim(); s.trim(device=1)
+        assert st.bytes_reserved == 0 and st.n_allocs == 0
+        assert not b.context_active(1), "reading device 1's statistics created a context there"
+        with cupy.cuda.Device(1):
+            y = cupy.arange(10)
+        assert b.context_active(1) and s.stats(1).bytes_reserved > 0
+        print("ok")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
