@@ -19,6 +19,12 @@
 #                                         all (with --gpumem-json), then compute-sanitizer memcheck capped
 #                                         at SAN_TIMEOUT seconds (default 240; the share of tests done is kept)
 #   tools/device_run.sh sanitizer         CuPy's subset plain, then under compute-sanitizer --tool memcheck
+#   tools/device_run.sh probes            info, toolchain, tests/gpu, then the probes in tools/probes: the
+#                                         PythonFunctionAllocator floor, the GC-cleared PFA memory, CuPy's 3
+#                                         multi-GPU copy tests under default / async / CuPy's MemoryAsyncPool,
+#                                         and where the plugin's per-test time goes on CuPy's subset
+#   tools/device_run.sh hotpath           info, tests/gpu, the PythonFunctionAllocator floor probe (C and
+#                                         Python hot paths), bench alloc, bench managed
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -214,6 +220,65 @@ if [ "$part" = sanitizer ] && [ -d .cupy_tests/tests ]; then
   python3 -c "import json, sys; t0, t1, t2 = map(float, sys.argv[1:]); print(json.dumps({'plain_seconds': round(t1 - t0, 2), 'memcheck_seconds': round(t2 - t1, 2)}))" \
     $t0 $t1 $t2 | tee "$OUT/sanitizer_times.json"
   tar -czf "$OUT/san_runs.tar.gz" -C /tmp san_runs
+fi
+
+if [ "$part" = hotpath ]; then
+  step info
+  python3 -m cupy_memstrat info | tail -7
+  python3 -m cupy_memstrat info --json > "$OUT/info.json"
+  step "tests/gpu"
+  python3 -m pytest tests/gpu -p no:cacheprovider -q -rs --junitxml="$OUT/tests_gpu.xml" 2>&1 | tail -15
+  step "PythonFunctionAllocator floor, C and Python hot paths"
+  python3 tools/probes/hot_path_floor.py --json "$OUT/hot_path_floor.json"
+  step "bench alloc"
+  python3 -m cupy_memstrat bench alloc --quiet --json "$OUT/bench_alloc.json" | tail -14
+  step "bench managed"
+  python3 -m cupy_memstrat bench managed --quiet --json "$OUT/bench_managed.json" | tail -30
+fi
+
+if [ "$part" = probes ]; then
+  step info
+  python3 -m cupy_memstrat info --json > "$OUT/info.json"
+  step toolchain
+  gcc --version | head -1
+  python3 -c "import os, sysconfig; p = sysconfig.get_paths()['include']; print(p, 'Python.h', os.path.exists(os.path.join(p, 'Python.h')))"
+  python3 -c "import setuptools; print('setuptools', setuptools.__version__)"
+  step "tests/gpu"
+  python3 -m pytest tests/gpu -p no:cacheprovider -q -rs --junitxml="$OUT/tests_gpu.xml" 2>&1 | tail -15
+  step "PythonFunctionAllocator floor"
+  python3 tools/probes/hot_path_floor.py --json "$OUT/hot_path_floor.json"
+  step "GC-cleared PythonFunctionAllocatorMemory"
+  timeout 120 python3 tools/probes/pfa_gc_clear.py
+  if [ -d .cupy_tests/tests ]; then
+    K="test_copy_multigpu or test_copyto_multigpu"
+    F="tests/cupy_tests/creation_tests/test_from_data.py tests/cupy_tests/manipulation_tests/test_basic.py"
+    for how in default async cupy-async; do
+      step "CuPy's multi-GPU copy tests: $how"
+      case $how in
+        default) extra="" ;;
+        async) extra="--gpumem-strategy=async" ;;
+        cupy-async) extra="-p cupy_async_alloc" ;;
+      esac
+      ( cd .cupy_tests && PYTHONPATH=$OLDPWD/tools/probes:${PYTHONPATH:-} timeout 200 python3 -m pytest $F -k "$K" -q \
+          -p no:cacheprovider $extra 2>&1 | tail -3 )
+    done
+    step "where the plugin's per-test time goes (CuPy's subset, --gpumem --gpumem-budget --gpumem-leaks=fail)"
+    export PLUGIN_COST_DIR=/tmp/plugin_cost
+    ( cd .cupy_tests && PYTHONPATH=$OLDPWD/tools/probes:${PYTHONPATH:-} timeout 300 python3 -m pytest $CM_ARGS \
+        --gpumem --gpumem-budget=64GiB --gpumem-leaks=fail -p plugin_cost 2>&1 | tail -2 )
+    python3 - /tmp/plugin_cost <<'PY' | tee "$OUT/plugin_cost.json"
+import glob, json, sys
+rows = [json.load(open(f)) for f in sorted(glob.glob(sys.argv[1] + "/*.json"))]
+tot = {}
+for r in rows:
+    for k, v in r["timers"].items():
+        t = tot.setdefault(k, {"calls": 0, "seconds": 0.0})
+        t["calls"] += v["calls"]; t["seconds"] += v["seconds"]
+print(json.dumps({"workers": rows, "totals": tot,
+                  "n_allocs": sum(r["n_allocs"] for r in rows),
+                  "session_seconds": sum(r["session_seconds"] for r in rows)}, indent=1))
+PY
+  fi
 fi
 
 if [ "$part" = cupy ] && [ -d .cupy_tests/tests ]; then
