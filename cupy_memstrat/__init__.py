@@ -43,6 +43,7 @@ from .hookspecs import hookimpl
 from .options import parse_spec
 from .sizes import format_size, parse_size
 from .stats import Allocation, Origin, Stats
+from .strategies.base import hot_path_status
 from .strategies import AsyncPoolStrategy, CuPyPoolStrategy, DeviceStrategy, ManagedStats, ManagedStrategy, PoolStats, Strategy
 
 __version__ = "0.1.0"
@@ -73,6 +74,7 @@ __all__ = [
     "parse_size",
     "format_size",
     "parse_spec",
+    "hot_path_status",
     "checks",
     "hookimpl",
     "MemstratError",

@@ -67,8 +67,18 @@ def _cuda_version(v: int) -> str:
     return f"{v // 1000}.{(v % 1000) // 10}"
 
 
+def _hot_path() -> dict:
+    from .strategies.base import hot_path_status
+
+    try:
+        return hot_path_status()
+    except ValueError as exc:  # a bad CUPY_MEMSTRAT_HOT_PATH
+        return {"setting": None, "hot_path": None, "reason": str(exc)}
+
+
 def collect(backend=None) -> dict:
-    """Machine report as a dict: ``packages``, ``date``, and either ``cuda``
+    """Machine report as a dict: ``packages``, ``date``, ``hot_path`` (which
+    allocation hot path strategies get: :func:`cupy_memstrat.hot_path_status`), and either ``cuda``
     (``driver``, ``runtime``, ``devices``: one dict per device with
     ``total_memory``/``free_memory`` in bytes) or ``error`` (why there is no
     GPU information)."""
@@ -78,6 +88,7 @@ def collect(backend=None) -> dict:
         "packages": package_versions(),
         "strategies": get_registry().describe(),
         "page_fault_counters": None,  # filled below
+        "hot_path": _hot_path(),
     }
     try:
         if backend is None:
@@ -142,6 +153,8 @@ def format_report(report: dict) -> str:
                 f"memoryPoolsSupported {dev['memory_pools_supported']}"
             )
     lines.append(f"page-fault counters: {report['page_fault_counters']}")
+    hp = report.get("hot_path") or {}
+    lines.append(f"allocation hot path: {hp.get('hot_path') or 'none'} ({hp.get('reason')})")
     lines.append("strategies:")
     for name, desc in report["strategies"].items():
         lines.append(f"  {name}: {desc}")

@@ -158,11 +158,14 @@ def test_a_finaliser_freeing_in_the_middle_of_an_allocation_neither_deadlocks_no
     call that the allocation path makes."""
     s = cupy_memstrat.create("device", backend=fake)
     victims = [s.raw_malloc(100, 0) for _ in range(200)]
-    code = s._build_hot_path()[0].__code__  # the hot path CuPy calls
+    malloc = s._build_hot_path()[0]  # the hot path CuPy calls
+    # At every C call of the Python hot path; the C hot path runs no Python code
+    # of its own, so there at the call of the backend's malloc it makes.
+    code, event_at = (malloc.__code__, "c_call") if s.hot_path == "python" else (type(fake).malloc.__code__, "call")
     injected = []
 
     def finaliser_at_c_calls(frame, event, arg):
-        if event == "c_call" and frame.f_code is code and victims:
+        if event == event_at and frame.f_code is code and victims:
             injected.append(victims[-1])
             s.raw_free(victims.pop(), 0)
 

@@ -347,7 +347,7 @@ class CheckedStrategy(Strategy):
             else:
                 inner_free(ptr, device)
 
-        self._malloc, self._free = malloc, free
+        self._malloc, self._free, self.hot_path = malloc, free, "python"
         return malloc, free
 
     @staticmethod

@@ -414,7 +414,7 @@ class AsyncPoolStrategy(Strategy):
                     sptr = None  # treat it as destroyed
             free_off_path(ptr, size, device, sptr, stacklevel)
 
-        self._malloc, self._free = malloc, free
+        self._malloc, self._free, self.hot_path = malloc, free, "python"
         return malloc, free
 
     def _free_off_path(self, ptr: int, size: int, device: int, stream: int | None, stacklevel: int = 1) -> None:

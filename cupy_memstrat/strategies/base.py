@@ -22,6 +22,15 @@ threads. Taking no lock also
 matters because CuPy frees memory from finalisers, which the garbage collector
 can run in the middle of an allocation on the same thread: a lock there
 deadlocks (seen on the H200 with CuPy's test suite).
+
+The hot path exists twice: in C (``cupy_memstrat._hotpath``, built from
+``csrc/hotpath.c`` when the package is installed with a C compiler) and as
+Python closures. Both do the same operations in the same order; the C one
+saves the Python frames, about a third of a microsecond per alloc+free pair
+(docs/benchmarks.md). The C one is used where it was built, except with
+``track_origins=True`` (which walks the Python stack anyway); the environment
+variable ``CUPY_MEMSTRAT_HOT_PATH`` = ``auto`` (default) / ``c`` / ``python``
+chooses, read when a strategy builds its hot path (its first allocation).
 """
 
 from __future__ import annotations
@@ -42,7 +51,51 @@ from ..options import Option, as_bool
 from ..sizes import format_size, parse_size
 from ..stats import Allocation, Stats, capture_origin
 
-__all__ = ["Strategy", "check_size"]
+__all__ = ["Strategy", "check_size", "hot_path_status"]
+
+try:
+    from .. import _hotpath as _c_hotpath
+
+    _C_MISSING = ""
+except ImportError as _exc:  # installed without a C compiler, or from a source tree
+    _c_hotpath = None
+    _C_MISSING = (
+        f"the C hot path (cupy_memstrat._hotpath) is not built ({_exc}); reinstall cupy-memstrat "
+        "on a machine with a C compiler and the Python headers"
+    )
+HOT_PATH_ENV = "CUPY_MEMSTRAT_HOT_PATH"
+_HOT_PATH_CHOICES = ("auto", "c", "python")
+
+
+def hot_path_status() -> dict:
+    """Which allocation hot path new strategies get: ``{"setting": ...,
+    "hot_path": "c" | "python", "reason": str}``.
+
+    ``setting`` is the environment variable ``CUPY_MEMSTRAT_HOT_PATH``
+    (``auto``, the default: C where it was built; ``c``; ``python``).
+    Strategies with ``track_origins=True`` always use the Python one.
+
+    Raises:
+        ValueError: the variable has another value (the message names it).
+    """
+    raw = os.environ.get(HOT_PATH_ENV, "")
+    setting = raw.strip().lower() or "auto"
+    if setting not in _HOT_PATH_CHOICES:
+        raise ValueError(f"{HOT_PATH_ENV}={raw!r}: expected one of {', '.join(_HOT_PATH_CHOICES)}")
+    if setting == "python":
+        return {"setting": setting, "hot_path": "python", "reason": f"{HOT_PATH_ENV}=python"}
+    if _c_hotpath is None:
+        if setting == "c":
+            raise ValueError(f"{HOT_PATH_ENV}=c: {_C_MISSING}")
+        return {"setting": setting, "hot_path": "python", "reason": _C_MISSING}
+    return {"setting": setting, "hot_path": "c", "reason": "built (csrc/hotpath.c)"}
+
+
+def _c_accounting(track: bool):
+    """The C ``Accounting`` type for a hot path being built, or None for the Python one."""
+    if track:
+        return None
+    return _c_hotpath.Accounting if hot_path_status()["hot_path"] == "c" else None
 
 
 def check_size(size) -> int:
@@ -161,6 +214,8 @@ class Strategy:
         self._fold_lock = threading.RLock()
         self._cupy_malloc = self._pfa = None
         self._malloc = self._free = None  # the hot path, built on first use
+        #: "c" or "python": the hot path built on first use (None before).
+        self.hot_path: str | None = None
         self._pinned = False
         self._n_invalid_frees = 0  # not per device: a bad pointer names none
 
@@ -258,6 +313,14 @@ class Strategy:
         events, live, origins = self._events, self._live, self._origins
         failed, fold, track = self._allocation_failed, self._fold, self._track_origins
         unknown_free, name = self._unknown_free, self.name
+        Accounting = _c_accounting(track)
+        if Accounting is not None:
+            acc = Accounting(
+                events, live, fold, _FOLD_AT, unknown_free, failed, Error,
+                allocate=allocate, deallocate=deallocate, dealloc_failed=self._deallocation_failed,
+            )
+            self._malloc, self._free, self.hot_path = acc.malloc, acc.free, "c"
+            return acc.malloc, acc.free
 
         def malloc(size, device):
             try:
@@ -294,10 +357,19 @@ class Strategy:
                     stacklevel=2 + stacklevel,
                 )
 
-        self._malloc, self._free = malloc, free
+        self._malloc, self._free, self.hot_path = malloc, free, "python"
         return malloc, free
 
     # -- accounting off the hot path -------------------------------------------
+    def _deallocation_failed(self, ptr: int, size: int, device: int, exc: BaseException, stacklevel: int) -> None:
+        """The C hot path's free: ``_deallocate`` raised. A finaliser must not
+        raise, so this warns (as the Python free does, same stack level)."""
+        _warn(
+            f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}",
+            RuntimeWarning,
+            stacklevel=2 + stacklevel,
+        )
+
     def _unknown_free(self, ptr, stacklevel: int = 1) -> tuple[int, int | None]:
         """A free whose device hint was wrong: (device, size) of the live
         block, popped; else counts and warns an invalid free, (-1, None)."""
@@ -567,6 +639,11 @@ class Strategy:
             self._pfa = pfa
             _pfa_owners[id(pfa)] = weakref.ref(self)
             cupy_malloc = pfa.malloc
+            if _c_hotpath is not None and hot_path_status()["hot_path"] == "c":
+                # Keeps each array's memory object off the garbage collector,
+                # which in CuPy 14.2 can clear it before its destructor has
+                # freed the block (csrc/hotpath.c, GcSafeMalloc).
+                cupy_malloc = _c_hotpath.GcSafeMalloc(cupy_malloc)
         else:
             backend, raw_free = self.backend, free
 

@@ -12,7 +12,7 @@ from ..errors import ManagedMemoryWarning
 from ..options import Option, as_bool, as_size
 from ..sizes import format_size, parse_size
 from ..stats import capture_origin
-from .base import _FOLD_AT, _SIZE_T_LIMIT, Strategy, _warn, _warn_at_caller
+from .base import _FOLD_AT, _SIZE_T_LIMIT, Strategy, _c_accounting, _warn, _warn_at_caller
 
 __all__ = ["ManagedStrategy", "ManagedStats", "CHUNK_BYTES"]
 
@@ -487,6 +487,15 @@ class ManagedStrategy(Strategy):
         small, large = self._small_index, self._large_index
         miss, fold, unknown_free = self._miss, self._fold, self._unknown_free
         prefetch_to = self._prefetch_to if self.config["prefetch"] == "on_alloc" else None
+        Accounting = _c_accounting(track)
+        if Accounting is not None:  # the same steps in C (csrc/hotpath.c, "classes" mode)
+            acc = Accounting(
+                events, live, fold, _FOLD_AT, unknown_free, self._allocation_failed, self._Error,
+                small=small, large=large, small_max=SMALL_MAX, miss=miss,
+                large_hit=self._large_hit if prefetch_to is not None else None,
+            )
+            self._malloc, self._free, self.hot_path = acc.malloc, acc.free, "c"
+            return acc.malloc, acc.free
 
         def malloc(size, device):
             if size <= SMALL_MAX:
@@ -528,8 +537,14 @@ class ManagedStrategy(Strategy):
             else:
                 large[device][(size + 511) & -512].append(ptr)  # indexed when it was allocated
 
-        self._malloc, self._free = malloc, free
+        self._malloc, self._free, self.hot_path = malloc, free, "python"
         return malloc, free
+
+    def _large_hit(self, ptr: int, size: int, device: int) -> None:
+        """The C hot path, ``prefetch="on_alloc"``: prefetch a cached large
+        block taken for ``size`` (as the Python hot path does inline)."""
+        lst = self._large_index[device][(size + 511) & -512]
+        self._prefetch_to(ptr, (size + CHUNK_BYTES - 1) & _CHUNK_MASK, device, size, lambda: lst.append(ptr))
 
     # -- statistics and control -----------------------------------------------------
     def managed_stats(self, device: int | None = None) -> ManagedStats:

@@ -1,0 +1,136 @@
+"""The allocation hot path in C (csrc/hotpath.c) and its Python twin: which one
+a strategy gets, and the C one's own checks. Every strategy test that uses the
+``fake`` fixtures already runs on both (tests/conftest.py)."""
+
+import gc
+
+import pytest
+
+import cupy_memstrat
+from cupy_memstrat.strategies import base
+from cupy_memstrat.testing import FakeBackend
+
+needs_c = pytest.mark.skipif(base._c_hotpath is None, reason=base._C_MISSING or "built")
+
+
+@needs_c
+@pytest.mark.parametrize("name", ["device", "pool", "managed"])
+def test_strategies_get_the_c_hot_path_by_default(monkeypatch, name):
+    monkeypatch.delenv(base.HOT_PATH_ENV, raising=False)
+    assert cupy_memstrat.hot_path_status() == {"setting": "auto", "hot_path": "c", "reason": "built (csrc/hotpath.c)"}
+    s = cupy_memstrat.create(name, backend=FakeBackend())
+    assert s.hot_path is None  # built on first use
+    s.raw_free(s.raw_malloc(1000))
+    assert s.hot_path == "c" and s.stats().n_allocs == 1
+
+
+@pytest.mark.parametrize("name", ["device", "managed"])
+def test_python_hot_path_by_request_and_with_track_origins(monkeypatch, name):
+    monkeypatch.setenv(base.HOT_PATH_ENV, " Python ")
+    assert cupy_memstrat.hot_path_status()["hot_path"] == "python"
+    s = cupy_memstrat.create(name, backend=FakeBackend())
+    s.raw_free(s.raw_malloc(1000))
+    assert s.hot_path == "python"
+    monkeypatch.delenv(base.HOT_PATH_ENV)
+    t = cupy_memstrat.create(name, backend=FakeBackend(), track_origins=True)
+    p = t.raw_malloc(1000)
+    assert t.hot_path == "python" and t.live_allocations()[0].origin is not None
+    t.raw_free(p)
+
+
+def test_a_bad_hot_path_setting_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(base.HOT_PATH_ENV, "fast")
+    with pytest.raises(ValueError, match=r"CUPY_MEMSTRAT_HOT_PATH='fast': expected one of auto, c, python"):
+        cupy_memstrat.hot_path_status()
+    s = cupy_memstrat.create("device", backend=FakeBackend())
+    with pytest.raises(ValueError, match="CUPY_MEMSTRAT_HOT_PATH"):
+        s.raw_malloc(100)
+    assert s.stats().n_allocs == 0
+    monkeypatch.setenv(base.HOT_PATH_ENV, "auto")
+    s.raw_free(s.raw_malloc(100))  # the strategy still works once the setting is fixed
+    assert s.stats().n_frees == 1
+
+
+def test_asking_for_c_where_it_is_not_built_says_why(monkeypatch):
+    monkeypatch.setattr(base, "_c_hotpath", None)
+    monkeypatch.setattr(base, "_C_MISSING", "the C hot path (cupy_memstrat._hotpath) is not built (test)")
+    monkeypatch.setenv(base.HOT_PATH_ENV, "c")
+    with pytest.raises(ValueError, match=r"CUPY_MEMSTRAT_HOT_PATH=c: the C hot path .* is not built"):
+        cupy_memstrat.hot_path_status()
+    monkeypatch.setenv(base.HOT_PATH_ENV, "auto")
+    st = cupy_memstrat.hot_path_status()
+    assert st["hot_path"] == "python" and "not built" in st["reason"]
+    s = cupy_memstrat.create("device", backend=FakeBackend())
+    s.raw_free(s.raw_malloc(100))
+    assert s.hot_path == "python"
+
+
+def test_info_reports_the_hot_path(monkeypatch):
+    from cupy_memstrat.info import collect, format_report
+
+    monkeypatch.setenv(base.HOT_PATH_ENV, "python")
+    report = collect(backend=FakeBackend())
+    assert report["hot_path"]["hot_path"] == "python"
+    assert "allocation hot path: python (CUPY_MEMSTRAT_HOT_PATH=python)" in format_report(report)
+
+
+@needs_c
+def test_c_malloc_refuses_a_bad_device_before_allocating(monkeypatch):
+    monkeypatch.delenv(base.HOT_PATH_ENV, raising=False)
+    fake = FakeBackend()
+    s = cupy_memstrat.create("device", backend=fake)
+    malloc, free = s._build_hot_path()
+    for bad in (1, -1, "0", None):
+        with pytest.raises(ValueError, match=rf"malloc: device {bad!r} is not a device ordinal in range\(1\)"):
+            malloc(100, bad)
+    assert fake.n_malloc_calls == 0 and s.stats().n_allocs == 0
+    with pytest.raises(TypeError, match="malloc\\(size, device\\) takes 2 arguments, got 1"):
+        malloc(100)
+    p = malloc(100, 0)
+    free(p, 7)  # a wrong device hint: found by its pointer
+    assert s.stats().n_frees == 1 and fake.used_bytes(0) == 0
+
+
+@needs_c
+def test_c_accounting_checks_its_tables():
+    A = base._c_hotpath.Accounting
+    ok = dict(fold=print, fold_at=10, unknown_free=print, failed=print, error=RuntimeError)
+    with pytest.raises(TypeError, match="live must be a list with one entry per device"):
+        A([[]], [], allocate=print, deallocate=print, dealloc_failed=print, **ok)
+    with pytest.raises(TypeError, match=r"events\[0\] must be a list"):
+        A([()], [{}], allocate=print, deallocate=print, dealloc_failed=print, **ok)
+    with pytest.raises(TypeError, match="must be callables"):
+        A([[]], [{}], allocate=print, deallocate=3, dealloc_failed=print, **ok)
+    with pytest.raises(ValueError, match=r"small\[d\] must have an entry per 512 B"):
+        A([[]], [{}], small=[[[]]], large=[{}], small_max=1024, miss=print, **ok)
+    with pytest.raises(TypeError, match="error must be an exception class"):
+        A([[]], [{}], allocate=print, deallocate=print, dealloc_failed=print, **dict(ok, error=3))
+
+
+@needs_c
+def test_gc_safe_malloc_keeps_the_memory_object_off_the_collector():
+    class MemoryPointer:
+        def __init__(self, mem):
+            self.mem = mem
+
+    class Allocator:
+        def malloc(self, size):
+            return MemoryPointer([size])  # a list: tracked by the collector
+
+    a = Allocator()
+    wrapped = base._c_hotpath.GcSafeMalloc(a.malloc)
+    mp = wrapped(512)
+    assert mp.mem == [512] and not gc.is_tracked(mp.mem)
+    assert wrapped.__self__ is a and wrapped.__wrapped__ == a.malloc
+    assert base.Strategy._owner_of(wrapped) is None  # not a strategy's PythonFunctionAllocator
+    with pytest.raises(TypeError, match="expected PythonFunctionAllocator.malloc"):
+        base._c_hotpath.GcSafeMalloc(3)
+
+
+def test_the_fake_backend_knows_which_devices_have_a_context():
+    fake = FakeBackend(devices=2)
+    assert not fake.context_active(0) and not fake.context_active(1)
+    fake.free(fake.malloc(100))
+    assert fake.context_active(0) and not fake.context_active(1)
+    fake.set_device(1)
+    assert fake.context_active(1)
