@@ -23,6 +23,7 @@
 #                                         PythonFunctionAllocator floor, the GC-cleared PFA memory, CuPy's 3
 #                                         multi-GPU copy tests under default / async / CuPy's MemoryAsyncPool,
 #                                         and where the plugin's per-test time goes on CuPy's subset
+#   tools/device_run.sh gpu               tests/gpu only
 #   tools/device_run.sh hotpath           info, tests/gpu, the PythonFunctionAllocator floor probe (C and
 #                                         Python hot paths), bench alloc, bench managed
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
@@ -106,8 +107,11 @@ if [ "$part" = plugin ] && [ -d .cupy_tests/tests ]; then
       run_subset $R "${mode}_$round" ${OPTS[$mode]}
     done
   done
-  step "report run: --gpumem --gpumem-leaks=warn --gpumem-json"
-  run_subset $R report --gpumem --gpumem-leaks=warn --gpumem-top=15 --gpumem-json=$R/gpumem.json
+  step "report run: --gpumem --gpumem-leaks=warn --gpumem-json (and tools/probes/plugin_cost.py)"
+  PLUGIN_COST_DIR=$R/plugin_cost PYTHONPATH=$PWD/tools/probes:${PYTHONPATH:-} \
+    run_subset $R report --gpumem --gpumem-leaks=warn --gpumem-top=15 --gpumem-json=$R/gpumem.json -p plugin_cost
+  python3 -c "import glob, json, sys; rows = [json.load(open(f)) for f in glob.glob(sys.argv[1] + '/*.json')]; \
+print('Meter.open seconds per worker:', [round(r['timers'].get('Meter.open', {}).get('seconds', 0), 3) for r in rows])" $R/plugin_cost
   grep -A25 -i "gpumem" $R/report.log | tail -40
   cp $R/gpumem.json "$OUT/cupy_gpumem.json" 2>/dev/null
   cp $R/times.jsonl "$OUT/plugin_times.jsonl"
@@ -220,6 +224,11 @@ if [ "$part" = sanitizer ] && [ -d .cupy_tests/tests ]; then
   python3 -c "import json, sys; t0, t1, t2 = map(float, sys.argv[1:]); print(json.dumps({'plain_seconds': round(t1 - t0, 2), 'memcheck_seconds': round(t2 - t1, 2)}))" \
     $t0 $t1 $t2 | tee "$OUT/sanitizer_times.json"
   tar -czf "$OUT/san_runs.tar.gz" -C /tmp san_runs
+fi
+
+if [ "$part" = gpu ]; then
+  step "tests/gpu"
+  python3 -m pytest tests/gpu -p no:cacheprovider -q -rs --junitxml="$OUT/tests_gpu.xml" 2>&1 | tail -15
 fi
 
 if [ "$part" = hotpath ]; then

@@ -33,24 +33,22 @@ def test_both_hot_paths_count_the_same_on_the_gpu(cp, monkeypatch, hot_path, nam
     arrays = [cp.full(n, 2.0, dtype=cp.float64) for n in (1, 100, 10_000, 1_000_000)]  # 8 B .. 8 MB
     st = s.stats()
     assert s.hot_path == hot_path
-    assert st.n_live == 4 and st.bytes_in_use == 8 * (1 + 100 + 10_000 + 1_000_000)
-    assert [float(a.sum()) for a in arrays] == [2.0, 200.0, 20_000.0, 2_000_000.0]
+    assert st.n_live == st.n_allocs == 4 and st.bytes_in_use == st.peak_bytes_in_use == 8 * 1_010_101
+    assert [float(a.sum()) for a in arrays] == [2.0, 200.0, 20_000.0, 2_000_000.0]  # temporaries too
     del arrays
     st = s.stats()
-    assert st.n_live == 0 and st.bytes_in_use == 0 and st.n_allocs == st.n_frees == 4
-    assert st.peak_bytes_in_use == 8 * 1_010_101
+    assert st.n_live == 0 and st.bytes_in_use == 0 and st.n_allocs == st.n_frees > 4
+    assert st.peak_bytes_in_use >= 8 * 1_010_101
 
 
 class _Holder:
     pass
 
 
-@pytest.mark.parametrize("name", STRATEGIES)
-def test_arrays_dying_in_reference_cycles_are_freed(cp, monkeypatch, name):
-    """The memory object made first, the cycle after it: the collector would
-    clear the memory object first (tools/probes/pfa_gc_clear.py: 100 of 100
-    blocks lost under every strategy without GcSafeMalloc)."""
-    monkeypatch.delenv(base.HOT_PATH_ENV, raising=False)
+def _lost_in_cycles(cp, monkeypatch, name):
+    """Blocks never freed, and destructor errors, after 100 arrays died in
+    reference cycles made after their memory objects (so that the collector
+    would clear the memory object first)."""
     s = cupy_memstrat.use(name)
     errors = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: errors.append(u.exc_value))
@@ -66,4 +64,21 @@ def test_arrays_dying_in_reference_cycles_are_freed(cp, monkeypatch, name):
     finally:
         gc.enable()
     gc.collect()
-    assert errors == [] and s.stats().n_live == base_live
+    return s.stats().n_live - base_live, errors
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_arrays_dying_in_reference_cycles_are_freed(cp, monkeypatch, name):
+    monkeypatch.delenv(base.HOT_PATH_ENV, raising=False)
+    assert _lost_in_cycles(cp, monkeypatch, name) == (0, [])
+
+
+def test_control_without_gc_safe_malloc_cupy_14_2_loses_them(cp, monkeypatch):
+    """The control: CuPy's PythonFunctionAllocator.malloc as it is (the Python
+    hot path does not wrap it) loses every block on CuPy 14.2 (measured:
+    tools/probes/pfa_gc_clear.py), so the test above can fail."""
+    if cp.__version__ != "14.2.0":
+        pytest.skip(f"the control is for CuPy 14.2.0's behaviour; this is CuPy {cp.__version__}")
+    monkeypatch.setenv(base.HOT_PATH_ENV, "python")
+    lost, errors = _lost_in_cycles(cp, monkeypatch, "device")
+    assert lost == 100 and len(errors) == 100 and "NoneType" in str(errors[0])
