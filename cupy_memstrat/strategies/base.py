@@ -35,6 +35,7 @@ chooses, read when a strategy builds its hot path (its first allocation).
 
 from __future__ import annotations
 
+import importlib
 import operator
 import os
 import sys
@@ -54,10 +55,9 @@ from ..stats import Allocation, Stats, capture_origin
 __all__ = ["Strategy", "check_size", "hot_path_status"]
 
 try:
-    from .. import _hotpath as _c_hotpath
-
+    _c_hotpath = importlib.import_module("cupy_memstrat._hotpath")
     _C_MISSING = ""
-except ImportError as _exc:  # installed without a C compiler, or from a source tree
+except ImportError as _exc:  # installed without a C compiler, or run from a source tree
     _c_hotpath = None
     _C_MISSING = (
         f"the C hot path (cupy_memstrat._hotpath) is not built ({_exc}); reinstall cupy-memstrat "
