@@ -223,13 +223,17 @@ class CheckedStrategy(Strategy):
         self._q_limit_bytes = self.config["quarantine_bytes"]
         self._q_limit_count = self.config["quarantine_count"]
         self._meta: dict[int, tuple] = {}  # ptr -> (padded, stream entry, thread id, seq)
-        # thread id -> {stream key: [last seq seen, weakref to the stream, handle, non-blocking or None, device]};
+        # thread id -> {stream key: [last seq seen, weakref to the stream, handle, non-blocking or None, device,
+        # seq of the last allocation on it]};
         # the key is the handle, or for the default streams (handles 0-2, one per device) ~(device * 4 + handle)
         self._seen: dict[int, dict[int, list]] = {}
         self._next_seq = itertools.count(1).__next__
         self._quarantine: collections.deque = collections.deque()
         self._q_bytes = 0
         self._deferred: list[tuple] = []  # (event on the block's stream, event on the other, finding kwargs)
+        # (device, stream handle) -> (event recorded just before this layer last queued work of its
+        # own there, the sequence number then): see _mark_own_work
+        self._own: dict[tuple[int, int], tuple[int, int]] = {}
         self._to_raise: list[Finding] = []
         self._alarm = False
         self._legacy_sites: set = set()
@@ -307,9 +311,9 @@ class CheckedStrategy(Strategy):
                 if ent is None or ent[1]() is not stream:
                     if len(table) > 64:
                         state._prune(table)
-                    ent = table[key] = [seq, ref(stream), sptr, None, device]
+                    ent = table[key] = [seq, ref(stream), sptr, None, device, seq]
                 else:
-                    ent[0] = seq
+                    ent[0] = ent[5] = seq
                 origin = capture_origin(1)
                 if streams_on and sptr < 2 and expected:
                     exp = expected.get(tid)
@@ -367,7 +371,7 @@ class CheckedStrategy(Strategy):
         ckey = cptr if cptr > 2 else ~(device * 4 + cptr)
         cent = table.get(ckey)
         if cent is None or cent[1]() is not cur:
-            cent = table[ckey] = [self._next_seq(), weakref.ref(cur), cptr, None, device]
+            cent = table[ckey] = [self._next_seq(), weakref.ref(cur), cptr, None, device, 0]
         else:
             cent[0] = self._next_seq()
         if ent[1]() is None:
@@ -385,7 +389,7 @@ class CheckedStrategy(Strategy):
             return
         for e in cands:
             s = e[1]()
-            if s is None or not self._busy(e) or self._legacy_ordered(ent, e):
+            if s is None or not self._busy(e) or self._legacy_ordered(ent, e) or self._only_own_work(e):
                 continue
             info = dict(
                 device=device, ptr=ptr, size=size, alloc_site=origin, alloc_stream=ent[2],
@@ -409,6 +413,69 @@ class CheckedStrategy(Strategy):
                 info["free_site"] = capture_origin(0)
                 self._deferred.append((ev_a, ev_s, info))
                 self._alarm = True
+
+    def _mark_own_work(self, device: int, stream: int) -> None:
+        """Before this layer queues work of its own (a poison fill, a
+        verification) on ``stream``: record an event there, so that a later
+        streams check can tell the user's work queued before it from ours.
+        Allocations stand for the user's work (a kernel is launched on the
+        stream its arrays were made on): the event is recorded again only if
+        the user allocated on the stream since the last one, so it marks the
+        start of our latest run of own work.
+        Without it, freeing many blocks of the legacy stream and then one of
+        another stream found the legacy stream "busy" with nothing but our
+        poison fills (a false finding, seen on the H200 once the hot path got
+        faster). Errors are ignored: the check then counts the stream busy."""
+        b = self.backend
+        cur = b.get_device()
+        try:
+            if cur != device:
+                b.set_device(device)
+            rec = self._own.get((device, stream))
+            if rec is not None and self._last_alloc(device, stream) < rec[1]:
+                return  # no allocation there since: the event still marks where the user's work ends
+            if rec is None and len(self._own) >= _OWN_EVENTS_MAX:  # streams come and go (one per test)
+                self._drop_own_events()
+            ev = rec[0] if rec is not None else b.event_create()
+            b.event_record(ev, stream)
+            self._own[(device, stream)] = (ev, self._next_seq())
+        except Exception:  # noqa: BLE001 - a destroyed stream: nothing to tell apart
+            pass
+        finally:
+            if cur != device:
+                b.set_device(cur)
+
+    def _last_alloc(self, device: int, stream: int) -> int:
+        """Sequence number of this thread's last allocation on ``stream`` (0: none seen)."""
+        e = (self._seen.get(threading.get_ident()) or {}).get(stream if stream > 2 else ~(device * 4 + stream))
+        return e[5] if e is not None else 0
+
+    def _drop_own_events(self) -> None:
+        own, self._own = self._own, {}
+        for ev, _ in own.values():
+            try:
+                self.backend.event_destroy(ev)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _only_own_work(self, e: list) -> bool:
+        """Whether a busy stream has nothing of the user's pending that we
+        know of: all the work queued before our latest run of own work there
+        is done, and the user allocated nothing on it since. (A kernel the
+        user queued there after our work without allocating is not seen: the
+        check then misses that stream; the poison check still catches a late
+        write.)"""
+        rec = self._own.get((e[4], e[2]))
+        if rec is None or e[5] > rec[1]:
+            return False
+        cur = self.backend.get_device()
+        if cur == e[4]:
+            return self.backend.event_done(rec[0])
+        self.backend.set_device(e[4])
+        try:
+            return self.backend.event_done(rec[0])
+        finally:
+            self.backend.set_device(cur)
 
     def _busy(self, e: list) -> bool:
         """``cudaStreamQuery`` of a seen stream; the default streams (handles
@@ -512,6 +579,8 @@ class CheckedStrategy(Strategy):
                 fstream = b.current_stream(device).ptr
                 info = (self, ptr, size, padded, device, origin, capture_origin(0), ent[2], fstream, tid,
                         threading.current_thread().name)
+                if self._redzone or (self._poison and not self._closed):
+                    self._mark_own_work(device, sptr)
                 if self._redzone:
                     self._verifier_of().submit(device, ptr, size, padded, CANARY_BYTE, sptr, ("redzone",) + info)
                 if self._poison and not self._closed:
@@ -539,6 +608,7 @@ class CheckedStrategy(Strategy):
             if ent[1]() is None:
                 self._synchronize(device)
                 sptr = 0
+            self._mark_own_work(device, sptr)
             self._verifier_of().submit(device, ptr, 0, padded, POISON_BYTE, sptr, ("poison",) + info)
         except Exception as exc:  # noqa: BLE001
             _quiet_warn(f"cupy_memstrat.checks: verifying the poison of 0x{ptr:x} failed: {exc!r}")
@@ -711,6 +781,7 @@ class CheckedStrategy(Strategy):
         made it (``owns_inner``)."""
         self._closed = True
         self._drain()
+        self._drop_own_events()
         if self._owns_inner:
             self.inner.close()
         super().close()
@@ -723,6 +794,9 @@ class CheckedStrategy(Strategy):
 
     def __repr__(self) -> str:
         return f"<CheckedStrategy check={','.join(c for c in CHECKS if c in self.checks)} over {self.inner!r}>"
+
+
+_OWN_EVENTS_MAX = 256  # streams with an own-work event kept per layer
 
 
 def _quiet_warn(message: str) -> None:

@@ -295,6 +295,24 @@ def test_no_false_findings_on_real_cupy_work(cp, installed, spec):
     assert st.bytes_in_use <= st.bytes_reserved
 
 
+@pytest.mark.parametrize("spec", ["pool", "async"])
+def test_the_layers_own_poison_fills_are_not_user_work(cp, installed, spec):
+    """Seen on the H200: freeing many blocks of the legacy stream queues their
+    poison fills there; freeing, right after, a block of another stream (whose
+    work is done and ordered) found the legacy stream busy with nothing but
+    those fills, and reported cross-stream reuse."""
+    s = installed(spec, check="all")
+    blocks = [cp.empty(256 << 20, dtype=cp.uint8) for _ in range(16)]  # 4 GiB on the legacy stream
+    B = cp.cuda.Stream(non_blocking=True)
+    with B:
+        y = cp.arange(N, dtype=cp.float32)
+    B.synchronize()
+    cp.cuda.Device().synchronize()
+    del blocks  # 4 GiB of poison fills queued on the legacy stream
+    del y  # freed while the legacy stream is current and busy with our fills only
+    assert checks.collect() == [] and checks.findings() == []
+
+
 def test_checks_on_a_second_device(cp, k, installed, n_devices):
     if n_devices < 2:
         pytest.skip("needs two GPUs")
