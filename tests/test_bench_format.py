@@ -92,3 +92,15 @@ def test_plot_command_reports_a_bad_file(tmp_path, capsys):
 
     assert main(["plot", str(tmp_path / "missing.json"), "-o", str(tmp_path / "x.png")]) == 2
     assert "plot: cannot read" in capsys.readouterr().err
+
+
+def test_alloc_table_shows_device_against_no_pool_both_ways():
+    report = _alloc_report(["cupy-default", "no-pool", "device"])
+    keys = [str(s) for s in alloc.SIZES] + [alloc.WORKLOAD]
+    report["device_vs_no_pool"] = {k: 1.2 for k in keys}
+    report["device_vs_no_pool_paired"] = {
+        str(s): {"median_ratio": 1.04, "q1": 1.01, "q3": 1.08, "pairs": 21, "iterations": 100} for s in alloc.SIZES
+    }
+    text = alloc.format_table(report)
+    assert "device / no-pool: 512 B 1.200x" in text
+    assert "measured back to back (median of paired ratios [quartiles]): 512 B 1.040x [1.010-1.080], 1.0 MiB" in text

@@ -24,6 +24,7 @@ SIZES = (512, 1 << 20, 32 << 20)
 WORKLOAD = "temporaries"
 N_TEMPS = 30
 WORKLOAD_ELEMS = 4096
+PAIRED_ROUNDS = 21  # adjacent device / no-pool measurements per size
 
 
 def require_real_gpu():
@@ -234,7 +235,42 @@ def run(*, rounds: int = 7, target_s: float = 0.03, progress=None, strategies=No
         report["device_vs_no_pool"] = {
             k: results["device"][k]["median_us"] / results["no-pool"][k]["median_us"] for k in base
         }
+        report["device_vs_no_pool_paired"] = _paired_device_vs_no_pool(cupy, say, target_s / 3)
     return report
+
+
+def _paired_device_vs_no_pool(cupy, say, target_s: float, pairs: int = PAIRED_ROUNDS) -> dict:
+    """``device`` against raw ``cudaMalloc`` (``no-pool``), measured back to
+    back: per size, ``pairs`` times one short measurement of each, adjacent,
+    the order alternating; the ratio of each adjacent pair, then the median
+    of those ratios (with their quartiles). ``cudaMalloc``'s own time drifts
+    between rounds by more than the strategy's share (4.2 to 6.6 us at 512 B
+    within one H200 run), which the medians of the main table, taken over
+    rounds that visit every path in turn, do not cancel."""
+    from ..api import create
+
+    cuda = cupy.cuda
+    prev = cuda.get_allocator()
+    device = create("device").cupy_allocator()
+    out = {}
+    try:
+        for size in SIZES:
+            say(f"device vs no-pool, paired, {format_size(size)}")
+            cuda.set_allocator(None)
+            n = _calibrate(lambda k: _time_pairs(cupy, size, k), target_s)
+            ratios = []
+            for i in range(pairs):
+                t = {}
+                for label in (("no-pool", "device") if i % 2 == 0 else ("device", "no-pool")):
+                    cuda.set_allocator(device if label == "device" else None)
+                    t[label] = _time_pairs(cupy, size, n)
+                ratios.append(t["device"] / t["no-pool"])
+            q = statistics.quantiles(ratios, n=4)
+            out[str(size)] = {"median_ratio": statistics.median(ratios), "q1": q[0], "q3": q[2],
+                              "pairs": pairs, "iterations": n}
+    finally:
+        cuda.set_allocator(prev)
+    return out
 
 
 def _summary(xs: list[float]) -> dict:
@@ -260,6 +296,14 @@ def format_table(report: dict) -> str:
         out.append(
             "device / no-pool: "
             + ", ".join(f"{h} {dv[c]:.3f}x" for h, c in zip(heads, cols))
+        )
+    if "device_vs_no_pool_paired" in report:
+        pv = report["device_vs_no_pool_paired"]
+        out.append(
+            "device / no-pool, measured back to back (median of paired ratios [quartiles]): "
+            + ", ".join(
+                f"{format_size(int(c))} {v['median_ratio']:.3f}x [{v['q1']:.3f}-{v['q3']:.3f}]" for c, v in pv.items()
+            )
         )
     return "\n".join(out)
 
