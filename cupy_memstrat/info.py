@@ -154,7 +154,10 @@ def format_report(report: dict) -> str:
             )
     lines.append(f"page-fault counters: {report['page_fault_counters']}")
     hp = report.get("hot_path") or {}
-    lines.append(f"allocation hot path: {hp.get('hot_path') or 'none'} ({hp.get('reason')})")
+    if hp.get("hot_path"):
+        lines.append(f"allocation hot path: {hp['hot_path']}: {hp.get('reason')}")
+    else:
+        lines.append(f"allocation hot path: error: {hp.get('reason')}")
     lines.append("strategies:")
     for name, desc in report["strategies"].items():
         lines.append(f"  {name}: {desc}")

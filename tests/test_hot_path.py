@@ -17,7 +17,7 @@ needs_c = pytest.mark.skipif(base._c_hotpath is None, reason=base._C_MISSING or 
 @pytest.mark.parametrize("name", ["device", "pool", "managed"])
 def test_strategies_get_the_c_hot_path_by_default(monkeypatch, name):
     monkeypatch.delenv(base.HOT_PATH_ENV, raising=False)
-    assert cupy_memstrat.hot_path_status() == {"setting": "auto", "hot_path": "c", "reason": "built (csrc/hotpath.c)"}
+    assert cupy_memstrat.hot_path_status() == {"setting": "auto", "hot_path": "c", "reason": "compiled from csrc/hotpath.c"}
     s = cupy_memstrat.create(name, backend=FakeBackend())
     assert s.hot_path is None  # built on first use
     s.raw_free(s.raw_malloc(1000))
@@ -71,7 +71,10 @@ def test_info_reports_the_hot_path(monkeypatch):
     monkeypatch.setenv(base.HOT_PATH_ENV, "python")
     report = collect(backend=FakeBackend())
     assert report["hot_path"]["hot_path"] == "python"
-    assert "allocation hot path: python (CUPY_MEMSTRAT_HOT_PATH=python)" in format_report(report)
+    assert "allocation hot path: python: CUPY_MEMSTRAT_HOT_PATH=python" in format_report(report)
+    monkeypatch.setenv(base.HOT_PATH_ENV, "fast")
+    assert ("allocation hot path: error: CUPY_MEMSTRAT_HOT_PATH='fast': expected one of auto, c, python"
+            in format_report(collect(backend=FakeBackend())))
 
 
 @needs_c

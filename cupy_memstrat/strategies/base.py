@@ -88,7 +88,7 @@ def hot_path_status() -> dict:
         if setting == "c":
             raise ValueError(f"{HOT_PATH_ENV}=c: {_C_MISSING}")
         return {"setting": setting, "hot_path": "python", "reason": _C_MISSING}
-    return {"setting": setting, "hot_path": "c", "reason": "built (csrc/hotpath.c)"}
+    return {"setting": setting, "hot_path": "c", "reason": "compiled from csrc/hotpath.c"}
 
 
 def _c_accounting(track: bool):
