@@ -106,13 +106,17 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
     PyObject *allocate = Py_None, *deallocate = Py_None, *dealloc_failed = Py_None;
     PyObject *small = Py_None, *large = Py_None, *miss = Py_None, *large_hit = Py_None;
     Py_ssize_t fold_at;
-    unsigned long long small_max = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOnOOO|$OOOOOKOO", kwlist, &events, &live, &fold, &fold_at,
+    Py_ssize_t small_max = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOnOOO|$OOOOOnOO", kwlist, &events, &live, &fold, &fold_at,
                                      &unknown_free, &failed, &error, &allocate, &deallocate, &dealloc_failed,
                                      &small, &large, &small_max, &miss, &large_hit))
         return -1;
     if (!PyList_CheckExact(events)) {
         PyErr_SetString(PyExc_TypeError, "Accounting: events must be a list");
+        return -1;
+    }
+    if (small_max < 0 || small_max > ((Py_ssize_t)1 << 40)) {
+        PyErr_Format(PyExc_ValueError, "Accounting: small_max must be in [0, 2**40], got %zd", small_max);
         return -1;
     }
     Py_ssize_t n = PyList_GET_SIZE(events);
@@ -131,7 +135,7 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
             return -1;
         for (Py_ssize_t d = 0; d < n; d++) {
             PyObject *idx = PyList_GET_ITEM(small, d);
-            if ((unsigned long long)PyList_GET_SIZE(idx) <= ((small_max + 511) >> 9)) {
+            if (PyList_GET_SIZE(idx) <= ((small_max + 511) >> 9)) {
                 PyErr_SetString(PyExc_ValueError, "Accounting: small[d] must have an entry per 512 B up to small_max");
                 return -1;
             }
@@ -157,7 +161,7 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
     }
     self->n_devices = n;
     self->fold_at = fold_at;
-    self->small_max = small_max;
+    self->small_max = (unsigned long long)small_max;
 #define SET(f) Py_INCREF(f); Py_XSETREF(self->f, f);
     FIELDS(SET)
 #undef SET
@@ -223,6 +227,77 @@ list_pop(PyObject *lst)
     return item;
 }
 
+/* table[i] as a new reference, checked: the tables are the strategy's own lists and
+ * dicts, which Python code (a hook, an int subclass's __eq__) could change between
+ * two calls, or even during one. A wrong shape is a RuntimeError, never a crash. */
+static PyObject *
+table_item(PyObject *table, Py_ssize_t i, PyTypeObject *type, const char *name)
+{
+    if (!PyList_CheckExact(table) || i < 0 || i >= PyList_GET_SIZE(table) ||
+        Py_TYPE(PyList_GET_ITEM(table, i)) != type) {
+        PyErr_Format(PyExc_RuntimeError, "cupy_memstrat: the strategy's table %s[%zd] is not a %s any more",
+                     name, i, type->tp_name);
+        return NULL;
+    }
+    PyObject *item = PyList_GET_ITEM(table, i);
+    Py_INCREF(item);
+    return item;
+}
+
+/* The free list of a size class: small[d][(n + 511) >> 9], a new reference. */
+static PyObject *
+small_list(Accounting *self, Py_ssize_t d, unsigned long long n)
+{
+    PyObject *idx = table_item(self->small, d, &PyList_Type, "small");
+    if (idx == NULL)
+        return NULL;
+    PyObject *lst = table_item(idx, (Py_ssize_t)((n + 511) >> 9), &PyList_Type, "small[d]");
+    Py_DECREF(idx);
+    return lst;
+}
+
+/* The size as an unsigned long long; 0 with no error set if it is an int that does
+ * not fit (the strategy's slow path then says why), -1 with an error otherwise. */
+static int
+size_value(PyObject *size, unsigned long long *n)
+{
+    *n = PyLong_AsUnsignedLongLong(size);
+    if (*n == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            return 0;
+        }
+        return -1;
+    }
+    return 1;
+}
+
+/* Accounting of an allocation: +size to events[d], then live[d][ptr] = size. */
+static int
+account_malloc(Accounting *self, Py_ssize_t d, PyObject *device, PyObject *ptr, PyObject *size)
+{
+    PyObject *ev = table_item(self->events, d, &PyList_Type, "events");
+    if (ev == NULL)
+        return -1;
+    PyObject *live = table_item(self->live, d, &PyDict_Type, "live");
+    if (live == NULL) {
+        Py_DECREF(ev);
+        return -1;
+    }
+    /* before the live insert: the matching -size can only follow it */
+    int rc = PyList_Append(ev, size) < 0 || PyDict_SetItem(live, ptr, size) < 0 ? -1 : 0;
+    Py_ssize_t queued = PyList_GET_SIZE(ev);
+    Py_DECREF(live);
+    Py_DECREF(ev);
+    if (rc == 0 && queued > self->fold_at) {
+        PyObject *r = PyObject_CallOneArg(self->fold, device);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+    }
+    return rc;
+}
+
 static PyObject *
 Accounting_malloc(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -237,7 +312,7 @@ Accounting_malloc(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
                      self->n_devices);
         return NULL;
     }
-    PyObject *ptr;
+    PyObject *ptr = NULL;
     if (self->allocate != Py_None) {
         ptr = PyObject_CallOneArg(self->allocate, size);
         if (ptr == NULL) {
@@ -246,30 +321,38 @@ Accounting_malloc(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         }
     } else {
-        unsigned long long n = PyLong_AsUnsignedLongLong(size);
-        if (n == (unsigned long long)-1 && PyErr_Occurred())
+        unsigned long long n;
+        int fits = size_value(size, &n), hit = 0;
+        if (fits < 0)
             return NULL;
-        ptr = NULL;
-        int hit = 0;
-        if (n <= self->small_max) {
-            PyObject *lst = PyList_GET_ITEM(PyList_GET_ITEM(self->small, d), (Py_ssize_t)((n + 511) >> 9));
+        if (fits && n <= self->small_max) {
+            PyObject *lst = small_list(self, d, n);
+            if (lst == NULL)
+                return NULL;
             ptr = list_pop(lst);
+            Py_DECREF(lst);
             if (ptr == NULL && PyErr_Occurred())
                 return NULL;
-        } else {
-            PyObject *key = PyLong_FromUnsignedLongLong((n + 511) & ~511ULL);
-            if (key == NULL)
+        } else if (fits) {
+            PyObject *large = table_item(self->large, d, &PyDict_Type, "large");
+            if (large == NULL)
                 return NULL;
-            PyObject *lst = PyDict_GetItemWithError(PyList_GET_ITEM(self->large, d), key);
-            Py_DECREF(key);
+            PyObject *key = PyLong_FromUnsignedLongLong((n + 511) & ~511ULL), *lst = NULL;
+            if (key != NULL) {
+                lst = PyDict_GetItemWithError(large, key);
+                Py_XINCREF(lst);
+                Py_DECREF(key);
+            }
+            Py_DECREF(large);
             if (lst == NULL && PyErr_Occurred())
                 return NULL;
             if (lst != NULL && PyList_CheckExact(lst)) {
                 ptr = list_pop(lst);
-                if (ptr == NULL && PyErr_Occurred())
-                    return NULL;
                 hit = ptr != NULL;
             }
+            Py_XDECREF(lst);
+            if (ptr == NULL && PyErr_Occurred())
+                return NULL;
         }
         if (ptr == NULL) {
             ptr = PyObject_CallFunctionObjArgs(self->miss, size, device, NULL);
@@ -284,19 +367,9 @@ Accounting_malloc(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(r);
         }
     }
-    PyObject *ev = PyList_GET_ITEM(self->events, d);
-    /* before the live insert: the matching -size can only follow it */
-    if (PyList_Append(ev, size) < 0 || PyDict_SetItem(PyList_GET_ITEM(self->live, d), ptr, size) < 0) {
+    if (account_malloc(self, d, device, ptr, size) < 0) {
         Py_DECREF(ptr);
         return NULL;
-    }
-    if (PyList_GET_SIZE(ev) > self->fold_at) {
-        PyObject *r = PyObject_CallOneArg(self->fold, device);
-        if (r == NULL) {
-            Py_DECREF(ptr);
-            return NULL;
-        }
-        Py_DECREF(r);
     }
     return ptr;
 }
@@ -335,6 +408,72 @@ free_unknown(Accounting *self, PyObject *ptr, Py_ssize_t stacklevel, Py_ssize_t 
     return size;
 }
 
+/* Pop live[d][ptr]: the size (a new reference), or NULL with no error set if absent. */
+static PyObject *
+live_pop(Accounting *self, Py_ssize_t d, PyObject *ptr)
+{
+    PyObject *live = table_item(self->live, d, &PyDict_Type, "live");
+    if (live == NULL)
+        return NULL;
+    PyObject *size = PyDict_GetItemWithError(live, ptr);  /* borrowed */
+    if (size != NULL) {
+        Py_INCREF(size);
+        if (PyDict_DelItem(live, ptr) < 0) {
+            Py_CLEAR(size);
+            PyErr_Clear();  /* gone meanwhile (an int subclass's __eq__): not there */
+        }
+    } else {
+        PyErr_Clear();  /* not there, or not hashable: not a pointer of this device */
+    }
+    Py_DECREF(live);
+    return size;
+}
+
+/* The freed block goes back to its size class's free list (classes mode). */
+static int
+cache_block(Accounting *self, Py_ssize_t d, PyObject *ptr, PyObject *size)
+{
+    unsigned long long n;
+    int fits = size_value(size, &n);
+    if (fits <= 0) {
+        if (fits == 0)
+            PyErr_SetString(PyExc_OverflowError, "cupy_memstrat: a live block's size does not fit in size_t");
+        return -1;
+    }
+    int rc = -1;
+    if (n <= self->small_max) {
+        PyObject *lst = small_list(self, d, n);
+        if (lst != NULL) {
+            rc = PyList_Append(lst, ptr);
+            Py_DECREF(lst);
+        }
+        return rc;
+    }
+    /* the run's list, indexed when it was allocated */
+    PyObject *large = table_item(self->large, d, &PyDict_Type, "large");
+    if (large == NULL)
+        return -1;
+    PyObject *key = PyLong_FromUnsignedLongLong((n + 511) & ~511ULL);
+    if (key != NULL) {
+        PyObject *lst = PyDict_GetItemWithError(large, key);
+        Py_XINCREF(lst);
+        if (lst == NULL && !PyErr_Occurred()) {
+            lst = PyList_New(0);
+            if (lst != NULL && PyDict_SetItem(large, key, lst) < 0)
+                Py_CLEAR(lst);
+        }
+        if (lst != NULL) {
+            rc = PyList_CheckExact(lst) ? PyList_Append(lst, ptr) : -1;
+            if (rc < 0 && !PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "cupy_memstrat: the strategy's table large[d] holds a non-list");
+            Py_DECREF(lst);
+        }
+        Py_DECREF(key);
+    }
+    Py_DECREF(large);
+    return rc;
+}
+
 static PyObject *
 Accounting_free(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -353,17 +492,9 @@ Accounting_free(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t d = device_index(self, args[1]);
     PyObject *size = NULL;
     if (d >= 0) {
-        PyObject *live = PyList_GET_ITEM(self->live, d);
-        size = PyDict_GetItemWithError(live, ptr);  /* borrowed */
-        if (size != NULL) {
-            Py_INCREF(size);
-            if (PyDict_DelItem(live, ptr) < 0) {
-                Py_DECREF(size);
-                return NULL;
-            }
-        } else {
-            PyErr_Clear();  /* not there, or not hashable: not a pointer of this device */
-        }
+        size = live_pop(self, d, ptr);
+        if (size == NULL && PyErr_Occurred())
+            return NULL;
     }
     if (size == NULL) {
         size = free_unknown(self, ptr, stacklevel, &d);
@@ -372,16 +503,20 @@ Accounting_free(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
         if (size == Py_None)
             return size;
     }
-    PyObject *minus = PyNumber_Negative(size);
-    if (minus == NULL || PyList_Append(PyList_GET_ITEM(self->events, d), minus) < 0) {
+    PyObject *minus = PyNumber_Negative(size), *ev = NULL;
+    if (minus != NULL)
+        ev = table_item(self->events, d, &PyList_Type, "events");
+    if (ev == NULL || PyList_Append(ev, minus) < 0) {
+        Py_XDECREF(ev);
         Py_XDECREF(minus);
         Py_DECREF(size);
         return NULL;
     }
+    Py_DECREF(ev);
     Py_DECREF(minus);
-    PyObject *r;
+    int rc = 0;
     if (self->allocate != Py_None) {
-        r = PyObject_CallOneArg(self->deallocate, ptr);
+        PyObject *r = PyObject_CallOneArg(self->deallocate, ptr);
         if (r == NULL && PyErr_ExceptionMatches(PyExc_Exception)) {
             /* a finaliser must not raise: dealloc_failed warns */
             PyObject *type, *value, *tb;
@@ -397,38 +532,14 @@ Accounting_free(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
             Py_XDECREF(value);
             Py_XDECREF(tb);
         }
+        rc = r == NULL ? -1 : 0;
+        Py_XDECREF(r);
     } else {
-        unsigned long long n = PyLong_AsUnsignedLongLong(size);
-        if (n == (unsigned long long)-1 && PyErr_Occurred()) {
-            Py_DECREF(size);
-            return NULL;
-        }
-        if (n <= self->small_max) {
-            PyObject *lst = PyList_GET_ITEM(PyList_GET_ITEM(self->small, d), (Py_ssize_t)((n + 511) >> 9));
-            r = PyList_Append(lst, ptr) < 0 ? NULL : Py_NewRef(Py_None);
-        } else {
-            /* the run's list, indexed when it was allocated */
-            PyObject *key = PyLong_FromUnsignedLongLong((n + 511) & ~511ULL);
-            PyObject *large = PyList_GET_ITEM(self->large, d), *lst = NULL;
-            r = NULL;
-            if (key != NULL) {
-                lst = PyDict_GetItemWithError(large, key);
-                if (lst == NULL && !PyErr_Occurred()) {
-                    PyObject *fresh = PyList_New(0);
-                    if (fresh != NULL && PyDict_SetItem(large, key, fresh) == 0)
-                        lst = fresh;
-                    Py_XDECREF(fresh);  /* the dict holds it */
-                }
-                if (lst != NULL && PyList_Append(lst, ptr) == 0)
-                    r = Py_NewRef(Py_None);
-                Py_DECREF(key);
-            }
-        }
+        rc = cache_block(self, d, ptr, size);
     }
     Py_DECREF(size);
-    if (r == NULL)
+    if (rc < 0)
         return NULL;
-    Py_DECREF(r);
     Py_RETURN_NONE;
 }
 

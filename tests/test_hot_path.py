@@ -137,3 +137,57 @@ def test_the_fake_backend_knows_which_devices_have_a_context():
     assert fake.context_active(0) and not fake.context_active(1)
     fake.set_device(1)
     assert fake.context_active(1)
+
+
+@needs_c
+def test_c_accounting_refuses_a_small_max_out_of_range():
+    f = print
+    for bad in (-1, 1 << 41):
+        with pytest.raises(ValueError, match=rf"small_max must be in \[0, 2\*\*40\], got {bad}"):
+            base._c_hotpath.Accounting([[]], [{}], f, 10, f, f, RuntimeError, small=[[[]]], large=[{}],
+                                       small_max=bad, miss=f)
+
+
+@pytest.mark.parametrize("name", ["device", "managed"])
+def test_tables_changed_behind_the_hot_paths_back_raise_instead_of_crashing(fake, name):
+    """The C hot path checks the strategy's tables at every use (a crash
+    would take the interpreter down)."""
+    s = cupy_memstrat.create(name, backend=fake)
+    s.raw_free(s.raw_malloc(8))
+    s._events.clear()
+    with pytest.raises((RuntimeError, IndexError)):
+        s.raw_malloc(4096)
+
+
+def test_a_pointer_whose_comparison_swaps_the_live_table_does_not_crash(fake):
+    s = cupy_memstrat.create("device", backend=fake)
+    malloc, free = s._build_hot_path()
+    p = malloc(100, 0)
+
+    class Evil(int):
+        __hash__ = int.__hash__
+
+        def __eq__(self, other):
+            s._live[0] = {}
+            gc.collect()
+            return int(self) == other
+
+    free(Evil(p), 0)
+    assert s.stats().n_frees == 1
+
+
+def test_a_size_that_does_not_fit_is_the_same_error_on_both_hot_paths(fake):
+    s = cupy_memstrat.create("managed", backend=fake, check="poison")
+    with pytest.raises(ValueError, match="does not fit in size_t"):
+        s.raw_malloc(2**64 - 1)
+
+
+def test_an_int_subclass_size_is_counted_as_a_plain_int(fake):
+    class Odd(int):
+        def __neg__(self):
+            return 0
+
+    s = cupy_memstrat.create("device", backend=fake)
+    s.raw_free(s.raw_malloc(Odd(4096)))
+    st = s.stats()
+    assert st.bytes_in_use == 0 and st.n_live == 0

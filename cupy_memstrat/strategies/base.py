@@ -105,12 +105,12 @@ def check_size(size) -> int:
         TypeError: ``size`` is not an integer (``bool`` and ``float`` included).
         ValueError: ``size`` is negative or does not fit in ``size_t``.
     """
-    if isinstance(size, bool) or not isinstance(size, int):
+    if type(size) is not int:
         if isinstance(size, bool) or not hasattr(size, "__index__"):
             raise TypeError(
                 f"size: expected an int number of bytes, got {type(size).__name__} {size!r}"
             )
-        size = operator.index(size)
+        size = int(operator.index(size))  # a plain int: an int subclass could redefine arithmetic
     if size < 0:
         raise ValueError(f"size: expected a number of bytes >= 0, got {size}")
     if size >= _SIZE_T_LIMIT:
@@ -631,6 +631,9 @@ class Strategy:
     def _make_cupy_malloc(self):
         memory = _cupy_memory()
         malloc, free = self._build_hot_path() if self._malloc is None else (self._malloc, self._free)
+        # GcSafeMalloc wherever the extension is built, whichever hot path the
+        # strategy got (track_origins included), unless the Python one was asked for.
+        self._gc_safe = _c_hotpath is not None and hot_path_status()["setting"] != "python"
         if isinstance(self.backend, _cuda.RealBackend):
             # CuPy reads the current device, calls malloc(size, device) for
             # size > 0 and, when the array's memory dies, raw_free(ptr,
@@ -639,7 +642,7 @@ class Strategy:
             self._pfa = pfa
             _pfa_owners[id(pfa)] = weakref.ref(self)
             cupy_malloc = pfa.malloc
-            if _c_hotpath is not None and hot_path_status()["hot_path"] == "c":
+            if self._gc_safe:
                 # Keeps each array's memory object off the garbage collector,
                 # which in CuPy 14.2 can clear it before its destructor has
                 # freed the block (csrc/hotpath.c, GcSafeMalloc).
