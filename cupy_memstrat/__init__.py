@@ -27,6 +27,7 @@ from .api import (
     stats,
     trim,
     use,
+    use_from_env,
     using,
     validate,
 )
@@ -50,6 +51,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "use",
+    "use_from_env",
     "using",
     "create",
     "validate",

@@ -16,6 +16,7 @@ How this relates to CuPy's own switches:
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator
 
 import warnings
@@ -187,6 +188,39 @@ def use(strategy: str | Strategy, **options) -> Strategy:
         s.close()
         raise RuntimeError(_USE_INSIDE_USING) from exc
     return s
+
+
+ENV_VAR = "CUPY_MEMSTRAT"
+
+
+def use_from_env(var: str = ENV_VAR) -> Strategy | None:
+    """Install the strategy named by an environment variable, if it is set.
+
+    ``CUPY_MEMSTRAT="managed:prefetch=on_alloc"`` in the environment, then
+    ``cupy_memstrat.use_from_env()`` at the top of a program, is
+    ``use("managed:prefetch=on_alloc")``. The same variable sets the strategy
+    of ``python -m cupy_memstrat run`` and of the pytest plugin (below its own
+    ``--gpumem-strategy`` / ``GPUMEM_STRATEGY``).
+
+    Args:
+        var: the variable's name.
+
+    Returns:
+        The installed strategy, or ``None`` (nothing installed) if the
+        variable is unset or empty.
+
+    Raises:
+        ValueError: the variable holds a spec :func:`use` refuses; the message
+            names the variable and its value.
+        NoDeviceError, CuPyNotInstalledError, RuntimeError: as :func:`use`.
+    """
+    raw = os.environ.get(var, "")
+    if not raw.strip():
+        return None
+    try:
+        return use(raw.strip())
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"environment variable {var}={raw!r}: {exc}") from None
 
 
 _USE_INSIDE_USING = (

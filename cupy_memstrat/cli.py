@@ -1,4 +1,4 @@
-"""``python -m cupy_memstrat``: ``info`` and ``bench``."""
+"""``python -m cupy_memstrat``: ``info``, ``bench``, ``plot`` and ``run``."""
 
 from __future__ import annotations
 
@@ -70,6 +70,72 @@ def _cmd_plot(args) -> int:
     return 0
 
 
+def _cmd_run(args) -> int:
+    import runpy
+
+    from .api import ENV_VAR, use
+    from .sizes import format_size
+
+    spec = args.strategy if args.strategy is not None else os.environ.get(ENV_VAR, "")
+    source = "--strategy" if args.strategy is not None else f"environment variable {ENV_VAR}"
+    if not spec.strip():
+        print(f"run: no strategy: pass --strategy SPEC (e.g. managed:prefetch=on_alloc) or set {ENV_VAR}",
+              file=sys.stderr)
+        return 2
+    args.module = None
+    if args.module_args is not None:
+        if not args.module_args or args.target:
+            print("run: -m takes a module name, then the module's arguments (nothing else after it)",
+                  file=sys.stderr)
+            return 2
+        args.module, args.target = args.module_args[0], args.module_args[1:]
+    if args.module is None:
+        if not args.target:
+            print("run: nothing to run: give a script (run [--strategy SPEC] script.py [args ...]) "
+                  "or -m MODULE", file=sys.stderr)
+            return 2
+        script, rest = args.target[0], args.target[1:]
+        if not os.path.isfile(script):
+            print(f"run: cannot run {script!r}: no such file", file=sys.stderr)
+            return 2
+    else:
+        script, rest = None, args.target
+    try:
+        strategy = use(spec.strip())
+    except (ValueError, TypeError) as exc:
+        print(f"run: {source}={spec!r}: {exc}", file=sys.stderr)
+        return 2
+    except (MemstratError, RuntimeError) as exc:
+        print(f"run: {exc}", file=sys.stderr)
+        return 2
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    try:
+        if script is not None:
+            sys.argv = [script, *rest]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
+        else:
+            sys.argv = [args.module, *rest]
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        if not args.quiet:
+            for d in range(strategy.backend.device_count()):
+                st = strategy.stats(d)
+                if st.n_allocs:
+                    print(f"cupy_memstrat: {spec.strip()} on device {d}: peak in use "
+                          f"{format_size(st.peak_bytes_in_use)}, peak reserved {format_size(st.peak_bytes_reserved)}, "
+                          f"{st.n_allocs} allocations, {st.n_live} live at exit", file=sys.stderr)
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)  # sys.exit("message"), as Python itself does
+    return 1
+
+
 _BENCH_MODULES = {"alloc": "alloc", "async": "async_pool", "managed": "managed"}
 
 
@@ -116,6 +182,20 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("json", help="a file written by bench ... --json")
     pl.add_argument("-o", "--output", required=True, help="image to write (.png, .svg, ...)")
     pl.set_defaults(func=_cmd_plot)
+    run = sub.add_parser(
+        "run",
+        help="run a Python script (or -m MODULE) unchanged under a strategy, like python -m cProfile",
+        description="Install a strategy as CuPy's allocator, then run a script or module as __main__ "
+        f"with its own arguments. The strategy comes from --strategy, else the environment variable "
+        f"CUPY_MEMSTRAT. A summary (peak in use and reserved per device) goes to stderr at the end.",
+    )
+    run.add_argument("-s", "--strategy", metavar="SPEC",
+                     help="a strategy spec, e.g. managed:prefetch=on_alloc (default: $CUPY_MEMSTRAT)")
+    run.add_argument("-m", dest="module_args", nargs=argparse.REMAINDER, metavar="MODULE [args ...]",
+                     help="run a module, as python -m MODULE; everything after it is the module's")
+    run.add_argument("-q", "--quiet", action="store_true", help="no summary at the end")
+    run.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args ...] (or the module's args)")
+    run.set_defaults(func=_cmd_run)
     return p
 
 

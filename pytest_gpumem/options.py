@@ -91,6 +91,7 @@ class Setting:
     help: str
     flag: bool = False
     metavar: str | None = None
+    env_fallback: str | None = None  # a second variable, read after env (CUPY_MEMSTRAT for the strategy)
 
     @property
     def dest(self) -> str:
@@ -109,7 +110,7 @@ SETTINGS = (
     Setting("strategy", "--gpumem-strategy", "GPUMEM_STRATEGY", "gpumem_strategy", parse_strategy, None,
             "run the session with this cupy_memstrat strategy as CuPy's allocator, e.g. 'device' "
             "(default: CuPy's own pool; measured through the 'pool' strategy when measuring)",
-            metavar="NAME[:KEY=VALUE,...]"),
+            metavar="NAME[:KEY=VALUE,...]", env_fallback="CUPY_MEMSTRAT"),
     Setting("faults", "--gpumem-faults", "GPUMEM_FAULTS", "gpumem_faults", parse_bool, False,
             "count unified-memory page faults and migrations per test (driver counters, CUPTI fallback)",
             flag=True),
@@ -136,7 +137,7 @@ SETTINGS = (
 def add_options(parser) -> None:
     group = parser.getgroup("gpumem", "GPU memory (cupy-memstrat)")
     for s in SETTINGS:
-        env = f" [env {s.env}, ini {s.ini}]"
+        env = f" [env {s.env}{', then ' + s.env_fallback if s.env_fallback else ''}, ini {s.ini}]"
         if s.flag:
             group.addoption(s.option, action="store_const", const=True, default=None, dest=s.dest,
                             help=s.help + env)
@@ -173,7 +174,8 @@ class Settings:
 
 
 def resolve(config, environ=None) -> Settings:
-    """Read every setting (command line > environment > ini > default).
+    """Read every setting (command line > environment > ini > default; for
+    the strategy, ``GPUMEM_STRATEGY`` before ``CUPY_MEMSTRAT``).
 
     Raises:
         pytest.UsageError: a bad value; the message names its source.
@@ -190,6 +192,10 @@ def resolve(config, environ=None) -> Settings:
         elif environ.get(s.env, "").strip():
             raw = environ[s.env]
             label, src = f"environment variable {s.env}={raw!r}", f"environment variable {s.env}"
+        elif s.env_fallback and environ.get(s.env_fallback, "").strip():
+            raw = environ[s.env_fallback]
+            label = f"environment variable {s.env_fallback}={raw!r}"
+            src = f"environment variable {s.env_fallback}"
         elif str(config.getini(s.ini)).strip():
             raw = str(config.getini(s.ini))
             label, src = f"ini key {s.ini}={raw!r}", f"ini key {s.ini}"

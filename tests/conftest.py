@@ -3,6 +3,8 @@ import os
 # This suite chooses its backends itself (FakeBackend objects, and subprocesses that set
 # CUPY_MEMSTRAT_BACKEND where they test it): a value inherited from the shell must not leak in.
 os.environ.pop("CUPY_MEMSTRAT_BACKEND", None)
+os.environ.pop("CUPY_MEMSTRAT", None)  # the strategy for run / use_from_env / the plugin
+os.environ.pop("CUPY_MEMSTRAT_HOT_PATH", None)
 
 import pytest
 

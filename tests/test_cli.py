@@ -82,3 +82,56 @@ def test_a_bad_backend_variable_is_reported_not_a_traceback(monkeypatch):
     monkeypatch.setattr(C, "_backend", None)
     report = collect()
     assert "CUPY_MEMSTRAT_BACKEND='bogus': unknown backend" in report["error"]
+
+
+def _run_fake(tmp_path, *args, env=None):
+    import os
+
+    e = dict(os.environ, CUPY_MEMSTRAT_BACKEND="fake", **(env or {}))
+    if not env or "CUPY_MEMSTRAT" not in env:
+        e.pop("CUPY_MEMSTRAT", None)
+    return subprocess.run([sys.executable, "-m", "cupy_memstrat", *args], capture_output=True, text=True,
+                          env=e, cwd=tmp_path)
+
+
+SCRIPT = """
+import sys, cupy, cupy_memstrat
+x = cupy.empty(1000, dtype=cupy.float32)
+print("strategy", cupy_memstrat.current().name, cupy_memstrat.current().config.get("prefetch"), "argv", sys.argv)
+sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+"""
+
+
+def test_run_executes_a_script_under_a_strategy_with_its_arguments(tmp_path):
+    (tmp_path / "job.py").write_text(SCRIPT)
+    r = _run_fake(tmp_path, "run", "--strategy", "managed:prefetch=on_alloc", "job.py", "3", "--flag")
+    assert r.returncode == 3, r.stderr  # the script's exit status
+    assert "strategy managed on_alloc argv ['job.py', '3', '--flag']" in r.stdout
+    assert "cupy_memstrat: managed:prefetch=on_alloc on device 0: peak in use 3.9 KiB, peak reserved 2.0 MiB, " \
+           "1 allocations" in r.stderr
+    r = _run_fake(tmp_path, "run", "-q", "job.py", env={"CUPY_MEMSTRAT": "device"})
+    assert r.returncode == 0 and "strategy device" in r.stdout and r.stderr == ""
+
+
+def test_run_a_module(tmp_path):
+    (tmp_path / "jobmod.py").write_text(SCRIPT)
+    r = _run_fake(tmp_path, "run", "-s", "device", "-m", "jobmod", "0", "-x")
+    assert r.returncode == 0, r.stderr
+    assert "strategy device None argv [" in r.stdout and "jobmod.py', '0', '-x']" in r.stdout  # as python -m sets it
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["run", "job.py"], None, "run: no strategy: pass --strategy SPEC (e.g. managed:prefetch=on_alloc) or set CUPY_MEMSTRAT"),
+        (["run", "-s", "bogus", "job.py"], None, "run: --strategy='bogus': unknown strategy 'bogus'; available:"),
+        (["run", "job.py"], {"CUPY_MEMSTRAT": "device:x=1"}, "run: environment variable CUPY_MEMSTRAT='device:x=1': "),
+        (["run", "-s", "device", "missing.py"], None, "run: cannot run 'missing.py': no such file"),
+        (["run", "-s", "device"], None, "run: nothing to run"),
+        (["run", "-s", "device", "-m"], None, "run: -m takes a module name"),
+    ],
+)
+def test_run_refuses_clearly(tmp_path, args, env, message):
+    (tmp_path / "job.py").write_text(SCRIPT)
+    r = _run_fake(tmp_path, *args, env=env)
+    assert r.returncode == 2 and message in r.stderr and r.stdout == ""

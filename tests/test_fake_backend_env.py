@@ -80,3 +80,18 @@ def test_use_installs_a_fake_backed_strategy_into_cupy(fresh, restore_cupy_alloc
     assert s.stats().bytes_in_use == 4096
     del x
     assert s.stats().bytes_in_use == 0
+
+
+def test_use_from_env_installs_what_cupy_memstrat_names(fresh, restore_cupy_allocator):
+    fresh.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
+    fresh.delenv("CUPY_MEMSTRAT", raising=False)
+    assert cupy_memstrat.use_from_env() is None  # unset: nothing installed
+    fresh.setenv("CUPY_MEMSTRAT", "  ")
+    assert cupy_memstrat.use_from_env() is None
+    fresh.setenv("CUPY_MEMSTRAT", "managed:prefetch=on_alloc")
+    s = cupy_memstrat.use_from_env()
+    assert cupy_memstrat.current() is s and s.name == "managed" and s.config["prefetch"] == "on_alloc"
+    fresh.setenv("MY_STRATEGY", "device:colour=red")
+    with pytest.raises(ValueError, match=r"environment variable MY_STRATEGY='device:colour=red': .*unknown option 'colour'"):
+        cupy_memstrat.use_from_env("MY_STRATEGY")
+    assert cupy_memstrat.current() is s  # nothing changed

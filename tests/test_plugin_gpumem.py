@@ -532,6 +532,21 @@ def test_the_strategy_option_with_measuring(pytester, fake_env):
                             "gpumem: measuring every test through strategy 'async'*"])
 
 
+def test_cupy_memstrat_env_sets_the_strategy_below_gpumem_strategy(pytester, fake_env):
+    pytester.makepyfile(HEAD + "import cupy_memstrat\ndef test_a():\n    assert cupy_memstrat.current().name == 'managed'\n")
+    fake_env.setenv("CUPY_MEMSTRAT", "managed")
+    r = run(pytester, "--gpumem")
+    r.assert_outcomes(passed=1)
+    r.stdout.fnmatch_lines(["gpumem: CuPy allocates with strategy 'managed' (environment variable CUPY_MEMSTRAT='managed')"])
+    fake_env.setenv("GPUMEM_STRATEGY", "async")
+    r = run(pytester, "--gpumem")
+    r.assert_outcomes(failed=1)  # GPUMEM_STRATEGY wins: the test sees async
+    fake_env.delenv("GPUMEM_STRATEGY")
+    fake_env.setenv("CUPY_MEMSTRAT", "managed:colour=red")
+    r = run(pytester, "--gpumem")
+    r.stderr.fnmatch_lines(["*environment variable CUPY_MEMSTRAT='managed:colour=red': *unknown option 'colour'*"])
+
+
 # -- reports -----------------------------------------------------------------------------------------------
 
 
