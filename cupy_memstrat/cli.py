@@ -22,10 +22,54 @@ def _cmd_info(args) -> int:
     return 0 if "cuda" in report else 1
 
 
+def _cmd_bench_all(args) -> int:
+    """``bench`` with no group: every group, its table, JSON and figure into ``--out``."""
+    import importlib
+
+    from .bench.alloc import require_real_gpu
+
+    try:
+        require_real_gpu()  # at once, before anything is written
+        import cupy  # noqa: F401
+    except (MemstratError, ImportError) as exc:
+        print(f"bench needs a CUDA device and CuPy: {exc}", file=sys.stderr)
+        return 2
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as exc:
+        print(f"bench: cannot write to --out {args.out!r}: {exc.strerror}", file=sys.stderr)
+        return 2
+    groups = list(_BENCH_MODULES)
+    written = []
+    for i, group in enumerate(groups, 1):
+        mod = importlib.import_module(f".bench.{_BENCH_MODULES[group]}", __package__)
+        base = mod.progress_printer()
+        say = None if args.quiet else (lambda msg, i=i, group=group, base=base: base(f"[{i}/{len(groups)} {group}] {msg}"))
+        kwargs = {} if args.rounds is None else {"rounds": args.rounds}
+        report = mod.run(progress=say, **kwargs)
+        print(f"\n== bench {group}\n" + mod.format_table(report), flush=True)
+        path = os.path.join(args.out, f"bench-{group}.json")
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+        written.append(path)
+        png = os.path.join(args.out, f"bench-{group}.png")
+        try:
+            from .bench.plot import plot
+
+            plot(report, png)
+            written.append(png)
+        except RuntimeError as exc:  # no matplotlib: the JSON is still there, plot it later
+            print(f"bench {group}: no figure: {exc}", file=sys.stderr)
+    print("\nwrote " + ", ".join(written))
+    return 0
+
+
 def _cmd_bench(args) -> int:
     import importlib
 
     group = args.group
+    if group is None:
+        return _cmd_bench_all(args)
     mod = importlib.import_module(f".bench.{_BENCH_MODULES[group]}", __package__)
     out = None
     if args.json:
@@ -162,8 +206,18 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     info.set_defaults(func=_cmd_info)
 
-    bench = sub.add_parser("bench", help="benchmarks (need a GPU)")
-    groups = bench.add_subparsers(dest="group", required=True, metavar="GROUP")
+    bench = sub.add_parser(
+        "bench", help="benchmarks (need a GPU); with no GROUP: all of them, tables, JSON and figures",
+        description="With no GROUP, run every group in turn at its default sizes, print the tables and "
+        "write bench-GROUP.json and bench-GROUP.png for each into --out.",
+    )
+    bench.add_argument("--out", metavar="DIR", default="memstrat-bench",
+                       help="with no GROUP: where the JSON and figures go (default ./memstrat-bench/)")
+    bench.add_argument("--rounds", type=_positive_int, default=None,
+                       help="with no GROUP: interleaved rounds of every group (default: each group's own)")
+    bench.add_argument("--quiet", action="store_true", help="with no GROUP: no progress lines")
+    bench.set_defaults(func=_cmd_bench)
+    groups = bench.add_subparsers(dest="group", required=False, metavar="GROUP")
     helps = {
         "alloc": "alloc+free latency and a small-temporaries workload for every allocator path",
         "async": "the async strategy against CuPy's MemoryAsyncPool, RMM and cudaMalloc: latency, "

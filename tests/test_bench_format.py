@@ -17,10 +17,13 @@ def _alloc_report(labels):
     }
 
 
-def test_async_table_has_every_part():
+def _async_report():
     lat = _alloc_report(["cupy-default", "no-pool", "async", "cupy-async"])
     lat["ratios"] = {"async/cupy-async": {"512": 0.5}}
-    report = {
+    return {
+        "benchmark": "async",
+        "machine": {"cuda": {"devices": [{"name": "Fake H200"}]}},
+        "params": {"rounds": 1, "loop_bytes": 64 << 20},
         "latency": lat,
         "raw_cuda_floor_us": {"own-pool": {"512": _summary(1.2)}},
         "sync_loop": {
@@ -35,7 +38,10 @@ def test_async_table_has_every_part():
         },
         "max_size": [{"max_size": 33 << 20, "largest_granted_MiB": 64, "smallest_refused_MiB": 65}],
     }
-    text = async_pool.format_table(report)
+
+
+def test_async_table_has_every_part():
+    text = async_pool.format_table(_async_report())
     for needle in ("async/cupy-async: 512 0.500x", "own-pool 512 B 1.20", "54.0x slower", "1 B -> 32.0 MiB",
                    "trim() -> 0 B", "33.0 MiB grants up to 64 MiB"):
         assert needle in text
@@ -83,8 +89,8 @@ def test_plot_draws_the_managed_figure_and_refuses_unknown_reports(tmp_path):
     out = tmp_path / "m.png"
     plot(_managed_report(), str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(ValueError, match="no figure for benchmark 'alloc'; figures exist for: managed"):
-        plot({"benchmark": "alloc"}, str(out))
+    with pytest.raises(ValueError, match="no figure for benchmark 'mystery'; figures exist for: alloc, async, managed"):
+        plot({"benchmark": "mystery"}, str(out))
 
 
 def test_plot_command_reports_a_bad_file(tmp_path, capsys):
@@ -104,3 +110,44 @@ def test_alloc_table_shows_device_against_no_pool_both_ways():
     text = alloc.format_table(report)
     assert "device / no-pool: 512 B 1.200x" in text
     assert "measured back to back (median of paired ratios [quartiles]): 512 B 1.040x [1.010-1.080], 1.0 MiB" in text
+
+
+def test_bench_with_no_group_runs_every_group_and_writes_json_and_figures(tmp_path, monkeypatch, capsys):
+    """The orchestration (the groups' own runs need a GPU: synthetic reports here)."""
+    import json
+
+    import pytest
+
+    pytest.importorskip("matplotlib", reason="the [plot] extra is not installed")
+    pytest.importorskip("cupy", reason="CuPy is not installed")
+    from cupy_memstrat.bench import managed
+    from cupy_memstrat.cli import main
+
+    alloc_report = dict(_alloc_report(["cupy-default", "no-pool", "device"]), benchmark="alloc",
+                        machine={"cuda": {"devices": [{"name": "Fake H200"}]}})
+    seen = []
+    for mod, rep in ((alloc, alloc_report), (async_pool, _async_report()), (managed, _managed_report())):
+        monkeypatch.setattr(mod, "run", lambda rep=rep, mod=mod, **kw: seen.append((mod.__name__, kw.get("rounds"))) or rep)
+    monkeypatch.setattr(alloc, "require_real_gpu", lambda: None)
+    out = tmp_path / "res"
+    assert main(["bench", "--out", str(out), "--quiet", "--rounds", "2"]) == 0
+    assert [r for _, r in seen] == [2, 2, 2] and len(seen) == 3
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["bench-alloc.json", "bench-alloc.png", "bench-async.json", "bench-async.png",
+                     "bench-managed.json", "bench-managed.png"]
+    assert json.loads((out / "bench-async.json").read_text())["sync_loop"]["threshold_0_over_default"] == 54.0
+    text = capsys.readouterr().out
+    assert "== bench alloc" in text and "== bench managed" in text and "wrote " in text
+
+
+def test_bench_with_no_group_stops_at_once_without_a_gpu(tmp_path, monkeypatch, capsys):
+    from cupy_memstrat.cli import main
+    from cupy_memstrat.errors import NoDeviceError
+
+    def no_gpu():
+        raise NoDeviceError("no CUDA device is available: test")
+
+    monkeypatch.setattr(alloc, "require_real_gpu", no_gpu)
+    assert main(["bench", "--out", str(tmp_path / "res")]) == 2
+    assert "bench needs a CUDA device and CuPy: no CUDA device is available: test" in capsys.readouterr().err
+    assert not (tmp_path / "res").exists()

@@ -48,7 +48,69 @@ def _managed(report: dict, plt):
     return fig
 
 
-_PLOTS = {"managed": _managed}
+def _device_name(report: dict) -> str:
+    return (report.get("machine") or {}).get("cuda", {}).get("devices", [{}])[0].get("name", "GPU")
+
+
+def _latency_panels(lat: dict, axes) -> None:
+    """One panel per block size: median alloc+free microseconds per path (log
+    scale), CuPy's pool marked, the ratio to it written on each bar."""
+    from ..sizes import format_size
+
+    sizes = [k for k in next(iter(lat["results_us"].values())) if k.isdigit()]
+    labels = list(lat["results_us"])
+    for ax, size in zip(axes, sizes):
+        us = [lat["results_us"][lab][size]["median_us"] for lab in labels]
+        base = lat["results_us"]["cupy-default"][size]["median_us"]
+        colors = ["0.55" if lab in ("cupy-default", "no-pool", "cupy-async", "rmm-async") else "#4c72b0" for lab in labels]
+        y = list(range(len(labels)))
+        ax.barh(y, us, color=colors)
+        ax.set_yticks(y, labels)
+        if ax is not axes[0]:
+            ax.tick_params(labelleft=False)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.axvline(base, color="0.3", ls="--", lw=1)
+        for i, t in enumerate(us):
+            ax.text(t * 1.08, i, f"{t:.2f} us ({t / base:.2f}x)", va="center", fontsize=7)
+        ax.set_xlim(right=max(us) * 20)
+        ax.set_title(format_size(int(size)), fontsize=9)
+        ax.set_xlabel("alloc+free, us (log)", fontsize=8)
+
+
+def _alloc(report: dict, plt):
+    n = len([k for k in next(iter(report["results_us"].values())) if k.isdigit()])
+    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 0.4 * len(report["results_us"]) + 1.8))
+    _latency_panels(report, list(axes))
+    fig.suptitle(f"Alloc+free through cupy.cuda.alloc on {_device_name(report)} "
+                 "(median; blue: cupy_memstrat strategies; dashed: CuPy's pool)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _async(report: dict, plt):
+    loop = report["sync_loop"]["results_us"]
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 0.4 * max(len(report["latency"]["results_us"]), len(loop)) + 1.8))
+    _latency_panels(report["latency"], [ax0])
+    ax0.set_title("alloc+free, 512 B", fontsize=9)
+    labels = list(loop)
+    us = [loop[k]["median_us"] for k in labels]
+    y = list(range(len(labels)))
+    ax1.barh(y, us, color=["#4c72b0" if k.startswith("async") else "0.55" for k in labels])
+    ax1.set_yticks(y, labels)
+    ax1.invert_yaxis()
+    ax1.set_xscale("log")
+    for i, t in enumerate(us):
+        ax1.text(t * 1.08, i, f"{t:.1f} us", va="center", fontsize=7)
+    ax1.set_xlim(right=max(us) * 20)
+    loop_mib = report.get("params", {}).get("loop_bytes", 0) >> 20
+    ax1.set_title(f"{loop_mib} MiB alloc, free, synchronize: us per iteration (log)", fontsize=9)
+    fig.suptitle(f"The async strategy on {_device_name(report)} (median)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+_PLOTS = {"alloc": _alloc, "async": _async, "managed": _managed}
 
 
 def plot(report: dict, path: str) -> None:
