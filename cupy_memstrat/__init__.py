@@ -40,6 +40,7 @@ from .errors import (
     NoDeviceError,
     NoStrategyError,
 )
+from .history import record_history, snapshot
 from .hookspecs import hookimpl
 from .options import parse_spec
 from .sizes import format_size, parse_size
@@ -77,6 +78,8 @@ __all__ = [
     "format_size",
     "parse_spec",
     "hot_path_status",
+    "record_history",
+    "snapshot",
     "checks",
     "hookimpl",
     "MemstratError",

@@ -1,4 +1,4 @@
-"""Figures from benchmark JSON (``python -m cupy_memstrat plot``); needs
+"""Figures from benchmark JSON and memory snapshots (``python -m cupy_memstrat plot``); needs
 matplotlib (``pip install 'cupy-memstrat[plot]'``)."""
 
 from __future__ import annotations
@@ -110,17 +110,69 @@ def _async(report: dict, plt):
     return fig
 
 
-_PLOTS = {"alloc": _alloc, "async": _async, "managed": _managed}
+def _timeline(doc: dict, plt, top: int = 8):
+    """Live memory over time from a ``cupy_memstrat.snapshot()``, event by
+    event (bursts stay readable), stacked by origin: the ``top`` origins with the highest peak, the rest as "other";
+    one panel per device with events. Bytes live before recording began are
+    the baseline at the bottom."""
+    from ..sizes import format_size
+
+    events = doc.get("events") or []
+    devices = sorted({e["device"] for e in events})
+    if not devices:
+        raise ValueError("the snapshot has no events to draw")
+    fig, axes = plt.subplots(len(devices), 1, figsize=(10, 3.6 * len(devices)), squeeze=False)
+    for ax, d in zip(axes[:, 0], devices):
+        evs = [e for e in events if e["device"] == d]
+        live, by_origin, peak = {}, {}, {}
+        t, series = [], []
+        for e in evs:
+            key = e.get("origin") or "(origin not recorded)"
+            if e["action"] == "alloc":
+                live[e["ptr"]] = (e["size"], key)
+                by_origin[key] = by_origin.get(key, 0) + e["size"]
+            else:
+                size, key = live.pop(e["ptr"], (e["size"], key))
+                by_origin[key] = by_origin.get(key, 0) - size
+            peak[key] = max(peak.get(key, 0), by_origin[key])
+            t.append(len(t))
+            series.append(dict(by_origin))
+        keys = sorted(peak, key=lambda k: -peak[k])
+        shown, rest = keys[:top], keys[top:]
+        base = (doc.get("baseline_bytes_in_use") or [0] * (d + 1))[d]
+        ys = [[base] * len(t)] + [[s.get(k, 0) for s in series] for k in shown]
+        labels = [f"before recording ({format_size(base)})"] + [_short(k) for k in shown]
+        if rest:
+            ys.append([sum(s.get(k, 0) for k in rest) for s in series])
+            labels.append(f"{len(rest)} other origins")
+        ax.stackplot(t, [[v / 2**20 for v in y] for y in ys], labels=labels, step="post")
+        ax.set_xlabel("event (allocations and frees in order)")
+        ax.set_ylabel("live MiB")
+        ax.set_title(f"device {d}: {len(evs)} events over {evs[-1]['t'] - evs[0]['t']:.3g} s", fontsize=9)
+        ax.legend(loc="upper left", fontsize=7, framealpha=0.8)
+    s = doc.get("strategy") or {}
+    dropped = f", {doc['dropped']} oldest events dropped" if doc.get("dropped") else ""
+    fig.suptitle(f"GPU memory over time, strategy {s.get('name')!r}{dropped}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _short(origin: str, width: int = 70) -> str:
+    return origin if len(origin) <= width else "..." + origin[-(width - 3):]
+
+
+_PLOTS = {"alloc": _alloc, "async": _async, "managed": _managed, "memory-history": _timeline}
 
 
 def plot(report: dict, path: str) -> None:
-    """Draw the figure for a benchmark report (the JSON of ``bench ... --json``) into ``path``.
+    """Draw the figure for a benchmark report (the JSON of ``bench ... --json``),
+    or the memory timeline of a ``cupy_memstrat.snapshot()``, into ``path``.
 
     Raises:
         ValueError: no figure exists for this benchmark.
         RuntimeError: matplotlib is not installed.
     """
-    kind = report.get("benchmark")
+    kind = report.get("benchmark") or report.get("kind")
     if kind not in _PLOTS:
         raise ValueError(f"no figure for benchmark {kind!r}; figures exist for: {', '.join(sorted(_PLOTS))}")
     plt = _pyplot()

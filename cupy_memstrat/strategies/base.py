@@ -624,6 +624,9 @@ class Strategy:
         owner = getattr(allocator, "__self__", None)
         if isinstance(owner, Strategy):
             return owner
+        recorded = getattr(allocator, "_memstrat_strategy", None)  # cupy_memstrat.history's recorder
+        if isinstance(recorded, Strategy):
+            return recorded
         ref = _pfa_owners.get(id(owner))
         s = ref() if ref is not None else None
         return s if s is not None and s._pfa is owner else None

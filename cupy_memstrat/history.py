@@ -1,0 +1,220 @@
+"""Memory timelines: record allocation and free events, write them as JSON, draw them.
+
+``record_history()`` puts a recorder in front of the installed strategy: from then
+on every allocation CuPy makes, and the free of each such block, is recorded with
+its time, size, device, stream and origin into a bounded buffer; ``snapshot()``
+returns (and writes) them as JSON; ``python -m cupy_memstrat plot SNAPSHOT.json -o
+timeline.png`` draws the live memory over time, stacked by origin, as PyTorch's
+memory visualiser does for its caching allocator.
+
+What is and is not recorded:
+
+* allocations through CuPy's allocator (arrays, ``cupy.cuda.alloc``) while
+  recording is on, and later frees of those blocks; not ``raw_malloc`` calls;
+* blocks allocated before recording began are in ``baseline_bytes_in_use``, not
+  in the events, and their frees are not recorded (as in PyTorch's recorder);
+* the recorder costs a Python frame, a clock read and, with ``origins=True``
+  (the default), a stack walk per event: switch it off when done.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+
+from .stats import capture_origin
+
+__all__ = ["record_history", "snapshot", "History"]
+
+SNAPSHOT_KIND = "memory-history"
+_lock = threading.Lock()
+_active: "History | None" = None  # the recording in progress
+_last: "History | None" = None  # the last one that ended
+
+
+class History:
+    """The events of one recording: ``(t_ns, action, ptr, size, device,
+    stream, origin)`` tuples in a deque of at most ``max_entries`` (the oldest
+    are dropped, and counted in ``dropped``)."""
+
+    def __init__(self, strategy, max_entries: int, origins: bool):
+        self.strategy = strategy
+        self.max_entries = max_entries
+        self.origins = origins
+        self.events: collections.deque = collections.deque(maxlen=max_entries)
+        self.n_events = 0
+        self.enabled = True
+        self.t0 = time.perf_counter_ns()
+        self.started = time.time()
+        n = strategy.backend.device_count()
+        self.baseline = [strategy.stats(d).bytes_in_use for d in range(n)]
+        self.previous_allocator = None
+        self.allocator = None
+
+    @property
+    def dropped(self) -> int:
+        """Events that no longer fit in the buffer (the oldest)."""
+        return self.n_events - len(self.events)
+
+    def as_dict(self) -> dict:
+        """The snapshot: JSON-ready. ``events`` hold ``t`` in seconds since
+        recording began, ``action`` ("alloc" / "free"), ``ptr``, ``size`` in
+        bytes, ``device``, ``stream`` (the CUDA stream handle current at the
+        event, or None) and ``origin`` ("file:line in function", or None)."""
+        s = self.strategy
+        return {
+            "kind": SNAPSHOT_KIND,
+            "version": 1,
+            "strategy": {"name": s.name, "options": {k: _jsonable(v) for k, v in s.config.items()}},
+            "started": self.started,
+            "recording": self.enabled,
+            "max_entries": self.max_entries,
+            "dropped": self.dropped,
+            "baseline_bytes_in_use": list(self.baseline),
+            "events": [
+                {"t": (t - self.t0) / 1e9, "action": a, "ptr": p, "size": n, "device": d, "stream": st,
+                 "origin": str(o) if o is not None else None}
+                for t, a, p, n, d, st, o in list(self.events)
+            ],
+        }
+
+
+def _jsonable(v):
+    return v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+
+
+class _RecordingAllocator:
+    """The allocator installed while recording: CuPy's malloc over the
+    recorder's hot path. ``_memstrat_strategy`` lets ``current()`` see the
+    strategy behind it."""
+
+    __slots__ = ("_malloc", "_memstrat_strategy", "_keep")
+
+    def __init__(self, malloc, strategy, keep):
+        self._malloc, self._memstrat_strategy, self._keep = malloc, strategy, keep
+
+    def __call__(self, size):
+        return self._malloc(size)
+
+
+def _recording_allocator(strategy, h: History) -> _RecordingAllocator:
+    from .strategies import base
+
+    malloc, free = strategy._malloc, strategy._free
+    if malloc is None:
+        malloc, free = strategy._build_hot_path()
+    events, clock, origins, live = h.events, time.perf_counter_ns, h.origins, strategy._live
+    stream_of = getattr(strategy.backend, "current_stream", None)
+
+    def stream(device):
+        try:
+            return stream_of(device).ptr if stream_of is not None else None
+        except Exception:  # noqa: BLE001 - a recorder must not fail an allocation
+            return None
+
+    def rec_malloc(size, device):
+        ptr = malloc(size, device)
+        if h.enabled:
+            h.n_events += 1
+            events.append((clock(), "alloc", ptr, size, device, stream(device),
+                           capture_origin(1) if origins else None))
+        return ptr
+
+    def rec_free(ptr, device, stacklevel=1):
+        size = None
+        if h.enabled:
+            d = device if type(device) is int and 0 <= device < len(live) else None
+            size = live[d].get(ptr) if d is not None else None
+        free(ptr, device, stacklevel + 1)
+        if size is not None and h.enabled:
+            h.n_events += 1
+            events.append((clock(), "free", ptr, size, device, stream(device), None))
+
+    memory = base._cupy_memory()
+    if isinstance(strategy.backend, base._cuda.RealBackend):
+        pfa = memory.PythonFunctionAllocator(rec_malloc, rec_free)
+        cupy_malloc = pfa.malloc
+        if base._c_hotpath is not None and base.hot_path_status()["setting"] != "python":
+            cupy_malloc = base._c_hotpath.GcSafeMalloc(cupy_malloc)
+        return _RecordingAllocator(cupy_malloc, strategy, pfa)
+    backend = strategy.backend
+
+    def fake_malloc(size):
+        device = backend.get_device()
+        ptr = rec_malloc(size, device) if size else 0
+        owner = base._FakeOwner(rec_free, ptr, device) if ptr else None
+        return memory.MemoryPointer(memory.UnownedMemory(ptr, size, owner, device), 0)
+
+    return _RecordingAllocator(fake_malloc, strategy, None)
+
+
+def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins: bool = True,
+                   strategy=None) -> History | None:
+    """Start (or stop) recording the allocation and free events of the
+    installed strategy (see the module docstring for what is recorded).
+
+    Args:
+        enabled: True starts a new recording (ending one in progress); False
+            ends it and puts the strategy's own allocator back.
+        max_entries: events kept, the newest (int >= 1).
+        origins: record where each allocation came from (a stack walk per
+            allocation).
+        strategy: the strategy to record (default: :func:`cupy_memstrat.current`).
+            It becomes CuPy's process-wide allocator while recording.
+
+    Returns:
+        The :class:`History` being recorded, or (``enabled=False``) the one
+        that ended, or None if none was running.
+
+    Raises:
+        TypeError, ValueError: a bad ``max_entries`` (not an int >= 1).
+        NoStrategyError: no strategy is installed and none was given.
+    """
+    global _active, _last
+    import cupy
+
+    from . import api
+
+    with _lock:
+        h = _active
+        if h is not None:
+            h.enabled = False
+            if cupy.cuda.get_allocator() is h.allocator:
+                cupy.cuda.set_allocator(h.previous_allocator)
+            _active, _last = None, h
+        if not enabled:
+            return h
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int):
+            raise TypeError(f"max_entries: expected an int >= 1, got {type(max_entries).__name__} {max_entries!r}")
+        if max_entries < 1:
+            raise ValueError(f"max_entries: expected an int >= 1, got {max_entries}")
+        s = strategy if strategy is not None else api._require_current()
+        h = History(s, max_entries, bool(origins))
+        previous = cupy.cuda.get_allocator()
+        h.allocator = _recording_allocator(s, h)
+        h.previous_allocator = previous if api.Strategy._owner_of(previous) is s else s.cupy_allocator()
+        cupy.cuda.set_allocator(h.allocator)
+        _active = h
+        return h
+
+
+def snapshot(path: str | None = None) -> dict:
+    """The current (or last) recording as a dict (:meth:`History.as_dict`);
+    with ``path``, also written there as JSON, which ``python -m cupy_memstrat
+    plot PATH -o timeline.png`` draws.
+
+    Raises:
+        RuntimeError: nothing was ever recorded in this process.
+        OSError: ``path`` cannot be written.
+    """
+    h = _active or _last
+    if h is None:
+        raise RuntimeError("no memory history: call cupy_memstrat.record_history() first")
+    doc = h.as_dict()
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump(doc, f)
+    return doc
+

@@ -1,0 +1,100 @@
+"""Memory timelines: record_history(), snapshot() and their plot, on the fake backend."""
+
+import json
+
+import pytest
+
+import cupy_memstrat
+import cupy_memstrat.cuda as C
+from cupy_memstrat import history
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+MiB = 1 << 20
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch, hot_path):
+    """A process-wide fake backend, no recording left over, CuPy's allocator put back."""
+    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
+    monkeypatch.setattr(C, "_backend", None)
+    monkeypatch.setattr(history, "_active", None)
+    monkeypatch.setattr(history, "_last", None)
+    prev = cupy.cuda.get_allocator()
+    yield monkeypatch
+    history._active = None
+    cupy.cuda.set_allocator(prev)
+
+
+def _alloc(n):
+    return cupy.empty(n, dtype=cupy.uint8)
+
+
+def test_records_allocations_and_their_frees_with_origins(fake_cupy, tmp_path):
+    s = cupy_memstrat.use("device")
+    before = _alloc(MiB)  # before recording: baseline only
+    h = cupy_memstrat.record_history()
+    assert cupy_memstrat.current() is s  # the recorder is in front of the same strategy
+    a = _alloc(2 * MiB)
+    b = _alloc(3 * MiB)
+    del a
+    del before  # allocated before recording: its free is not recorded
+    doc = cupy_memstrat.snapshot(str(tmp_path / "snap.json"))
+    assert json.loads((tmp_path / "snap.json").read_text()) == doc
+    assert doc["kind"] == "memory-history" and doc["strategy"]["name"] == "device" and doc["recording"] is True
+    assert doc["baseline_bytes_in_use"] == [MiB] and doc["dropped"] == 0
+    ev = [(e["action"], e["size"], e["device"]) for e in doc["events"]]
+    assert ev == [("alloc", 2 * MiB, 0), ("alloc", 3 * MiB, 0), ("free", 2 * MiB, 0)]
+    first = doc["events"][0]
+    assert first["origin"].startswith(f"{__file__}:") and first["origin"].endswith("in _alloc")
+    assert first["stream"] == 0 and doc["events"][2]["origin"] is None
+    assert [e["t"] for e in doc["events"]] == sorted(e["t"] for e in doc["events"])
+    assert s.stats().bytes_in_use == 3 * MiB  # the strategy still counts everything
+    ended = cupy_memstrat.record_history(False)
+    assert ended is h and cupy_memstrat.current() is s and cupy.cuda.get_allocator() == s.cupy_allocator()
+    _alloc(MiB)  # after the recording: not recorded
+    del b  # allocated while recording, freed after it ended: not recorded either
+    doc = cupy_memstrat.snapshot()
+    assert doc["recording"] is False and len(doc["events"]) == 3
+
+
+def test_the_buffer_keeps_the_newest_events(fake_cupy):
+    cupy_memstrat.use("managed")
+    cupy_memstrat.record_history(max_entries=4, origins=False)
+    for n in range(1, 6):
+        _alloc(n * 1024)  # alloc and free each: 10 events
+    doc = cupy_memstrat.snapshot()
+    assert doc["dropped"] == 6 and [(e["action"], e["size"]) for e in doc["events"]] == [
+        ("alloc", 4096), ("free", 4096), ("alloc", 5120), ("free", 5120)]
+    assert all(e["origin"] is None for e in doc["events"])
+
+
+def test_bad_input_is_refused_and_nothing_changes(fake_cupy):
+    with pytest.raises(RuntimeError, match=r"no memory history: call cupy_memstrat.record_history\(\) first"):
+        cupy_memstrat.snapshot()
+    with pytest.raises(cupy_memstrat.NoStrategyError, match="no cupy_memstrat strategy is installed"):
+        cupy_memstrat.record_history()
+    s = cupy_memstrat.use("device")
+    allocator = cupy.cuda.get_allocator()
+    for bad, exc, msg in ((0, ValueError, "max_entries: expected an int >= 1, got 0"),
+                          (2.5, TypeError, "max_entries: expected an int >= 1, got float 2.5"),
+                          (True, TypeError, "got bool True")):
+        with pytest.raises(exc, match=msg):
+            cupy_memstrat.record_history(max_entries=bad)
+    assert cupy.cuda.get_allocator() is allocator and cupy_memstrat.current() is s
+    assert cupy_memstrat.record_history(False) is None  # nothing was running
+
+
+def test_the_plot_draws_a_snapshot(fake_cupy, tmp_path):
+    pytest.importorskip("matplotlib", reason="the [plot] extra is not installed")
+    from cupy_memstrat.cli import main
+
+    cupy_memstrat.use("device")
+    cupy_memstrat.record_history()
+    keep = [_alloc(k * MiB) for k in range(1, 4)]
+    cupy_memstrat.snapshot(str(tmp_path / "s.json"))
+    assert main(["plot", str(tmp_path / "s.json"), "-o", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    del keep
+    empty = dict(json.loads((tmp_path / "s.json").read_text()), events=[])
+    (tmp_path / "e.json").write_text(json.dumps(empty))
+    assert main(["plot", str(tmp_path / "e.json"), "-o", str(tmp_path / "e.png")]) == 2
