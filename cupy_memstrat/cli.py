@@ -180,7 +180,7 @@ def _cmd_run(args) -> int:
     return 1
 
 
-_BENCH_MODULES = {"alloc": "alloc", "async": "async_pool", "managed": "managed"}
+_BENCH_MODULES = {"alloc": "alloc", "async": "async_pool", "managed": "managed", "workloads": "workloads"}
 
 
 def _nothing():
@@ -224,11 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
         "a 64 MiB sync loop at release threshold 0 and default, pool growth, trim, max_size",
         "managed": "the managed strategy: alloc+free latency against CuPy's pool, a 1 GiB first GPU pass "
         "under each advice / prefetch policy with page-fault counts, read-mostly's cost",
+        "workloads": "real CuPy programs (CG Poisson solve, FFT convolution, k-means, a Monte Carlo pricer, "
+        "one data set larger than a quarter of the GPU) under CuPy's pool and every strategy: time, peaks, "
+        "page faults, results checked against CuPy's pool",
     }
     for group, text in helps.items():
         g = groups.add_parser(group, help=text, description=text)
         g.add_argument("--json", metavar="PATH", help="also write the results (with machine info) here")
-        g.add_argument("--rounds", type=_positive_int, default=7, help="interleaved rounds (default 7)")
+        g.add_argument("--rounds", type=_positive_int, default=3 if group == "workloads" else 7,
+                       help=f"interleaved rounds (default {3 if group == 'workloads' else 7})")
         g.add_argument("--quiet", action="store_true", help="no progress lines")
         g.set_defaults(func=_cmd_bench)
 

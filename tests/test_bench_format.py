@@ -125,19 +125,22 @@ def test_bench_with_no_group_runs_every_group_and_writes_json_and_figures(tmp_pa
 
     alloc_report = dict(_alloc_report(["cupy-default", "no-pool", "device"]), benchmark="alloc",
                         machine={"cuda": {"devices": [{"name": "Fake H200"}]}})
+    from cupy_memstrat.bench import workloads
+
     seen = []
-    for mod, rep in ((alloc, alloc_report), (async_pool, _async_report()), (managed, _managed_report())):
+    for mod, rep in ((alloc, alloc_report), (async_pool, _async_report()), (managed, _managed_report()),
+                     (workloads, _workloads_report())):
         monkeypatch.setattr(mod, "run", lambda rep=rep, mod=mod, **kw: seen.append((mod.__name__, kw.get("rounds"))) or rep)
     monkeypatch.setattr(alloc, "require_real_gpu", lambda: None)
     out = tmp_path / "res"
     assert main(["bench", "--out", str(out), "--quiet", "--rounds", "2"]) == 0
-    assert [r for _, r in seen] == [2, 2, 2] and len(seen) == 3
+    assert [r for _, r in seen] == [2, 2, 2, 2]
     names = sorted(p.name for p in out.iterdir())
     assert names == ["bench-alloc.json", "bench-alloc.png", "bench-async.json", "bench-async.png",
-                     "bench-managed.json", "bench-managed.png"]
+                     "bench-managed.json", "bench-managed.png", "bench-workloads.json", "bench-workloads.png"]
     assert json.loads((out / "bench-async.json").read_text())["sync_loop"]["threshold_0_over_default"] == 54.0
     text = capsys.readouterr().out
-    assert "== bench alloc" in text and "== bench managed" in text and "wrote " in text
+    assert "== bench alloc" in text and "== bench workloads" in text and "wrote " in text
 
 
 def test_bench_with_no_group_stops_at_once_without_a_gpu(tmp_path, monkeypatch, capsys):
@@ -151,3 +154,35 @@ def test_bench_with_no_group_stops_at_once_without_a_gpu(tmp_path, monkeypatch, 
     assert main(["bench", "--out", str(tmp_path / "res")]) == 2
     assert "bench needs a CUDA device and CuPy: no CUDA device is available: test" in capsys.readouterr().err
     assert not (tmp_path / "res").exists()
+
+
+def _workloads_report():
+    row = lambda t, ident=True: {"seconds": t, "ratio_to_first": t / 2.0, "runs": [t],  # noqa: E731
+                                 "check": {"identical": ident, "max_rel_diff": 0.0 if ident else 1e-6},
+                                 "peak_bytes_in_use": 1 << 20, "peak_bytes_reserved": 2 << 20}
+    return {
+        "benchmark": "workloads",
+        "machine": {"cuda": {"devices": [{"name": "Fake H200"}]}},
+        "params": {"descriptions": {"kmeans": "k-means", "monte-carlo": "a pricer"}},
+        "results": {
+            "kmeans": {"cupy-default": dict(row(2.0), check={"identical": True, "reference": True}),
+                       "managed": row(2.2, ident=False)},
+            "monte-carlo": {"cupy-default": dict(row(2.0), check={"identical": True, "reference": True}),
+                            "managed": row(1.8)},
+        },
+    }
+
+
+def test_workloads_table_and_figure(tmp_path):
+    import pytest
+
+    from cupy_memstrat.bench import workloads
+
+    text = workloads.format_table(_workloads_report())
+    assert "kmeans: k-means" in text and "1.10x" in text and "differs (max rel 1.00e-06)" in text
+    assert "1.0 MiB / 2.0 MiB" in text
+    pytest.importorskip("matplotlib", reason="the [plot] extra is not installed")
+    from cupy_memstrat.bench.plot import plot
+
+    plot(_workloads_report(), str(tmp_path / "w.png"))
+    assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"

@@ -110,6 +110,33 @@ def _async(report: dict, plt):
     return fig
 
 
+def _workloads(report: dict, plt):
+    """Per workload, each path's median wall time as a ratio to CuPy's pool
+    (grouped bars); a result that differs from the pool's is marked."""
+    res = report["results"]
+    names = list(res)
+    labels = list(next(iter(res.values())))
+    fig, ax = plt.subplots(figsize=(10, 0.9 * len(names) * max(1, len(labels) / 4) + 1.6))
+    h = 0.8 / len(labels)
+    cmap = plt.get_cmap("tab10")
+    for j, lab in enumerate(labels):
+        ys = [i + j * h for i in range(len(names))]
+        vals = [res[n][lab]["ratio_to_first"] if lab in res[n] else 0 for n in names]
+        ax.barh(ys, vals, height=h, color=cmap(j % 10), label=lab)
+        for y, n, v in zip(ys, names, vals):
+            c = (res[n].get(lab) or {}).get("check") or {}
+            mark = "" if c.get("identical") or c.get("reference") else " (result differs)"
+            ax.text(v + 0.01, y, f"{v:.2f}x{mark}", va="center", fontsize=7)
+    ax.set_yticks([i + 0.4 - h / 2 for i in range(len(names))], names)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="0.3", ls="--", lw=1)
+    ax.set_xlabel("median wall time, ratio to CuPy's default pool")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title(f"Real workloads on {_device_name(report)}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def _timeline(doc: dict, plt, top: int = 8):
     """Live memory over time from a ``cupy_memstrat.snapshot()``, event by
     event (bursts stay readable), stacked by origin: the ``top`` origins with the highest peak, the rest as "other";
@@ -161,7 +188,8 @@ def _short(origin: str, width: int = 70) -> str:
     return origin if len(origin) <= width else "..." + origin[-(width - 3):]
 
 
-_PLOTS = {"alloc": _alloc, "async": _async, "managed": _managed, "memory-history": _timeline}
+_PLOTS = {"alloc": _alloc, "async": _async, "managed": _managed, "workloads": _workloads,
+          "memory-history": _timeline}
 
 
 def plot(report: dict, path: str) -> None:

@@ -1,0 +1,313 @@
+"""``bench workloads``: real scientific CuPy programs under CuPy's pool and every strategy.
+
+Each workload is an ordinary array program written against an array module
+``xp`` (CuPy on the GPU; NumPy in the tests, which check the numerics on a
+machine without one) and a sparse module ``sp`` (``cupyx.scipy.sparse`` /
+``scipy.sparse``):
+
+* ``cg-poisson``: a conjugate-gradient solve of the 2-D Poisson problem
+  (5-point Laplacian on an n x n grid, a CSR matrix built with ``sp.kron``),
+  a fixed number of iterations;
+* ``fft-convolution``: a batch of images convolved with a Gaussian through
+  ``rfft2`` / ``irfft2``;
+* ``kmeans``: Lloyd's iterations on a few million 2-D points;
+* ``monte-carlo``: a European call priced over geometric Brownian paths, a
+  handful of temporaries per time step;
+* ``managed-large``: a reduction over one data set larger than a quarter of
+  the device's memory (the others fit easily), filled on the GPU, summed in
+  chunks.
+
+Every path (CuPy's default pool, then each strategy, ``managed`` also with
+``prefetch="on_alloc"``) runs each workload once to warm up (kernels compile),
+then ``rounds`` timed runs; the report has the median wall time, the ratio to
+CuPy's pool, peak bytes in use and reserved (for strategies, from their
+statistics), the page faults of the last run where counters exist, and
+whether the result equals the one under CuPy's pool (bit for bit, or the
+largest relative difference: k-means sums with atomics, whose order varies).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+
+from ..sizes import format_size
+
+__all__ = ["WORKLOADS", "run", "format_table"]
+
+
+# -- the programs ------------------------------------------------------------------------------
+
+
+def cg_poisson(xp, sp, n: int = 1024, iters: int = 200):
+    """``iters`` CG iterations on A x = b, A the 2-D 5-point Laplacian on an
+    ``n`` x ``n`` grid (n**2 unknowns), b = 1. Returns x (float64, n**2)."""
+    one_d = sp.diags([-xp.ones(n - 1), 2 * xp.ones(n), -xp.ones(n - 1)], [-1, 0, 1], format="csr")
+    eye = sp.identity(n, format="csr")
+    a = (sp.kron(eye, one_d) + sp.kron(one_d, eye)).tocsr()
+    b = xp.ones(n * n)
+    x = xp.zeros(n * n)
+    r = b - a @ x
+    p = r.copy()
+    rr = r @ r
+    for _ in range(iters):
+        ap = a @ p
+        alpha = rr / (p @ ap)
+        x += alpha * p
+        r -= alpha * ap
+        rr_new = r @ r
+        p = r + (rr_new / rr) * p
+        rr = rr_new
+    return x
+
+
+def fft_convolution(xp, sp=None, batch: int = 64, size: int = 512, sigma: float = 3.0):
+    """A ``batch`` x ``size`` x ``size`` float32 image stack (seeded) convolved
+    (circularly) with a Gaussian of ``sigma`` pixels through rfft2 / irfft2."""
+    rng = xp.random.RandomState(1)
+    images = rng.standard_normal((batch, size, size)).astype(xp.float32)
+    k = xp.arange(size, dtype=xp.float32)
+    k = xp.minimum(k, size - k)
+    g1 = xp.exp(-0.5 * (k / sigma) ** 2)
+    kernel = g1[:, None] * g1[None, :]
+    kernel /= kernel.sum()
+    spec = xp.fft.rfft2(images, axes=(-2, -1)) * xp.fft.rfft2(kernel)
+    return xp.fft.irfft2(spec, s=(size, size), axes=(-2, -1)).astype(xp.float32)
+
+
+def kmeans(xp, sp=None, n: int = 2_000_000, k: int = 16, iters: int = 20):
+    """Lloyd's k-means on ``n`` seeded 2-D points around ``k`` centres; returns
+    the final centres (k x 2, float32)."""
+    rng = xp.random.RandomState(2)
+    true = rng.uniform(-10, 10, size=(k, 2)).astype(xp.float32)
+    labels = rng.randint(0, k, size=n)
+    pts = true[labels] + rng.standard_normal((n, 2)).astype(xp.float32)
+    centres = pts[:k].copy()
+    for _ in range(iters):
+        d2 = ((pts[:, None, :] - centres[None, :, :]) ** 2).sum(axis=2)
+        nearest = d2.argmin(axis=1)
+        counts = xp.bincount(nearest, minlength=k).astype(xp.float32)
+        sums = xp.stack([xp.bincount(nearest, weights=pts[:, j], minlength=k) for j in range(2)], axis=1)
+        centres = xp.where(counts[:, None] > 0, sums / xp.maximum(counts, 1)[:, None], centres).astype(xp.float32)
+    return centres
+
+
+def monte_carlo(xp, sp=None, paths: int = 1_000_000, steps: int = 64, s0: float = 100.0, strike: float = 105.0,
+                rate: float = 0.03, vol: float = 0.2, years: float = 1.0):
+    """A European call over ``paths`` geometric Brownian paths of ``steps``
+    steps (seeded); returns [price, standard error] (float64)."""
+    rng = xp.random.RandomState(3)
+    dt = years / steps
+    drift, diffusion = (rate - 0.5 * vol * vol) * dt, vol * math.sqrt(dt)
+    s = xp.full(paths, s0)
+    for _ in range(steps):
+        z = rng.standard_normal(paths)
+        s = s * xp.exp(drift + diffusion * z)  # a few temporaries per step, on purpose
+    payoff = xp.maximum(s - strike, 0.0) * math.exp(-rate * years)
+    return xp.stack([payoff.mean(), payoff.std() / math.sqrt(paths)])
+
+
+def managed_large(xp, sp=None, nbytes: int = 1 << 30, chunk: int = 1 << 28):
+    """Fill a float32 array of ``nbytes`` with its index modulo 1024 on the
+    device and sum it in chunks of ``chunk`` bytes; returns the sum (float64)."""
+    n = nbytes // 4
+    x = xp.empty(n, dtype=xp.float32)
+    step = chunk // 4
+    total = xp.zeros((), dtype=xp.float64)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        x[lo:hi] = xp.arange(lo, hi, dtype=xp.int64) % 1024
+        total += x[lo:hi].sum(dtype=xp.float64)
+    return total
+
+
+WORKLOADS = {
+    "cg-poisson": (cg_poisson, "CG, 2-D Poisson (5-point Laplacian, CSR), 1024 x 1024 grid, 200 iterations"),
+    "fft-convolution": (fft_convolution, "64 images of 512 x 512 convolved with a Gaussian through rfft2"),
+    "kmeans": (kmeans, "k-means, 2 000 000 points in 2-D, k = 16, 20 iterations"),
+    "monte-carlo": (monte_carlo, "European call, 1 000 000 GBM paths x 64 steps"),
+    "managed-large": (managed_large, "fill and sum one float32 array larger than a quarter of the device"),
+}
+
+
+def expected_managed_large(nbytes: int) -> float:
+    """The exact value :func:`managed_large` must return."""
+    n = nbytes // 4
+    full, rest = divmod(n, 1024)
+    return float(full * (1023 * 1024 // 2) + rest * (rest - 1) // 2)
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+
+def _compare(ref, got) -> dict:
+    import numpy as np
+
+    ref, got = np.asarray(ref), np.asarray(got)
+    if ref.shape == got.shape and np.array_equal(ref, got):
+        return {"identical": True, "max_rel_diff": 0.0}
+    if ref.shape != got.shape:
+        return {"identical": False, "max_rel_diff": None, "why": f"shape {got.shape} != {ref.shape}"}
+    scale = max(float(np.max(np.abs(ref))), 1e-30)
+    return {"identical": False, "max_rel_diff": float(np.max(np.abs(got.astype(np.float64) - ref))) / scale}
+
+
+def measure(xp, sp, paths, workloads: dict, *, rounds: int, sync, to_host, say, stats=None, faults=None) -> dict:
+    """Run ``workloads`` ({name: (fn, kwargs)}) under each of ``paths``
+    ([(label, activate, strategy or None)]): per path one warm-up, then
+    ``rounds`` timed runs. ``sync()`` waits for the device; ``to_host(x)``
+    gives a NumPy copy; ``faults``, if given, has ``start()`` / ``stop() ->
+    dict or None``. Returns {workload: {label: row}}."""
+    out = {}
+    for name, (fn, kwargs) in workloads.items():
+        ref = None
+        rows = {}
+        for label, activate, strategy in paths:
+            say(f"{name}  {label}")
+            activate()
+            result = fn(xp, sp, **kwargs)  # warm-up: kernels compile, caches fill
+            sync()
+            del result
+            times = []
+            for _ in range(rounds):
+                if strategy is not None:
+                    for d in range(strategy.backend.device_count()):
+                        strategy.reset_peak(d)
+                if faults is not None:
+                    faults.start()
+                t0 = time.perf_counter()
+                result = fn(xp, sp, **kwargs)
+                sync()
+                times.append(time.perf_counter() - t0)
+                counts = faults.stop() if faults is not None else None
+                host = to_host(result)
+                del result
+            row = {"seconds": statistics.median(times), "runs": times, "faults": counts}
+            if host.size <= 4:  # scalar results (a price, a sum) are kept in the report
+                row["value"] = [float(v) for v in host.reshape(-1)]
+            if strategy is not None:
+                st = [strategy.stats(d) for d in range(strategy.backend.device_count())]
+                row["peak_bytes_in_use"] = max(s.peak_bytes_in_use for s in st)
+                row["peak_bytes_reserved"] = max(s.peak_bytes_reserved for s in st)
+            if stats is not None and strategy is None:
+                row.update(stats())
+            if ref is None:
+                ref = host
+                row["check"] = {"identical": True, "max_rel_diff": 0.0, "reference": True}
+            else:
+                row["check"] = _compare(ref, host)
+            rows[label] = row
+        base = next(iter(rows.values()))["seconds"]
+        for row in rows.values():
+            row["ratio_to_first"] = row["seconds"] / base
+        out[name] = rows
+    return out
+
+
+def run(*, rounds: int = 3, progress=None, strategies=None, scale: float = 1.0, only=None) -> dict:
+    """Every workload under CuPy's pool and each strategy; the report (seconds).
+
+    Args:
+        rounds: timed runs per path (after one warm-up).
+        strategies: strategy specs to run (default: every registered one,
+            plus ``managed:prefetch=on_alloc``).
+        scale: multiplies the problem sizes (0 < scale <= 1 shrinks them).
+        only: workload names to run (default: all).
+
+    Raises:
+        NoDeviceError, CuPyNotInstalledError: nothing to measure on.
+        ValueError: an unknown workload name or a bad ``scale``.
+    """
+    from ..api import create
+    from ..info import collect
+    from ..registry import get_registry
+    from . import managed as _managed
+    from .alloc import require_real_gpu
+
+    names = list(WORKLOADS) if only is None else list(only)
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"unknown workload {unknown[0]!r}; workloads: {', '.join(WORKLOADS)}")
+    if not (isinstance(scale, (int, float)) and 0 < scale <= 1):
+        raise ValueError(f"scale: expected a number in (0, 1], got {scale!r}")
+    require_real_gpu()
+    import cupy
+    import cupyx.scipy.sparse as sp
+
+    say = progress or (lambda msg: None)
+    total = cupy.cuda.Device().mem_info[1]
+    large = int(total / 4 + (1 << 30)) if scale == 1 else int((1 << 30) * scale)
+    large -= large % (1 << 20)
+    kwargs = {
+        "cg-poisson": {"n": max(32, int(1024 * math.sqrt(scale))), "iters": 200},
+        "fft-convolution": {"batch": max(2, int(64 * scale)), "size": 512},
+        "kmeans": {"n": max(1000, int(2_000_000 * scale))},
+        "monte-carlo": {"paths": max(1000, int(1_000_000 * scale))},
+        "managed-large": {"nbytes": large},
+    }
+    workloads = {n: (WORKLOADS[n][0], kwargs[n]) for n in names}
+    specs = list(strategies) if strategies is not None else get_registry().names() + ["managed:prefetch=on_alloc"]
+    pool = cupy.get_default_memory_pool()
+    prev = cupy.cuda.get_allocator()
+    paths = [("cupy-default", lambda: cupy.cuda.set_allocator(pool.malloc), None)]
+    made = []
+    for spec in specs:
+        s = create(spec)
+        made.append(s)
+        paths.append((spec, lambda m=s.cupy_allocator(): cupy.cuda.set_allocator(m), s))
+    faults = _managed._Faults()
+
+    def pool_stats():
+        return {"pool_total_bytes_after": int(pool.total_bytes())}
+
+    try:
+        results = measure(cupy, sp, paths, workloads, rounds=rounds, sync=lambda: cupy.cuda.Device().synchronize(),
+                          to_host=cupy.asnumpy, say=say, stats=pool_stats,
+                          faults=faults if faults.counter is not None else None)
+    finally:
+        cupy.cuda.set_allocator(prev)
+        for s in made:
+            s.trim()
+    if "managed-large" in results:
+        want = expected_managed_large(kwargs["managed-large"]["nbytes"])
+        for row in results["managed-large"].values():
+            row["check"]["expected"] = want
+            row["check"]["equals_expected"] = row.get("value") == [want]
+    return {
+        "benchmark": "workloads",
+        "machine": collect(),
+        "params": {"rounds": rounds, "scale": scale, "sizes": kwargs,
+                   "descriptions": {n: WORKLOADS[n][1] for n in names},
+                   "fault_counters": faults.source or faults.error},
+        "results": results,
+    }
+
+
+def format_table(report: dict) -> str:
+    """Median seconds per workload and path, ratio to CuPy's pool, peaks, faults, check."""
+    out = ["workloads: median wall seconds (ratio to CuPy's pool), peak in use / reserved, GPU faults, result"]
+    for name, rows in report["results"].items():
+        out.append(f"{name}: {report['params']['descriptions'].get(name, '')}")
+        for label, r in rows.items():
+            peaks = ""
+            if "peak_bytes_in_use" in r:
+                peaks = f"{format_size(r['peak_bytes_in_use'])} / {format_size(r['peak_bytes_reserved'])}"
+            f = (r.get("faults") or {}).get("gpu_faults")
+            c = r.get("check") or {}
+            check = "reference" if c.get("reference") else "identical" if c.get("identical") else (
+                f"differs (max rel {c['max_rel_diff']:.2e})" if c.get("max_rel_diff") is not None else c.get("why", "?"))
+            out.append(f"  {label:28s} {r['seconds']:9.4f} s ({r['ratio_to_first']:5.2f}x)  {peaks:>22s}  "
+                       f"{'' if f is None else f'{f} faults':>12s}  {check}")
+    return "\n".join(out)
+
+
+def progress_printer(stream=None):
+    from .alloc import progress_printer as _pp
+
+    return _pp(stream, "workloads")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use: python -m cupy_memstrat bench workloads")

@@ -1,0 +1,115 @@
+"""bench workloads: the programs' numerics, checked with NumPy / SciPy (no GPU
+needed: the same code runs on CuPy on the device), and the measuring loop."""
+
+import math
+
+import numpy as np
+import pytest
+
+from cupy_memstrat.bench import workloads as W
+
+
+def test_cg_poisson_converges_to_the_poisson_solution():
+    sp = pytest.importorskip("scipy.sparse", reason="SciPy is not installed")
+    import scipy.sparse.linalg as spla
+
+    n = 24
+    x = W.cg_poisson(np, sp, n=n, iters=400)
+    one_d = sp.diags([-np.ones(n - 1), 2 * np.ones(n), -np.ones(n - 1)], [-1, 0, 1])
+    a = (sp.kron(sp.identity(n), one_d) + sp.kron(one_d, sp.identity(n))).tocsc()
+    exact = spla.spsolve(a, np.ones(n * n))
+    assert x.shape == (n * n,) and np.allclose(x, exact, rtol=1e-8, atol=1e-10)
+
+
+def test_fft_convolution_equals_the_direct_circular_convolution():
+    out = W.fft_convolution(np, batch=2, size=16, sigma=1.5)
+    rng = np.random.RandomState(1)
+    images = rng.standard_normal((2, 16, 16)).astype(np.float32)
+    k = np.minimum(np.arange(16), 16 - np.arange(16)).astype(np.float32)
+    g = np.exp(-0.5 * (k / 1.5) ** 2)
+    kernel = np.outer(g, g) / np.outer(g, g).sum()
+    direct = np.zeros_like(images, dtype=np.float64)
+    for dy in range(16):
+        for dx in range(16):
+            direct += kernel[dy, dx] * np.roll(images, (dy, dx), axis=(1, 2))
+    assert out.dtype == np.float32 and np.allclose(out, direct, atol=1e-5)
+
+
+def test_kmeans_ends_at_a_fixed_point_of_lloyds_iteration():
+    centres = W.kmeans(np, n=20_000, k=4, iters=50)
+    rng = np.random.RandomState(2)
+    true = rng.uniform(-10, 10, size=(4, 2)).astype(np.float32)
+    labels = rng.randint(0, 4, size=20_000)
+    pts = true[labels] + rng.standard_normal((20_000, 2)).astype(np.float32)  # the workload's points
+    nearest = ((pts[:, None, :] - centres[None, :, :]) ** 2).sum(axis=2).argmin(axis=1)
+    means = np.stack([pts[nearest == j].mean(axis=0) for j in range(4)])
+    assert centres.shape == (4, 2) and centres.dtype == np.float32
+    assert np.allclose(centres, means, atol=1e-4)  # each centre is the mean of its points
+    first = pts[:4]
+    inertia = lambda c: ((pts[:, None, :] - c[None]) ** 2).sum(axis=2).min(axis=1).sum()  # noqa: E731
+    assert inertia(centres) < 0.5 * inertia(first)
+
+
+def test_monte_carlo_matches_black_scholes():
+    price, stderr = W.monte_carlo(np, paths=200_000, steps=16)
+    s0, k, r, v, t = 100.0, 105.0, 0.03, 0.2, 1.0
+    d1 = (math.log(s0 / k) + (r + v * v / 2) * t) / (v * math.sqrt(t))
+    d2 = d1 - v * math.sqrt(t)
+    cdf = lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2)))  # noqa: E731
+    bs = s0 * cdf(d1) - k * math.exp(-r * t) * cdf(d2)
+    assert abs(price - bs) < 4 * stderr and stderr < 0.05
+
+
+@pytest.mark.parametrize("nbytes", [1 << 20, (1 << 20) + 4 * 1500])
+def test_managed_large_sums_exactly(nbytes):
+    assert float(W.managed_large(np, nbytes=nbytes, chunk=1 << 16)) == W.expected_managed_large(nbytes)
+
+
+class _Strategy:
+    """Enough of a strategy for the measuring loop: per-device peaks."""
+
+    class backend:
+        @staticmethod
+        def device_count():
+            return 1
+
+    def __init__(self, peak):
+        self.peak, self.resets = peak, 0
+
+    def reset_peak(self, d):
+        self.resets += 1
+
+    def stats(self, d):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(peak_bytes_in_use=self.peak, peak_bytes_reserved=2 * self.peak)
+
+
+def test_the_measuring_loop_times_checks_and_reports_peaks():
+    active = []
+    s = _Strategy(peak=4096)
+    paths = [("base", lambda: active.append("base"), None), ("mine", lambda: active.append("mine"), s),
+             ("noisy", lambda: active.append("noisy"), None)]
+
+    def prog(xp, sp, scale=1.0):
+        return xp.arange(4.0) * (1.0 + (1e-3 if active[-1] == "noisy" else 0.0)) * scale
+
+    res = W.measure(np, None, paths, {"prog": (prog, {"scale": 2.0})}, rounds=3, sync=lambda: None,
+                    to_host=np.asarray, say=lambda m: None, stats=lambda: {"pool_total_bytes_after": 7})
+    rows = res["prog"]
+    assert active == ["base", "mine", "noisy"] and s.resets == 3
+    assert rows["base"]["check"] == {"identical": True, "max_rel_diff": 0.0, "reference": True}
+    assert rows["mine"]["check"] == {"identical": True, "max_rel_diff": 0.0}
+    assert rows["noisy"]["check"]["identical"] is False and rows["noisy"]["check"]["max_rel_diff"] == pytest.approx(1e-3)
+    assert rows["mine"]["peak_bytes_in_use"] == 4096 and rows["mine"]["peak_bytes_reserved"] == 8192
+    assert rows["base"]["pool_total_bytes_after"] == 7 and len(rows["base"]["runs"]) == 3
+    assert rows["base"]["value"] == [0.0, 2.0, 4.0, 6.0] and rows["base"]["ratio_to_first"] == 1.0
+    text = W.format_table({"params": {"descriptions": {"prog": "a test"}}, "results": res})
+    assert "prog: a test" in text and "reference" in text and "identical" in text and "differs (max rel 1.00e-03)" in text
+
+
+def test_run_refuses_bad_arguments_before_needing_a_gpu():
+    with pytest.raises(ValueError, match="unknown workload 'nbody'; workloads: cg-poisson, fft-convolution"):
+        W.run(only=["nbody"])
+    with pytest.raises(ValueError, match=r"scale: expected a number in \(0, 1\], got 2"):
+        W.run(scale=2)
