@@ -86,10 +86,11 @@ class _Strategy:
 
 
 def test_the_measuring_loop_times_checks_and_reports_peaks():
-    active = []
+    active, released = [], []
     s = _Strategy(peak=4096)
-    paths = [("base", lambda: active.append("base"), None), ("mine", lambda: active.append("mine"), s),
-             ("noisy", lambda: active.append("noisy"), None)]
+    paths = [("base", lambda: active.append("base"), None, lambda: released.append("base")),
+             ("mine", lambda: active.append("mine"), s, lambda: released.append("mine")),
+             ("noisy", lambda: active.append("noisy"), None, None)]
 
     def prog(xp, sp, scale=1.0):
         return xp.arange(4.0) * (1.0 + (1e-3 if active[-1] == "noisy" else 0.0)) * scale
@@ -97,7 +98,7 @@ def test_the_measuring_loop_times_checks_and_reports_peaks():
     res = W.measure(np, None, paths, {"prog": (prog, {"scale": 2.0})}, rounds=3, sync=lambda: None,
                     to_host=np.asarray, say=lambda m: None, stats=lambda: {"pool_total_bytes_after": 7})
     rows = res["prog"]
-    assert active == ["base", "mine", "noisy"] and s.resets == 3
+    assert active == ["base", "mine", "noisy"] and released == ["base", "mine"] and s.resets == 3
     assert rows["base"]["check"] == {"identical": True, "max_rel_diff": 0.0, "reference": True}
     assert rows["mine"]["check"] == {"identical": True, "max_rel_diff": 0.0}
     assert rows["noisy"]["check"]["identical"] is False and rows["noisy"]["check"]["max_rel_diff"] == pytest.approx(1e-3)

@@ -156,15 +156,16 @@ def _compare(ref, got) -> dict:
 
 def measure(xp, sp, paths, workloads: dict, *, rounds: int, sync, to_host, say, stats=None, faults=None) -> dict:
     """Run ``workloads`` ({name: (fn, kwargs)}) under each of ``paths``
-    ([(label, activate, strategy or None)]): per path one warm-up, then
-    ``rounds`` timed runs. ``sync()`` waits for the device; ``to_host(x)``
+    ([(label, activate, strategy or None, release or None)]): per path one
+    warm-up, then ``rounds`` timed runs, then ``release()`` (give the path's
+    cache back, so that the next path finds the device's memory free). ``sync()`` waits for the device; ``to_host(x)``
     gives a NumPy copy; ``faults``, if given, has ``start()`` / ``stop() ->
     dict or None``. Returns {workload: {label: row}}."""
     out = {}
     for name, (fn, kwargs) in workloads.items():
         ref = None
         rows = {}
-        for label, activate, strategy in paths:
+        for label, activate, strategy, release in paths:
             say(f"{name}  {label}")
             activate()
             result = fn(xp, sp, **kwargs)  # warm-up: kernels compile, caches fill
@@ -193,6 +194,8 @@ def measure(xp, sp, paths, workloads: dict, *, rounds: int, sync, to_host, say, 
                 row["peak_bytes_reserved"] = max(s.peak_bytes_reserved for s in st)
             if stats is not None and strategy is None:
                 row.update(stats())
+            if release is not None:
+                release()
             if ref is None:
                 ref = host
                 row["check"] = {"identical": True, "max_rel_diff": 0.0, "reference": True}
@@ -251,12 +254,15 @@ def run(*, rounds: int = 3, progress=None, strategies=None, scale: float = 1.0, 
     specs = list(strategies) if strategies is not None else get_registry().names() + ["managed:prefetch=on_alloc"]
     pool = cupy.get_default_memory_pool()
     prev = cupy.cuda.get_allocator()
-    paths = [("cupy-default", lambda: cupy.cuda.set_allocator(pool.malloc), None)]
+    # Each path gives its cache back when done: a data set of a quarter of the device cached by
+    # several pools at once would leave the next path short (and managed memory must never be
+    # asked for beyond what is free).
+    paths = [("cupy-default", lambda: cupy.cuda.set_allocator(pool.malloc), None, pool.free_all_blocks)]
     made = []
     for spec in specs:
         s = create(spec)
         made.append(s)
-        paths.append((spec, lambda m=s.cupy_allocator(): cupy.cuda.set_allocator(m), s))
+        paths.append((spec, lambda m=s.cupy_allocator(): cupy.cuda.set_allocator(m), s, s.trim))
     faults = _managed._Faults()
 
     def pool_stats():
