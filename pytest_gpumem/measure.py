@@ -62,6 +62,7 @@ class Window:
     # filled by the plugin
     top_live: list = field(default_factory=list)
     check_start: int = 0  # cupy_memstrat.checks.mark() when the call began
+    history: object = None  # cupy_memstrat.history.History of the call (--gpumem-history)
 
 
 class Meter:

@@ -129,6 +129,10 @@ SETTINGS = (
             "fresh: run each test's call on a new non-blocking current stream, which exposes code that "
             "hard-codes the legacy default stream (reported with --gpumem-check=streams); current: as is",
             metavar="current|fresh"),
+    Setting("history", "--gpumem-history", "GPUMEM_HISTORY", "gpumem_history", parse_bool, False,
+            "record each measured test's allocations and frees (cupy_memstrat.record_history) and put the "
+            "timeline of every test that fails into --gpumem-json (draw one with python -m cupy_memstrat plot)",
+            flag=True),
     Setting("json", "--gpumem-json", "GPUMEM_JSON", "gpumem_json", parse_path, None,
             "write every measured test's numbers, with machine and versions, to PATH as JSON", metavar="PATH"),
 )
@@ -169,7 +173,7 @@ class Settings:
         """Whether every test (not only marked ones) is measured."""
         return bool(
             self.measure or self.budget is not None or self.leaks != "off" or self.faults or self.check
-            or self.stream_policy != "current"
+            or self.stream_policy != "current" or self.history
         )
 
 

@@ -269,6 +269,8 @@ class _State:
                 call.sections.append(("gpumem", "\n\n".join(details)))
             call.gpumem_failed = rec["verdict"]
         rec["outcome"] = _outcome(reports)
+        if w.history is not None and rec["outcome"] in ("failed", "error"):
+            rec["history"] = w.history.as_dict()  # the timeline of a failing test (--gpumem-history)
         props = _report.user_properties(rec)
         item.user_properties.extend(props)
         for r in reports:
@@ -301,7 +303,7 @@ class _State:
             "strategy": strategy,
             "strategy_spec": s.strategy,
             "settings": {k: s.values[k] for k in ("measure", "budget", "leaks", "faults", "faults_missing")}
-            | {"check": sorted(s.check), "stream_policy": s.stream_policy},
+            | {"check": sorted(s.check), "stream_policy": s.stream_policy, "history": s.history},
             "packages": _package_versions(),
             "machine": self.machine,
             "measuring_off": self.why_off,
@@ -514,6 +516,8 @@ def pytest_runtest_call(item):
     w = meter.open(snapshot=True)
     item.stash[_WINDOW] = w
     w.check_start = _checks.mark()
+    if state.settings.history:
+        w.history = cupy_memstrat.record_history(strategy=state.strategy)
     with contextlib.ExitStack() as scope:
         if state.settings.stream_policy == "fresh":
             scope.enter_context(_checks.fresh_stream(backend=state.strategy.backend))
@@ -528,6 +532,8 @@ def pytest_runtest_call(item):
 def _finish_call(state, plan, meter, w, counter) -> None:
     if counter is not None and counter.running:
         w.faults = counter.stop()
+    if w.history is not None:
+        cupy_memstrat.record_history(False)
     meter.close(w)
     if plan.budget is not None and any(w.peak[d] > meter.limit(plan.budget, d) for d in meter.devices):
         w.top_live = meter.largest_new(w)  # while the test's arrays may still be alive

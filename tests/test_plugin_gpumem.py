@@ -550,6 +550,31 @@ def test_cupy_memstrat_env_sets_the_strategy_below_gpumem_strategy(pytester, fak
 # -- reports -----------------------------------------------------------------------------------------------
 
 
+def test_history_puts_the_timeline_of_failing_tests_in_the_json(pytester, fake_env):
+    pytester.makepyfile(HEAD + """
+def make(n):
+    return alloc(n)
+def test_ok():
+    x = make(MiB)
+@pytest.mark.limit_gpu_memory("1MiB")
+def test_over():
+    keep = [make(MiB) for _ in range(3)]
+""")
+    r = run(pytester, "--gpumem-history", "--gpumem-json=out.json")
+    r.assert_outcomes(passed=1, failed=1)
+    doc = json.loads((pytester.path / "out.json").read_text())
+    ok, over = doc["tests"]
+    assert "history" not in ok and doc["settings"]["history"] is True
+    h = over["history"]
+    assert h["kind"] == "memory-history" and h["strategy"]["name"] == "pool"
+    # the list dies when the test function returns, inside the call
+    assert [(e["action"], e["size"]) for e in h["events"]] == [("alloc", 1 << 20)] * 3 + [("free", 1 << 20)] * 3
+    assert all(e["origin"].endswith("in alloc") for e in h["events"][:3])  # the first frame outside CuPy
+    (pytester.path / "snap.json").write_text(json.dumps(h))  # what `python -m cupy_memstrat plot` reads
+
+
+
+
 def test_json_and_junit_carry_the_numbers(pytester, fake_env):
     pytester.makepyfile(HEAD + """
 def test_a():
