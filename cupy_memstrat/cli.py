@@ -32,7 +32,7 @@ def _cmd_bench_all(args) -> int:
         require_real_gpu()  # at once, before anything is written
         import cupy  # noqa: F401
     except (MemstratError, ImportError) as exc:
-        print(f"bench needs a CUDA device and CuPy: {exc}", file=sys.stderr)
+        print(f"bench needs a CUDA device and CuPy: {_without_fake_hint(exc)}", file=sys.stderr)
         return 2
     try:
         os.makedirs(args.out, exist_ok=True)
@@ -84,7 +84,7 @@ def _cmd_bench(args) -> int:
             try:
                 report = mod.run(rounds=args.rounds, progress=say)
             except MemstratError as exc:
-                print(f"bench {group} needs a CUDA device and CuPy: {exc}", file=sys.stderr)
+                print(f"bench {group} needs a CUDA device and CuPy: {_without_fake_hint(exc)}", file=sys.stderr)
                 return 2
             print(mod.format_table(report))
             if out is not None:
@@ -105,6 +105,17 @@ def _cmd_plot(args) -> int:
     except (OSError, ValueError) as exc:
         print(f"plot: cannot read {args.json!r}: {exc}", file=sys.stderr)
         return 2
+    if isinstance(report, dict) and isinstance(report.get("tests"), list):  # a --gpumem-json report
+        with_history = [t for t in report["tests"] if isinstance(t, dict) and t.get("history")]
+        picked = [t for t in with_history if args.test is None or args.test in t.get("nodeid", "")]
+        if len(picked) != 1:
+            ids = ", ".join(t.get("nodeid", "?") for t in (picked or with_history)[:10]) or "none"
+            what = "no test in it has a timeline (run pytest with --gpumem-history)" if not with_history else (
+                f"--test {args.test!r} matches {len(picked)} of the tests with a timeline ({ids})" if args.test
+                else f"{len(with_history)} tests have a timeline ({ids}): pick one with --test NODEID")
+            print(f"plot: {args.json} is a pytest_gpumem report; {what}", file=sys.stderr)
+            return 2
+        report = picked[0]["history"]
     try:
         plot(report, args.output)
     except (ValueError, RuntimeError, OSError) as exc:
@@ -153,15 +164,16 @@ def _cmd_run(args) -> int:
         print(f"run: {exc}", file=sys.stderr)
         return 2
     saved_argv, saved_path = sys.argv[:], sys.path[:]
+    script_globals = None  # held until the summary: "live at exit" counts what the script kept
     try:
         if script is not None:
             sys.argv = [script, *rest]
             sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-            runpy.run_path(script, run_name="__main__")
+            script_globals = runpy.run_path(script, run_name="__main__")
         else:
             sys.argv = [args.module, *rest]
             sys.path.insert(0, os.getcwd())
-            runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+            script_globals = runpy.run_module(args.module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         code = exc.code
@@ -174,6 +186,7 @@ def _cmd_run(args) -> int:
                     print(f"cupy_memstrat: {spec.strip()} on device {d}: peak in use "
                           f"{format_size(st.peak_bytes_in_use)}, peak reserved {format_size(st.peak_bytes_reserved)}, "
                           f"{st.n_allocs} allocations, {st.n_live} live at exit", file=sys.stderr)
+        del script_globals
     if code is None or isinstance(code, int):
         return code or 0
     print(code, file=sys.stderr)  # sys.exit("message"), as Python itself does
@@ -181,6 +194,13 @@ def _cmd_run(args) -> int:
 
 
 _BENCH_MODULES = {"alloc": "alloc", "async": "async_pool", "managed": "managed", "workloads": "workloads"}
+
+
+def _without_fake_hint(exc) -> str:
+    """The reason without the hint to try the fake backend: benchmarks time real kernels."""
+    text = str(exc)
+    cut = text.find("; to try strategies without a GPU")
+    return text[:cut] + ")" if cut >= 0 else text
 
 
 def _nothing():
@@ -236,9 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--quiet", action="store_true", help="no progress lines")
         g.set_defaults(func=_cmd_bench)
 
-    pl = sub.add_parser("plot", help="draw the figure of a benchmark's JSON (needs matplotlib)")
-    pl.add_argument("json", help="a file written by bench ... --json")
+    pl = sub.add_parser("plot", help="draw a benchmark's JSON, or a memory timeline (needs matplotlib)")
+    pl.add_argument("json", help="a file written by bench ... --json, by cupy_memstrat.snapshot(PATH), or by "
+                                 "pytest --gpumem-history --gpumem-json=PATH (then --test picks the test)")
     pl.add_argument("-o", "--output", required=True, help="image to write (.png, .svg, ...)")
+    pl.add_argument("--test", metavar="NODEID", help="in a pytest_gpumem report: the test whose timeline to draw "
+                                                     "(a part of its node id)")
     pl.set_defaults(func=_cmd_plot)
     run = sub.add_parser(
         "run",

@@ -98,3 +98,27 @@ def test_the_plot_draws_a_snapshot(fake_cupy, tmp_path):
     empty = dict(json.loads((tmp_path / "s.json").read_text()), events=[])
     (tmp_path / "e.json").write_text(json.dumps(empty))
     assert main(["plot", str(tmp_path / "e.json"), "-o", str(tmp_path / "e.png")]) == 2
+
+
+def test_plot_picks_a_test_timeline_from_a_gpumem_report(fake_cupy, tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the [plot] extra is not installed")
+    from cupy_memstrat.cli import main
+
+    cupy_memstrat.use("device")
+    cupy_memstrat.record_history()
+    keep = _alloc(MiB)
+    snap = cupy_memstrat.snapshot()
+    del keep
+    report = {"version": 1, "tests": [{"nodeid": "t.py::test_a"}, {"nodeid": "t.py::test_b", "history": snap},
+                                       {"nodeid": "t.py::test_c", "history": snap}]}
+    path = tmp_path / "gpumem.json"
+    path.write_text(json.dumps(report))
+    assert main(["plot", str(path), "-o", str(tmp_path / "x.png")]) == 2
+    assert "2 tests have a timeline (t.py::test_b, t.py::test_c): pick one with --test NODEID" in capsys.readouterr().err
+    assert main(["plot", str(path), "--test", "test_c", "-o", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").exists()
+    assert main(["plot", str(path), "--test", "test_z", "-o", str(tmp_path / "z.png")]) == 2
+    assert "--test 'test_z' matches 0 of the tests with a timeline" in capsys.readouterr().err
+    path.write_text(json.dumps({"tests": [{"nodeid": "t.py::test_a"}]}))
+    assert main(["plot", str(path), "-o", str(tmp_path / "n.png")]) == 2
+    assert "no test in it has a timeline (run pytest with --gpumem-history)" in capsys.readouterr().err

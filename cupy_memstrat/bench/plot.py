@@ -164,6 +164,8 @@ def _timeline(doc: dict, plt, top: int = 8):
             peak[key] = max(peak.get(key, 0), by_origin[key])
             t.append(len(t))
             series.append(dict(by_origin))
+        t.append(len(t))  # the state after the last event, drawn for one more step
+        series.append(series[-1])
         keys = sorted(peak, key=lambda k: -peak[k])
         shown, rest = keys[:top], keys[top:]
         base = (doc.get("baseline_bytes_in_use") or [0] * (d + 1))[d]
