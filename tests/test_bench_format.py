@@ -186,3 +186,15 @@ def test_workloads_table_and_figure(tmp_path):
 
     plot(_workloads_report(), str(tmp_path / "w.png"))
     assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_with_no_group_refuses_an_out_it_cannot_write(tmp_path, monkeypatch, capsys):
+    import pytest
+
+    pytest.importorskip("cupy", reason="CuPy is not installed")
+    from cupy_memstrat.cli import main
+
+    monkeypatch.setattr(alloc, "require_real_gpu", lambda: None)
+    (tmp_path / "file").write_text("")
+    assert main(["bench", "--out", str(tmp_path / "file" / "sub")]) == 2
+    assert f"bench: cannot write to --out {str(tmp_path / 'file' / 'sub')!r}: Not a directory" in capsys.readouterr().err

@@ -212,6 +212,7 @@ def test_a(big, medium):
         ("top", "ten", "expected a whole number of tests >= 0"),
         ("check", "leaks", "unknown check 'leaks' in 'leaks'; valid: streams, poison, redzone, all or off"),
         ("stream_policy", "sometimes", "expected one of current, fresh"),
+        ("history", "often", "expected one of 1, true, yes, on, 0, false, no, off"),
         ("", "perhaps", "expected one of 1, true"),
     ],
 )
@@ -222,7 +223,7 @@ def test_bad_values_are_usage_errors_naming_the_source(pytester, fake_env, setti
     pytester.makepyfile("def test_a():\n    pass\n")
     args = []
     if where == "option":
-        if not setting or setting == "faults":  # a flag: argparse refuses a value, also a usage error
+        if not setting or setting in ("faults", "history"):  # a flag: argparse refuses a value, also a usage error
             r = run(pytester, f"{opt}={value}")
             assert r.ret == pytest.ExitCode.USAGE_ERROR
             assert f"argument {opt}: ignored explicit argument {value!r}" in r.stderr.str(), r.stderr.str()
