@@ -132,22 +132,8 @@ def _recording_allocator(strategy, h: History) -> _RecordingAllocator:
             h.n_events += 1
             events.append((clock(), "free", ptr, size, device, stream(device), None))
 
-    memory = base._cupy_memory()
-    if isinstance(strategy.backend, base._cuda.RealBackend):
-        pfa = memory.PythonFunctionAllocator(rec_malloc, rec_free)
-        cupy_malloc = pfa.malloc
-        if base._c_hotpath is not None and base.hot_path_status()["setting"] != "python":
-            cupy_malloc = base._c_hotpath.GcSafeMalloc(cupy_malloc)
-        return _RecordingAllocator(cupy_malloc, strategy, pfa)
-    backend = strategy.backend
-
-    def fake_malloc(size):
-        device = backend.get_device()
-        ptr = rec_malloc(size, device) if size else 0
-        owner = base._FakeOwner(rec_free, ptr, device) if ptr else None
-        return memory.MemoryPointer(memory.UnownedMemory(ptr, size, owner, device), 0)
-
-    return _RecordingAllocator(fake_malloc, strategy, None)
+    cupy_malloc, pfa, _ = base._cupy_malloc_over(strategy.backend, rec_malloc, rec_free)
+    return _RecordingAllocator(cupy_malloc, strategy, pfa)
 
 
 def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins: bool = True,

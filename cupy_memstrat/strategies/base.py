@@ -150,6 +150,40 @@ class _FakeOwner:
         self.free(self.ptr, self.device)
 
 
+def _cupy_malloc_over(backend, malloc, free):
+    """CuPy's ``malloc(size) -> MemoryPointer`` over a hot path's
+    ``malloc(size, device)`` / ``free(ptr, device, stacklevel)``.
+
+    Returns ``(cupy_malloc, pfa, gc_safe)``: ``pfa`` is the
+    ``PythonFunctionAllocator`` behind it (None with the fake backend, where
+    a small Python function does its work), ``gc_safe`` whether the C
+    ``GcSafeMalloc`` wraps it (wherever the extension is built, whichever hot
+    path was chosen, unless ``CUPY_MEMSTRAT_HOT_PATH=python``).
+    """
+    memory = _cupy_memory()
+    gc_safe = _c_hotpath is not None and hot_path_status()["setting"] != "python"
+    if isinstance(backend, _cuda.RealBackend):
+        # CuPy reads the current device, calls malloc(size, device) for
+        # size > 0 and, when the array's memory dies, free(ptr, device), all
+        # in Cython.
+        pfa = memory.PythonFunctionAllocator(malloc, free)
+        cupy_malloc = pfa.malloc
+        if gc_safe:
+            # Keeps each array's memory object off the garbage collector,
+            # which in CuPy 14.2 can clear it before its destructor has
+            # freed the block (csrc/hotpath.c, GcSafeMalloc).
+            cupy_malloc = _c_hotpath.GcSafeMalloc(cupy_malloc)
+        return cupy_malloc, pfa, gc_safe
+
+    def fake_malloc(size):
+        device = backend.get_device()
+        ptr = malloc(size, device) if size else 0
+        owner = _FakeOwner(free, ptr, device) if ptr else None
+        return memory.MemoryPointer(memory.UnownedMemory(ptr, size, owner, device), 0)
+
+    return fake_malloc, None, gc_safe
+
+
 class Strategy:
     """A named allocator policy that CuPy can use as its allocator.
 
@@ -632,33 +666,11 @@ class Strategy:
         return s if s is not None and s._pfa is owner else None
 
     def _make_cupy_malloc(self):
-        memory = _cupy_memory()
         malloc, free = self._build_hot_path() if self._malloc is None else (self._malloc, self._free)
-        # GcSafeMalloc wherever the extension is built, whichever hot path the
-        # strategy got (track_origins included), unless the Python one was asked for.
-        self._gc_safe = _c_hotpath is not None and hot_path_status()["setting"] != "python"
-        if isinstance(self.backend, _cuda.RealBackend):
-            # CuPy reads the current device, calls malloc(size, device) for
-            # size > 0 and, when the array's memory dies, raw_free(ptr,
-            # device), all in Cython.
-            pfa = memory.PythonFunctionAllocator(malloc, free)
+        cupy_malloc, pfa, self._gc_safe = _cupy_malloc_over(self.backend, malloc, free)
+        if pfa is not None:
             self._pfa = pfa
             _pfa_owners[id(pfa)] = weakref.ref(self)
-            cupy_malloc = pfa.malloc
-            if self._gc_safe:
-                # Keeps each array's memory object off the garbage collector,
-                # which in CuPy 14.2 can clear it before its destructor has
-                # freed the block (csrc/hotpath.c, GcSafeMalloc).
-                cupy_malloc = _c_hotpath.GcSafeMalloc(cupy_malloc)
-        else:
-            backend, raw_free = self.backend, free
-
-            def cupy_malloc(size):
-                device = backend.get_device()
-                ptr = malloc(size, device) if size else 0
-                owner = _FakeOwner(raw_free, ptr, device) if ptr else None
-                return memory.MemoryPointer(memory.UnownedMemory(ptr, size, owner, device), 0)
-
         self._pin()
         self._cupy_malloc = cupy_malloc
         return cupy_malloc
