@@ -468,27 +468,25 @@ class CheckedStrategy(Strategy):
         rec = self._own.get((e[4], e[2]))
         if rec is None or e[5] > rec[1]:
             return False
-        cur = self.backend.get_device()
-        if cur == e[4]:
-            return self.backend.event_done(rec[0])
-        self.backend.set_device(e[4])
-        try:
-            return self.backend.event_done(rec[0])
-        finally:
-            self.backend.set_device(cur)
+        return self._on_device(e[4], self.backend.event_done, rec[0])
 
     def _busy(self, e: list) -> bool:
         """``cudaStreamQuery`` of a seen stream; the default streams (handles
         0-2) are asked on their own device."""
-        b = self.backend
         if e[2] > 2:
-            return b.stream_busy(e[2])
+            return self.backend.stream_busy(e[2])
+        return self._on_device(e[4], self.backend.stream_busy, e[2])
+
+    def _on_device(self, device: int, query, arg):
+        """``query(arg)`` with ``device`` current (switched only if it is not),
+        the current device put back after."""
+        b = self.backend
         cur = b.get_device()
-        if cur == e[4]:
-            return b.stream_busy(e[2])
-        b.set_device(e[4])
+        if cur == device:
+            return query(arg)
+        b.set_device(device)
         try:
-            return b.stream_busy(e[2])
+            return query(arg)
         finally:
             b.set_device(cur)
 
