@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 
 from .errors import MemstratError
 
@@ -41,13 +42,20 @@ def _cmd_bench_all(args) -> int:
         return 2
     groups = list(_BENCH_MODULES)
     written = []
+    t_start = time.monotonic()
+
+    def elapsed() -> str:
+        s = int(time.monotonic() - t_start)
+        return f"{s // 60}:{s % 60:02d}"
+
     for i, group in enumerate(groups, 1):
         mod = importlib.import_module(f".bench.{_BENCH_MODULES[group]}", __package__)
         base = mod.progress_printer()
-        say = None if args.quiet else (lambda msg, i=i, group=group, base=base: base(f"[{i}/{len(groups)} {group}] {msg}"))
+        say = None if args.quiet else (
+            lambda msg, i=i, group=group, base=base: base(f"[{elapsed()} {i}/{len(groups)}] {msg}"))
         kwargs = {} if args.rounds is None else {"rounds": args.rounds}
         report = mod.run(progress=say, **kwargs)
-        print(f"\n== bench {group}\n" + mod.format_table(report), flush=True)
+        print(f"\n== bench {group} (done at {elapsed()})\n" + mod.format_table(report), flush=True)
         path = os.path.join(args.out, f"bench-{group}.json")
         with open(path, "w") as f:
             json.dump(report, f, indent=2)

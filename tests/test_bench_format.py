@@ -143,6 +143,27 @@ def test_bench_with_no_group_runs_every_group_and_writes_json_and_figures(tmp_pa
     assert "== bench alloc" in text and "== bench workloads" in text and "wrote " in text
 
 
+def test_bench_with_no_group_shows_progress_with_the_group_and_the_time_so_far(tmp_path, monkeypatch, capsys):
+    import pytest
+
+    pytest.importorskip("cupy", reason="CuPy is not installed")
+    from cupy_memstrat.bench import managed, workloads
+    from cupy_memstrat.cli import main
+
+    for mod, rep in ((alloc, dict(_alloc_report(["cupy-default", "no-pool"]), benchmark="alloc")),
+                     (async_pool, _async_report()), (managed, _managed_report()), (workloads, _workloads_report())):
+        monkeypatch.setattr(mod, "run", lambda rep=rep, **kw: kw["progress"]("step one") or rep)
+    monkeypatch.setattr(alloc, "require_real_gpu", lambda: None)
+    import cupy_memstrat.bench.plot as plot_mod
+
+    monkeypatch.setattr(plot_mod, "plot", lambda report, path: None)
+    assert main(["bench", "--out", str(tmp_path / "res")]) == 0
+    captured = capsys.readouterr()
+    assert "[bench alloc] [0:00 1/4] step one" in captured.err
+    assert "[bench workloads] [0:00 4/4] step one" in captured.err
+    assert "== bench managed (done at 0:00)" in captured.out
+
+
 def test_bench_with_no_group_stops_at_once_without_a_gpu(tmp_path, monkeypatch, capsys):
     from cupy_memstrat.cli import main
     from cupy_memstrat.errors import NoDeviceError

@@ -26,6 +26,9 @@
 #   tools/device_run.sh gpu               tests/gpu only
 #   tools/device_run.sh hotpath           info, tests/gpu, the PythonFunctionAllocator floor probe (C and
 #                                         Python hot paths), bench alloc, bench managed
+#   tools/device_run.sh mainjob           info, tests/gpu, then the README's main job: python -m cupy_memstrat
+#                                         bench --out (capped at BENCH_TIMEOUT s, default 420); its folder
+#                                         comes back as mainjob.tgz (8 files at most come back)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -57,6 +60,18 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+
+if [ "$part" = mainjob ]; then
+  step info
+  python3 -m cupy_memstrat info
+  step tests/gpu
+  python3 -m pytest tests/gpu -v -p no:cacheprovider --junitxml="$OUT/tests_gpu.xml"
+  step "bench (the main job)"
+  t0=$(date +%s)
+  timeout "${BENCH_TIMEOUT:-420}" python3 -m cupy_memstrat bench --out "$OUT/memstrat-bench"
+  echo "bench exit $? after $(( $(date +%s) - t0 )) s"
+  tar czf "$OUT/mainjob.tgz" -C "$OUT" memstrat-bench && rm -rf "$OUT/memstrat-bench"
+fi
 
 if [ "$part" = main ]; then
   step info
