@@ -259,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     for group, text in helps.items():
         g = groups.add_parser(group, help=text, description=text)
         g.add_argument("--json", metavar="PATH", help="also write the results (with machine info) here")
-        g.add_argument("--rounds", type=_positive_int, default=3 if group == "workloads" else 7,
-                       help=f"interleaved rounds (default {3 if group == 'workloads' else 7})")
+        g.add_argument("--rounds", type=_positive_int, default=5 if group == "workloads" else 7,
+                       help=f"interleaved rounds (default {5 if group == 'workloads' else 7})")
         g.add_argument("--quiet", action="store_true", help="no progress lines")
         g.set_defaults(func=_cmd_bench)
 

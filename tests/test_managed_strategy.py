@@ -164,6 +164,38 @@ def test_prefetch_on_alloc_puts_large_blocks_and_new_chunks_on_the_device(fake):
     assert again == big and fake.residency(big, 4 * MiB) == {0: 4 * MiB}
 
 
+def test_prefetch_on_new_prefetches_new_memory_but_not_what_the_cache_hands_back(fake):
+    s = cupy_memstrat.create("managed", backend=fake, prefetch="on_new")
+    big = s.raw_malloc(4 * MiB)
+    small = s.raw_malloc(1000)
+    base = max(b for b in s._chunks[0] if b <= small)
+    assert fake.residency(big, 4 * MiB) == {0: 4 * MiB}  # new: prefetched
+    assert fake.residency(base, CHUNK_BYTES) == {0: CHUNK_BYTES}
+    calls = fake.n_prefetch_calls
+    fake.touch(big, 4 * MiB, "host")
+    s.raw_free(big)
+    s.raw_free(small)
+    for hot_path_size in (4 * MiB, 1000):  # through the hot path, cached: no prefetch call
+        p = s.malloc(hot_path_size)
+        del p
+    again = s.raw_malloc(4 * MiB)
+    assert again == big and fake.n_prefetch_calls == calls
+    assert fake.residency(big, 4 * MiB) == {"host": 4 * MiB}  # where its last user left it
+    s.raw_malloc(4 * MiB)  # new again (the cached one is taken): prefetched
+    assert fake.n_prefetch_calls == calls + 1
+
+
+def test_prefetch_on_alloc_prefetches_every_large_allocation_cached_or_not(fake):
+    s = cupy_memstrat.create("managed", backend=fake, prefetch="on_alloc")
+    p = s.malloc(4 * MiB)
+    del p
+    calls = fake.n_prefetch_calls
+    for _ in range(3):
+        p = s.malloc(4 * MiB)  # the hot path, a cache hit each time
+        del p
+    assert fake.n_prefetch_calls == calls + 3
+
+
 @pytest.mark.parametrize("size", [4096, 4 * MiB])
 def test_a_failed_prefetch_on_alloc_fails_clearly_and_loses_nothing(fake, size):
     s = cupy_memstrat.create("managed", backend=fake, prefetch="on_alloc")
@@ -188,10 +220,11 @@ def test_a_failed_prefetch_on_alloc_fails_clearly_and_loses_nothing(fake, size):
             assert s.raw_malloc(size) == p
 
 
-def test_prefetch_on_alloc_is_refused_without_concurrent_managed_access():
+@pytest.mark.parametrize("mode", ["on_alloc", "on_new"])
+def test_prefetch_is_refused_without_concurrent_managed_access(mode):
     fake = FakeBackend(memory="1GiB", concurrent_managed_access=0)
-    with pytest.raises(ValueError, match="prefetch='on_alloc' needs concurrentManagedAccess, and device 0"):
-        cupy_memstrat.create("managed", backend=fake, prefetch="on_alloc")
+    with pytest.raises(ValueError, match=f"prefetch='{mode}' needs concurrentManagedAccess, and device 0"):
+        cupy_memstrat.create("managed", backend=fake, prefetch=mode)
 
 
 def test_a_size_that_rounds_past_size_t_is_refused(fake):
@@ -288,7 +321,7 @@ def test_a_cuda_failure_is_an_out_of_memory_error_and_clears_the_sticky_error(fa
         (dict(accessed_by="host+\u0661"), "accessed_by: expected"),  # an Arabic-Indic digit is not an ordinal
         (dict(preferred_location="\u00b2"), "preferred_location: expected"),
         (dict(headroom="100%"), "headroom=.*leaves nothing of device 0's memory"),
-        (dict(prefetch="always"), "prefetch: expected 'on_alloc' or None, got 'always'"),
+        (dict(prefetch="always"), "prefetch: expected 'on_alloc', 'on_new' or None, got 'always'"),
         (dict(read_mostly="maybe"), "read_mostly: expected true or false, got 'maybe'"),
         (dict(headroom="-1GiB"), "headroom"),
         (dict(headroom="2TiB"), "headroom=.*2.0 TiB.*leaves nothing of device 0's memory"),

@@ -96,9 +96,13 @@ def test_the_measuring_loop_times_checks_and_reports_peaks():
         return xp.arange(4.0) * (1.0 + (1e-3 if active[-1] == "noisy" else 0.0)) * scale
 
     res = W.measure(np, None, paths, {"prog": (prog, {"scale": 2.0})}, rounds=3, sync=lambda: None,
-                    to_host=np.asarray, say=lambda m: None, stats=lambda: {"pool_total_bytes_after": 7})
+                    to_host=np.asarray, say=lambda m: None, stats=lambda: {"pool_total_bytes_after": 7},
+                    min_sample_s=0.0)
     rows = res["prog"]
-    assert active == ["base", "mine", "noisy"] and released == ["base", "mine"] and s.resets == 3
+    # warm-up under each, one calibration run under the first, then the rounds in rotated order
+    assert active == ["base", "mine", "noisy", "base",
+                      "base", "mine", "noisy", "mine", "noisy", "base", "noisy", "base", "mine"]
+    assert released == ["base", "mine"] and s.resets == 3  # each cache given back once, at the end
     assert rows["base"]["check"] == {"identical": True, "max_rel_diff": 0.0, "reference": True}
     assert rows["mine"]["check"] == {"identical": True, "max_rel_diff": 0.0}
     assert rows["noisy"]["check"]["identical"] is False and rows["noisy"]["check"]["max_rel_diff"] == pytest.approx(1e-3)
@@ -107,6 +111,53 @@ def test_the_measuring_loop_times_checks_and_reports_peaks():
     assert rows["base"]["value"] == [0.0, 2.0, 4.0, 6.0] and rows["base"]["ratio_to_first"] == 1.0
     text = W.format_table({"params": {"descriptions": {"prog": "a test"}}, "results": res})
     assert "prog: a test" in text and "reference" in text and "identical" in text and "differs (max rel 1.00e-03)" in text
+
+
+class _Clock:
+    """A clock that each program run moves on by its path's cost."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_a_short_program_is_repeated_within_a_sample_and_timed_per_run():
+    clock, active, runs = _Clock(), [], []
+    cost = {"fast": 0.002, "slow": 0.004}
+    paths = [(name, lambda name=name: active.append(name), None, None) for name in cost]
+
+    def prog(xp, sp):
+        clock.t += cost[active[-1]]
+        runs.append(active[-1])
+        return xp.zeros(1)
+
+    rows = W.measure(np, None, paths, {"p": (prog, {})}, rounds=2, sync=lambda: None, to_host=np.asarray,
+                     say=lambda m: None, min_sample_s=0.02, clock=clock)["p"]
+    assert rows["fast"]["reps"] == 10  # 0.02 s / 0.002 s per run, from the first path's calibration run
+    assert runs.count("slow") == 1 + 2 * 10 and runs.count("fast") == 1 + 1 + 2 * 10
+    assert rows["fast"]["seconds"] == pytest.approx(0.002) and rows["slow"]["seconds"] == pytest.approx(0.004)
+    assert rows["slow"]["ratio_to_first"] == pytest.approx(2.0)
+
+
+def test_a_cold_workload_starts_every_sample_with_the_cache_given_back():
+    events = []
+    paths = [(name, lambda name=name: events.append(("use", name)), None,
+              lambda name=name: events.append(("release", name))) for name in ("a", "b")]
+
+    def big(xp, sp):
+        events.append(("run",))
+        return xp.ones(2)
+
+    rows = W.measure(np, None, paths, {"big": (big, {})}, rounds=2, sync=lambda: None, to_host=np.asarray,
+                     say=lambda m: None, cold=("big",), min_sample_s=10.0)["big"]
+    assert rows["a"]["reps"] == 1  # cold: one run per sample, however short
+    # every run (warm-ups included) is followed by its path's release, before anything else runs
+    runs = [i for i, e in enumerate(events) if e == ("run",)]
+    assert len(runs) == 2 + 2 * 2
+    assert all(events[i + 1][0] == "release" and events[i - 1] == ("use", events[i + 1][1]) for i in runs)
+    assert events[-1][0] == "release"
 
 
 def test_run_refuses_bad_arguments_before_needing_a_gpu():

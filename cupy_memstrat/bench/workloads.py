@@ -18,12 +18,16 @@ machine without one) and a sparse module ``sp`` (``cupyx.scipy.sparse`` /
   chunks.
 
 Every path (CuPy's default pool, then each strategy, ``managed`` also with
-``prefetch="on_alloc"``) runs each workload once to warm up (kernels compile),
-then ``rounds`` timed runs; the report has the median wall time, the ratio to
-CuPy's pool, peak bytes in use and reserved (for strategies, from their
-statistics), the page faults of the last run where counters exist, and
-whether the result equals the one under CuPy's pool (bit for bit, or the
-largest relative difference: k-means sums with atomics, whose order varies).
+``prefetch="on_new"`` and ``prefetch="on_alloc"``) runs each workload once to
+warm up (kernels compile, caches fill); then ``rounds`` rounds time every path
+once each, side by side, in an order rotated each round (see :func:`measure`:
+a short program is repeated within a sample). ``managed-large`` is measured
+cold: every sample starts with the path's cache given back, as a program
+allocating one big data set does. The report has the median seconds per run,
+the ratio to CuPy's pool, peak bytes in use and reserved (for strategies,
+from their statistics), the page faults of the last sample where counters
+exist, and whether the result equals the one under CuPy's pool (bit for bit,
+or the largest relative difference).
 """
 
 from __future__ import annotations
@@ -132,6 +136,9 @@ WORKLOADS = {
 }
 
 
+COLD = ("managed-large",)  # measured from nothing cached: a data set that size is allocated once per program
+
+
 def expected_managed_large(nbytes: int) -> float:
     """The exact value :func:`managed_large` must return."""
     n = nbytes // 4
@@ -154,54 +161,96 @@ def _compare(ref, got) -> dict:
     return {"identical": False, "max_rel_diff": float(np.max(np.abs(got.astype(np.float64) - ref))) / scale}
 
 
-def measure(xp, sp, paths, workloads: dict, *, rounds: int, sync, to_host, say, stats=None, faults=None) -> dict:
+def measure(xp, sp, paths, workloads: dict, *, rounds: int, sync, to_host, say, stats=None, faults=None,
+            cold=(), min_sample_s: float = 0.05, clock=time.perf_counter) -> dict:
     """Run ``workloads`` ({name: (fn, kwargs)}) under each of ``paths``
-    ([(label, activate, strategy or None, release or None)]): per path one
-    warm-up, then ``rounds`` timed runs, then ``release()`` (give the path's
-    cache back, so that the next path finds the device's memory free). ``sync()`` waits for the device; ``to_host(x)``
-    gives a NumPy copy; ``faults``, if given, has ``start()`` / ``stop() ->
-    dict or None``. Returns {workload: {label: row}}."""
+    ([(label, activate, strategy or None, release or None)]), side by side.
+
+    Per workload: each path runs it once to warm up (kernels compile, caches
+    fill); then ``rounds`` rounds, each timing every path once, the order
+    rotated by one path per round (so drift does not favour one path). A
+    timed sample runs the program ``reps`` times back to back and reports
+    the time per run: ``reps`` is chosen once per workload, from one run
+    under the first path, so that a sample lasts at least ``min_sample_s``
+    seconds. A workload named in ``cold`` runs once per sample and starts
+    each sample with nothing cached: ``release()`` (give the path's cache
+    back) runs after its warm-up and after each sample, so its time includes
+    getting the memory from CUDA and the first touch (and its page faults).
+    After the rounds every path's cache is released, so that the next
+    workload finds the device's memory free.
+
+    ``sync()`` waits for the device; ``to_host(x)`` gives a NumPy copy;
+    ``faults``, if given, has ``start()`` / ``stop() -> dict or None``
+    (counted over a path's last sample); ``stats()`` adds CuPy-pool figures
+    to rows of paths without a strategy. Returns {workload: {label: row}};
+    ``row["seconds"]`` is the median over the rounds of the seconds per run.
+    """
     out = {}
     for name, (fn, kwargs) in workloads.items():
-        ref = None
-        rows = {}
-        for label, activate, strategy, release in paths:
-            say(f"{name}  {label}")
+        is_cold = name in cold
+        for label, activate, _strategy, release in paths:
+            say(f"{name}  {label}  warm-up")
             activate()
-            result = fn(xp, sp, **kwargs)  # warm-up: kernels compile, caches fill
+            result = fn(xp, sp, **kwargs)
             sync()
             del result
-            times = []
-            for _ in range(rounds):
+            if is_cold and release is not None:
+                release()
+        reps = 1
+        if not is_cold:
+            paths[0][1]()
+            t0 = clock()
+            result = fn(xp, sp, **kwargs)
+            sync()
+            one = clock() - t0
+            del result
+            reps = max(1, min(100, math.ceil(min_sample_s / max(one, 1e-9))))
+        rows = {label: {"runs": [], "reps": reps, "faults": None} for label, *_ in paths}
+        hosts = {}
+        for r in range(rounds):
+            for label, activate, strategy, release in paths[r % len(paths):] + paths[:r % len(paths)]:
+                say(f"{name}  round {r + 1}/{rounds}  {label}")
+                row = rows[label]
+                activate()
                 if strategy is not None:
                     for d in range(strategy.backend.device_count()):
                         strategy.reset_peak(d)
                 if faults is not None:
                     faults.start()
-                t0 = time.perf_counter()
-                result = fn(xp, sp, **kwargs)
+                t0 = clock()
+                for i in range(reps):
+                    if i:
+                        del result  # noqa: F821 - the previous run's result, before the next one
+                    result = fn(xp, sp, **kwargs)
                 sync()
-                times.append(time.perf_counter() - t0)
-                counts = faults.stop() if faults is not None else None
-                host = to_host(result)
+                row["runs"].append((clock() - t0) / reps)
+                if faults is not None:
+                    row["faults"] = faults.stop()
+                hosts[label] = to_host(result)
                 del result
-            row = {"seconds": statistics.median(times), "runs": times, "faults": counts}
+                if strategy is not None:
+                    st = [strategy.stats(d) for d in range(strategy.backend.device_count())]
+                    row["peak_bytes_in_use"] = max(row.get("peak_bytes_in_use", 0), *(x.peak_bytes_in_use for x in st))
+                    row["peak_bytes_reserved"] = max(row.get("peak_bytes_reserved", 0),
+                                                     *(x.peak_bytes_reserved for x in st))
+                elif stats is not None:
+                    row.update(stats())
+                if is_cold and release is not None:
+                    release()
+        for _label, _activate, _strategy, release in paths:
+            if release is not None and not is_cold:
+                release()
+        ref = None
+        for label, row in rows.items():
+            row["seconds"] = statistics.median(row["runs"])
+            host = hosts[label]
             if host.size <= 4:  # scalar results (a price, a sum) are kept in the report
                 row["value"] = [float(v) for v in host.reshape(-1)]
-            if strategy is not None:
-                st = [strategy.stats(d) for d in range(strategy.backend.device_count())]
-                row["peak_bytes_in_use"] = max(s.peak_bytes_in_use for s in st)
-                row["peak_bytes_reserved"] = max(s.peak_bytes_reserved for s in st)
-            if stats is not None and strategy is None:
-                row.update(stats())
-            if release is not None:
-                release()
             if ref is None:
                 ref = host
                 row["check"] = {"identical": True, "max_rel_diff": 0.0, "reference": True}
             else:
                 row["check"] = _compare(ref, host)
-            rows[label] = row
         base = next(iter(rows.values()))["seconds"]
         for row in rows.values():
             row["ratio_to_first"] = row["seconds"] / base
@@ -209,13 +258,14 @@ def measure(xp, sp, paths, workloads: dict, *, rounds: int, sync, to_host, say, 
     return out
 
 
-def run(*, rounds: int = 3, progress=None, strategies=None, scale: float = 1.0, only=None) -> dict:
+def run(*, rounds: int = 5, progress=None, strategies=None, scale: float = 1.0, only=None) -> dict:
     """Every workload under CuPy's pool and each strategy; the report (seconds).
 
     Args:
-        rounds: timed runs per path (after one warm-up).
+        rounds: rounds of timed samples, each path once per round (after
+            one warm-up run each).
         strategies: strategy specs to run (default: every registered one,
-            plus ``managed:prefetch=on_alloc``).
+            plus ``managed:prefetch=on_new`` and ``managed:prefetch=on_alloc``).
         scale: multiplies the problem sizes (0 < scale <= 1 shrinks them).
         only: workload names to run (default: all).
 
@@ -251,7 +301,8 @@ def run(*, rounds: int = 3, progress=None, strategies=None, scale: float = 1.0, 
         "managed-large": {"nbytes": large},
     }
     workloads = {n: (WORKLOADS[n][0], kwargs[n]) for n in names}
-    specs = list(strategies) if strategies is not None else get_registry().names() + ["managed:prefetch=on_alloc"]
+    specs = list(strategies) if strategies is not None else get_registry().names() + [
+        "managed:prefetch=on_new", "managed:prefetch=on_alloc"]
     pool = cupy.get_default_memory_pool()
     prev = cupy.cuda.get_allocator()
     # Each path gives its cache back when done: a data set of a quarter of the device cached by
@@ -271,7 +322,7 @@ def run(*, rounds: int = 3, progress=None, strategies=None, scale: float = 1.0, 
     try:
         results = measure(cupy, sp, paths, workloads, rounds=rounds, sync=lambda: cupy.cuda.Device().synchronize(),
                           to_host=cupy.asnumpy, say=say, stats=pool_stats,
-                          faults=faults if faults.counter is not None else None)
+                          faults=faults if faults.counter is not None else None, cold=COLD)
     finally:
         cupy.cuda.set_allocator(prev)
         for s in made:
@@ -284,7 +335,7 @@ def run(*, rounds: int = 3, progress=None, strategies=None, scale: float = 1.0, 
     return {
         "benchmark": "workloads",
         "machine": collect(),
-        "params": {"rounds": rounds, "scale": scale, "sizes": kwargs,
+        "params": {"rounds": rounds, "scale": scale, "sizes": kwargs, "cold": [n for n in names if n in COLD],
                    "descriptions": {n: WORKLOADS[n][1] for n in names},
                    "fault_counters": faults.source or faults.error},
         "results": results,

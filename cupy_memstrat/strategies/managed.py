@@ -91,9 +91,9 @@ def _as_accessed_by(value, what: str) -> tuple:
 def _as_prefetch(value, what: str):
     if value is None or (isinstance(value, str) and value.strip().lower() in _NONE):
         return None
-    if isinstance(value, str) and value.strip().lower() == "on_alloc":
-        return "on_alloc"
-    raise ValueError(f"{what}: expected 'on_alloc' or None, got {value!r}")
+    if isinstance(value, str) and value.strip().lower() in ("on_alloc", "on_new"):
+        return value.strip().lower()
+    raise ValueError(f"{what}: expected 'on_alloc', 'on_new' or None, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -158,8 +158,15 @@ class ManagedStrategy(Strategy):
             docs/managed.md for the measured cost.
         prefetch: ``"on_alloc"``: on allocation, prefetch to the current
             device on CuPy's current stream (``cudaMemPrefetchAsync``): every
-            large allocation, and each shared chunk when it is made (its slots
-            are then already on the device); ``None`` (default): no prefetch.
+            large allocation, cached or new, and each shared chunk when it is
+            made (its slots are then already on the device), as RMM's
+            ``prefetch_resource_adaptor`` does. ``"on_new"``: only memory new
+            from ``cudaMallocManaged`` (new chunks and new large blocks), not a
+            block the cache hands back, which stays where its last user left
+            it: on an H200 each prefetch of resident memory costs tens of
+            microseconds, and ``on_alloc`` made allocation-heavy programs
+            1.4-3.9x slower than ``on_new`` (docs/benchmarks.md, ``bench
+            workloads``). ``None`` (default): no prefetch.
             Refused (``ValueError``) on a device without
             ``concurrentManagedAccess``. If CUDA refuses a prefetch (a
             destroyed stream), the allocation raises ``RuntimeError`` naming
@@ -209,7 +216,8 @@ class ManagedStrategy(Strategy):
         ),
         Option("accessed_by", _as_accessed_by, (), "device/host/ordinals joined with +: cudaMemAdviseSetAccessedBy"),
         Option("read_mostly", as_bool, False, "cudaMemAdviseSetReadMostly on each chunk (harmful if the GPU writes)"),
-        Option("prefetch", _as_prefetch, None, "on_alloc | none: prefetch to the current device on allocation"),
+        Option("prefetch", _as_prefetch, None,
+               "on_alloc | on_new | none: prefetch to the current device on every allocation / on new memory only"),
         Option(
             "headroom",
             lambda v, what: None if v is None else as_size(v, what),
@@ -240,9 +248,9 @@ class ManagedStrategy(Strategy):
                 )
             self._headroom.append(h)
             if not props.get("concurrent_managed_access", 1):
-                if cfg["prefetch"] == "on_alloc":
+                if cfg["prefetch"] is not None:
                     raise ValueError(
-                        f"managed: option prefetch='on_alloc' needs concurrentManagedAccess, and device {d} "
+                        f"managed: option prefetch={cfg['prefetch']!r} needs concurrentManagedAccess, and device {d} "
                         f"({props.get('name')}) has none (Windows, WSL2, Jetson): CUDA cannot prefetch "
                         "managed memory to it"
                     )
@@ -292,8 +300,8 @@ class ManagedStrategy(Strategy):
             b.mem_advise(ptr, nbytes, _cuda.ADVISE_SET_READ_MOSTLY, device)
 
     def _prefetch_to(self, ptr: int, nbytes: int, device: int, size: int, undo) -> None:
-        """``prefetch="on_alloc"``: ``cudaMemPrefetchAsync`` of a new chunk or
-        a large block to ``device`` on CuPy's current stream. If CUDA refuses
+        """``prefetch="on_alloc"`` / ``"on_new"``: ``cudaMemPrefetchAsync`` of a
+        new chunk or a large block to ``device`` on CuPy's current stream. If CUDA refuses
         (e.g. a destroyed stream), ``undo()`` puts the memory back in the
         cache, so nothing is lost, and the allocation fails with a
         RuntimeError naming the prefetch."""
@@ -308,8 +316,8 @@ class ManagedStrategy(Strategy):
                 self._counters[device].n_failed += 1
             name = _cuda.error_name(getattr(exc, "status", None))
             raise RuntimeError(
-                f"managed: prefetch='on_alloc' of {format_size(nbytes)} at 0x{ptr:x} to device {device} on "
-                f"stream 0x{stream.ptr:x} failed ({name}); the allocation of {size} bytes was not made "
+                f"managed: prefetch={self.config['prefetch']!r} of {format_size(nbytes)} at 0x{ptr:x} to device "
+                f"{device} on stream 0x{stream.ptr:x} failed ({name}); the allocation of {size} bytes was not made "
                 "and the memory stays cached"
             ) from exc
 
@@ -386,7 +394,7 @@ class ManagedStrategy(Strategy):
         lst = self._small[device][ci]
         n = CHUNK_BYTES // cls
         lst.extend(range(base + (n - 1) * cls, base, -cls))  # lowest address popped first
-        if self.config["prefetch"] == "on_alloc":
+        if self.config["prefetch"] is not None:
             self._prefetch_to(base, CHUNK_BYTES, device, size, lambda: lst.append(base))
         return base
 
@@ -469,11 +477,14 @@ class ManagedStrategy(Strategy):
             )
         lst = self._large[device].setdefault(n, [])
         self._large_index[device][(size + 511) & -512] = lst
+        prefetch = self.config["prefetch"]
         try:
             ptr = lst.pop()
         except IndexError:
             ptr = self._new_chunks(n, size, device, -1)
-        if self.config["prefetch"] == "on_alloc":
+        else:
+            prefetch = prefetch if prefetch == "on_alloc" else None  # on_new: a cached block is not
+        if prefetch is not None:
             self._prefetch_to(ptr, n, device, size, lambda: lst.append(ptr))
         return ptr
 
