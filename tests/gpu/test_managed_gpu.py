@@ -95,6 +95,25 @@ def test_prefetch_on_alloc_prefetches_to_the_current_device(cp):
     assert range_attr(x.data.ptr, 8 * MiB, "LastPrefetchLocation") == dev
 
 
+@pytest.mark.parametrize("mode", ["on_alloc", "on_new"])
+def test_a_reused_block_is_prefetched_again_under_on_alloc_only(cp, mode):
+    dev = cp.cuda.Device().id
+    s = cupy_memstrat.use("managed", prefetch=mode)
+    x = cp.empty(8 * MiB, dtype=cp.uint8)
+    ptr = x.data.ptr
+    cp.cuda.Device().synchronize()
+    assert range_attr(ptr, 8 * MiB, "LastPrefetchLocation") == dev  # new memory: both modes
+    cupy_memstrat.prefetch(x, "host")
+    cp.cuda.Device().synchronize()
+    del x
+    y = cp.empty(8 * MiB, dtype=cp.uint8)  # the cached block comes back
+    cp.cuda.Device().synchronize()
+    assert y.data.ptr == ptr
+    assert range_attr(ptr, 8 * MiB, "LastPrefetchLocation") == (dev if mode == "on_alloc" else -1)
+    del y
+    s.trim()
+
+
 def test_explicit_prefetch_both_ways_moves_exact_bytes_without_faults(cp, managed):
     counter = fault_counter()
     n = 64 * MiB
