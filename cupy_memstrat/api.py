@@ -196,9 +196,9 @@ ENV_VAR = "CUPY_MEMSTRAT"
 def use_from_env(var: str = ENV_VAR) -> Strategy | None:
     """Install the strategy named by an environment variable, if it is set.
 
-    ``CUPY_MEMSTRAT="managed:prefetch=on_alloc"`` in the environment, then
+    ``CUPY_MEMSTRAT="managed:prefetch=on_new"`` in the environment, then
     ``cupy_memstrat.use_from_env()`` at the top of a program, is
-    ``use("managed:prefetch=on_alloc")``. The same variable sets the strategy
+    ``use("managed:prefetch=on_new")``. The same variable sets the strategy
     of ``python -m cupy_memstrat run`` and of the pytest plugin (below its own
     ``--gpumem-strategy`` / ``GPUMEM_STRATEGY``).
 

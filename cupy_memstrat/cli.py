@@ -142,7 +142,7 @@ def _cmd_run(args) -> int:
     spec = args.strategy if args.strategy is not None else os.environ.get(ENV_VAR, "")
     source = "--strategy" if args.strategy is not None else f"environment variable {ENV_VAR}"
     if not spec.strip():
-        print(f"run: no strategy: pass --strategy SPEC (e.g. managed:prefetch=on_alloc) or set {ENV_VAR}",
+        print(f"run: no strategy: pass --strategy SPEC (e.g. managed:prefetch=on_new) or set {ENV_VAR}",
               file=sys.stderr)
         return 2
     args.module = None
@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"CUPY_MEMSTRAT. A summary (peak in use and reserved per device) goes to stderr at the end.",
     )
     run.add_argument("-s", "--strategy", metavar="SPEC",
-                     help="a strategy spec, e.g. managed:prefetch=on_alloc (default: $CUPY_MEMSTRAT)")
+                     help="a strategy spec, e.g. managed:prefetch=on_new (default: $CUPY_MEMSTRAT)")
     run.add_argument("-m", dest="module_args", nargs=argparse.REMAINDER, metavar="MODULE [args ...]",
                      help="run a module, as python -m MODULE; everything after it is the module's")
     run.add_argument("-q", "--quiet", action="store_true", help="no summary at the end")

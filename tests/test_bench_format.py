@@ -209,6 +209,28 @@ def test_workloads_table_and_figure(tmp_path):
     assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_workloads_figure_names_cold_runs_faults_and_differing_results():
+    import pytest
+
+    from cupy_memstrat.bench import workloads
+
+    report = _workloads_report()
+    report["params"]["cold"] = ["monte-carlo"]
+    report["results"]["monte-carlo"]["managed"]["faults"] = {"gpu_faults": 5096913}
+    assert "monte-carlo: a pricer; cold: each run starts with nothing cached" in workloads.format_table(report)
+    pytest.importorskip("matplotlib", reason="the [plot] extra is not installed")
+    from cupy_memstrat.bench.plot import _pyplot, _workloads
+
+    plt = _pyplot()
+    fig = _workloads(report, plt)
+    ax = fig.axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    assert "1.10x, result differs" in texts and "0.90x, 5,096,913 GPU faults" in texts
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["kmeans", "monte-carlo\n(cold)"]
+    assert ax.get_xscale() == "log"
+    plt.close(fig)
+
+
 def test_bench_with_no_group_refuses_an_out_it_cannot_write(tmp_path, monkeypatch, capsys):
     import pytest
 

@@ -123,7 +123,7 @@ def test_run_a_module(tmp_path):
 @pytest.mark.parametrize(
     "args, env, message",
     [
-        (["run", "job.py"], None, "run: no strategy: pass --strategy SPEC (e.g. managed:prefetch=on_alloc) or set CUPY_MEMSTRAT"),
+        (["run", "job.py"], None, "run: no strategy: pass --strategy SPEC (e.g. managed:prefetch=on_new) or set CUPY_MEMSTRAT"),
         (["run", "-s", "bogus", "job.py"], None, "run: --strategy='bogus': unknown strategy 'bogus'; available:"),
         (["run", "job.py"], {"CUPY_MEMSTRAT": "device:x=1"}, "run: environment variable CUPY_MEMSTRAT='device:x=1': "),
         (["run", "-s", "device", "missing.py"], None, "run: cannot run 'missing.py': no such file"),

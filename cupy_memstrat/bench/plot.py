@@ -112,26 +112,39 @@ def _async(report: dict, plt):
 
 def _workloads(report: dict, plt):
     """Per workload, each path's median wall time as a ratio to CuPy's pool
-    (grouped bars); a result that differs from the pool's is marked."""
+    (grouped bars, log scale); GPU page faults and a result that differs
+    from the pool's are written by the bar; a workload measured cold says so."""
     res = report["results"]
     names = list(res)
+    cold = set((report.get("params") or {}).get("cold") or ())
     labels = list(next(iter(res.values())))
-    fig, ax = plt.subplots(figsize=(10, 0.9 * len(names) * max(1, len(labels) / 4) + 1.6))
+    fig, ax = plt.subplots(figsize=(11, 0.9 * len(names) * max(1, len(labels) / 4) + 1.6))
     h = 0.8 / len(labels)
     cmap = plt.get_cmap("tab10")
+    shown = []
     for j, lab in enumerate(labels):
         ys = [i + j * h for i in range(len(names))]
-        vals = [res[n][lab]["ratio_to_first"] if lab in res[n] else 0 for n in names]
+        vals = [res[n][lab]["ratio_to_first"] if lab in res[n] else float("nan") for n in names]
         ax.barh(ys, vals, height=h, color=cmap(j % 10), label=lab)
         for y, n, v in zip(ys, names, vals):
-            c = (res[n].get(lab) or {}).get("check") or {}
-            mark = "" if c.get("identical") or c.get("reference") else " (result differs)"
-            ax.text(v + 0.01, y, f"{v:.2f}x{mark}", va="center", fontsize=7)
-    ax.set_yticks([i + 0.4 - h / 2 for i in range(len(names))], names)
+            if v != v:  # this path did not run this workload
+                continue
+            shown.append(v)
+            row = res[n].get(lab) or {}
+            c = row.get("check") or {}
+            mark = "" if c.get("identical") or c.get("reference") else ", result differs"
+            faults = (row.get("faults") or {}).get("gpu_faults")
+            mark += f", {faults:,} GPU faults" if faults else ""
+            ax.text(v * 1.03, y, f"{v:.2f}x{mark}", va="center", fontsize=7)
+    ax.set_xscale("log")
+    if shown:
+        ax.set_xlim(min(0.5, min(shown) * 0.8), max(shown) * 2.5)
+    ax.set_yticks([i + 0.4 - h / 2 for i in range(len(names))],
+                  [f"{n}\n(cold)" if n in cold else n for n in names])
     ax.invert_yaxis()
     ax.axvline(1.0, color="0.3", ls="--", lw=1)
-    ax.set_xlabel("median wall time, ratio to CuPy's default pool")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.set_xlabel("median wall time per run, ratio to CuPy's default pool (log scale)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(f"Real workloads on {_device_name(report)}", fontsize=10)
     fig.tight_layout()
     return fig

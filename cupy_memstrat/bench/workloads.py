@@ -345,8 +345,10 @@ def run(*, rounds: int = 5, progress=None, strategies=None, scale: float = 1.0, 
 def format_table(report: dict) -> str:
     """Median seconds per workload and path, ratio to CuPy's pool, peaks, faults, check."""
     out = ["workloads: median wall seconds (ratio to CuPy's pool), peak in use / reserved, GPU faults, result"]
+    cold = set(report["params"].get("cold") or ())
     for name, rows in report["results"].items():
-        out.append(f"{name}: {report['params']['descriptions'].get(name, '')}")
+        how = "; cold: each run starts with nothing cached" if name in cold else ""
+        out.append(f"{name}: {report['params']['descriptions'].get(name, '')}{how}")
         for label, r in rows.items():
             peaks = ""
             if "peak_bytes_in_use" in r:
