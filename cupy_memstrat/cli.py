@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -35,12 +34,20 @@ def _cmd_bench_all(args) -> int:
     except (MemstratError, ImportError) as exc:
         print(f"bench needs a CUDA device and CuPy: {_without_fake_hint(exc)}", file=sys.stderr)
         return 2
+    out = args.out if args.out is not None else "memstrat-bench"
     try:
-        os.makedirs(args.out, exist_ok=True)
+        os.makedirs(out, exist_ok=True)
     except OSError as exc:
-        print(f"bench: cannot write to --out {args.out!r}: {exc.strerror}", file=sys.stderr)
+        print(f"bench: cannot write to --out {out!r}: {exc.strerror}", file=sys.stderr)
         return 2
     groups = list(_BENCH_MODULES)
+    for group in groups:  # before anything runs: a file that cannot be written must not cost a run
+        for ext in ("json", "png"):
+            path = os.path.join(out, f"bench-{group}.{ext}")
+            why = _writable(path)
+            if why is not None:
+                print(f"bench: cannot write {path!r} in --out {out!r}: {why}", file=sys.stderr)
+                return 2
     written = []
     t_start = time.monotonic()
 
@@ -56,17 +63,17 @@ def _cmd_bench_all(args) -> int:
         kwargs = {} if args.rounds is None else {"rounds": args.rounds}
         report = mod.run(progress=say, **kwargs)
         print(f"\n== bench {group} (done at {elapsed()})\n" + mod.format_table(report), flush=True)
-        path = os.path.join(args.out, f"bench-{group}.json")
+        path = os.path.join(out, f"bench-{group}.json")
         with open(path, "w") as f:
             json.dump(report, f, indent=2)
         written.append(path)
-        png = os.path.join(args.out, f"bench-{group}.png")
+        png = os.path.join(out, f"bench-{group}.png")
         try:
             from .bench.plot import plot
 
             plot(report, png)
             written.append(png)
-        except RuntimeError as exc:  # no matplotlib: the JSON is still there, plot it later
+        except (RuntimeError, ValueError) as exc:  # no matplotlib: the JSON is still there, plot it later
             print(f"bench {group}: no figure: {exc}", file=sys.stderr)
     print("\nwrote " + ", ".join(written))
     return 0
@@ -78,29 +85,33 @@ def _cmd_bench(args) -> int:
     group = args.group
     if group is None:
         return _cmd_bench_all(args)
+    if args.out is not None:
+        print(f"bench {group}: --out is for bench with no group (every group into one folder); "
+              f"for one group use --json PATH", file=sys.stderr)
+        return 2
     mod = importlib.import_module(f".bench.{_BENCH_MODULES[group]}", __package__)
-    out = None
     if args.json:
-        try:  # before the run: a bad path must not cost the measurements
-            out = open(args.json, "w")
-        except OSError as exc:
-            print(f"bench {group}: cannot write --json {args.json!r}: {exc.strerror}", file=sys.stderr)
+        why = _writable(args.json)  # before the run: a bad path must not cost the measurements
+        if why is not None:
+            print(f"bench {group}: cannot write --json {args.json!r}: {why}", file=sys.stderr)
             return 2
     say = None if args.quiet else mod.progress_printer()
+    rounds = args.rounds if args.rounds is not None else _DEFAULT_ROUNDS.get(group, 7)
     try:
-        with out if out is not None else _nothing():
-            try:
-                report = mod.run(rounds=args.rounds, progress=say)
-            except MemstratError as exc:
-                print(f"bench {group} needs a CUDA device and CuPy: {_without_fake_hint(exc)}", file=sys.stderr)
-                return 2
-            print(mod.format_table(report))
-            if out is not None:
+        report = mod.run(rounds=rounds, progress=say)
+    except MemstratError as exc:
+        print(f"bench {group} needs a CUDA device and CuPy: {_without_fake_hint(exc)}", file=sys.stderr)
+        return 2
+    print(mod.format_table(report))
+    if args.json:
+        try:
+            with open(args.json, "w") as out:
                 json.dump(report, out, indent=2)
-                print(f"wrote {args.json}")
-    finally:
-        if out is not None and os.path.getsize(args.json) == 0:
-            os.unlink(args.json)  # no empty file left behind by a failed run
+        except OSError as exc:
+            print(f"bench {group}: cannot write --json {args.json!r}: {exc.strerror}; the results are above",
+                  file=sys.stderr)
+            return 1
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -125,11 +136,11 @@ def _cmd_plot(args) -> int:
             return 2
         report = picked[0]["history"]
     try:
-        plot(report, args.output)
+        written = plot(report, args.output)
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"plot: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output}")
+    print(f"wrote {written}")
     return 0
 
 
@@ -202,6 +213,7 @@ def _cmd_run(args) -> int:
 
 
 _BENCH_MODULES = {"alloc": "alloc", "async": "async_pool", "managed": "managed", "workloads": "workloads"}
+_DEFAULT_ROUNDS = {"workloads": 5}  # the others: 7
 
 
 def _without_fake_hint(exc) -> str:
@@ -211,8 +223,19 @@ def _without_fake_hint(exc) -> str:
     return text[:cut] + ")" if cut >= 0 else text
 
 
-def _nothing():
-    return contextlib.nullcontext()
+def _writable(path: str) -> str | None:
+    """Why ``path`` cannot be written, or None. Checked by opening it to
+    append, which changes nothing that is there; a file this check created is
+    removed again (only that: nothing that existed is ever deleted)."""
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not existed:
+        os.unlink(path)
+    return None
 
 
 def _positive_int(text: str) -> int:
@@ -239,11 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="With no GROUP, run every group in turn at its default sizes, print the tables and "
         "write bench-GROUP.json and bench-GROUP.png for each into --out.",
     )
-    bench.add_argument("--out", metavar="DIR", default="memstrat-bench",
+    bench.add_argument("--out", metavar="DIR", default=None,
                        help="with no GROUP: where the JSON and figures go (default ./memstrat-bench/)")
     bench.add_argument("--rounds", type=_positive_int, default=None,
-                       help="with no GROUP: interleaved rounds of every group (default: each group's own)")
-    bench.add_argument("--quiet", action="store_true", help="with no GROUP: no progress lines")
+                       help="interleaved rounds (default: each group's own: 7, workloads 5)")
+    bench.add_argument("--quiet", action="store_true", help="no progress lines")
     bench.set_defaults(func=_cmd_bench)
     groups = bench.add_subparsers(dest="group", required=False, metavar="GROUP")
     helps = {
@@ -259,9 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     for group, text in helps.items():
         g = groups.add_parser(group, help=text, description=text)
         g.add_argument("--json", metavar="PATH", help="also write the results (with machine info) here")
-        g.add_argument("--rounds", type=_positive_int, default=5 if group == "workloads" else 7,
-                       help=f"interleaved rounds (default {5 if group == 'workloads' else 7})")
-        g.add_argument("--quiet", action="store_true", help="no progress lines")
+        # SUPPRESS: given before the group (bench --rounds 3 workloads), the value still counts
+        g.add_argument("--rounds", type=_positive_int, default=argparse.SUPPRESS,
+                       help=f"interleaved rounds (default {_DEFAULT_ROUNDS.get(group, 7)})")
+        g.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress lines")
         g.set_defaults(func=_cmd_bench)
 
     pl = sub.add_parser("plot", help="draw a benchmark's JSON, or a memory timeline (needs matplotlib)")

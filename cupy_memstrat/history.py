@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import json
+import sys
 import threading
 import time
 
@@ -54,6 +55,17 @@ class History:
         self.allocator = None
 
     @property
+    def recording(self) -> bool:
+        """Whether events still arrive: the recording was not ended, and its
+        recorder is still CuPy's allocator (``use()`` of another strategy
+        replaces it, and then nothing more is recorded)."""
+        if not self.enabled:
+            return False
+        import cupy
+
+        return cupy.cuda.get_allocator() is self.allocator
+
+    @property
     def dropped(self) -> int:
         """Events that no longer fit in the buffer (the oldest)."""
         return self.n_events - len(self.events)
@@ -69,7 +81,7 @@ class History:
             "version": 1,
             "strategy": {"name": s.name, "options": {k: _jsonable(v) for k, v in s.config.items()}},
             "started": self.started,
-            "recording": self.enabled,
+            "recording": self.recording,
             "max_entries": self.max_entries,
             "dropped": self.dropped,
             "baseline_bytes_in_use": list(self.baseline),
@@ -148,7 +160,10 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins:
         origins: record where each allocation came from (a stack walk per
             allocation).
         strategy: the strategy to record (default: :func:`cupy_memstrat.current`).
-            It becomes CuPy's process-wide allocator while recording.
+            It becomes CuPy's process-wide allocator while recording; the
+            allocator before it is put back when the recording ends.
+            Installing another allocator meanwhile (``use()``) ends the
+            events: ``snapshot()["recording"]`` then says False.
 
     Returns:
         The :class:`History` being recorded, or (``enabled=False``) the one
@@ -163,6 +178,15 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins:
 
     from . import api
 
+    if enabled:  # checked first: a bad call leaves a recording in progress running
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int):
+            raise TypeError(f"max_entries: expected an int >= 1, got {type(max_entries).__name__} {max_entries!r}")
+        if max_entries < 1:
+            raise ValueError(f"max_entries: expected an int >= 1, got {max_entries}")
+        if max_entries > sys.maxsize:
+            raise ValueError(f"max_entries: expected an int >= 1 and at most {sys.maxsize}, got {max_entries}")
+        if strategy is None:
+            api._require_current()
     with _lock:
         h = _active
         if h is not None:
@@ -172,15 +196,10 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins:
             _active, _last = None, h
         if not enabled:
             return h
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int):
-            raise TypeError(f"max_entries: expected an int >= 1, got {type(max_entries).__name__} {max_entries!r}")
-        if max_entries < 1:
-            raise ValueError(f"max_entries: expected an int >= 1, got {max_entries}")
         s = strategy if strategy is not None else api._require_current()
         h = History(s, max_entries, bool(origins))
-        previous = cupy.cuda.get_allocator()
+        h.previous_allocator = cupy.cuda.get_allocator()  # put back when the recording ends
         h.allocator = _recording_allocator(s, h)
-        h.previous_allocator = previous if api.Strategy._owner_of(previous) is s else s.cupy_allocator()
         cupy.cuda.set_allocator(h.allocator)
         _active = h
         return h

@@ -11,6 +11,23 @@ import pytest
 from cupy_memstrat.testing import FakeBackend
 
 
+def pytest_report_header(config):
+    """Whether this Python has the project installed: the tests that start a
+    subprocess (``python -m cupy_memstrat run``, a pytest session with the
+    plugin) find it only then, not through the checkout's folder."""
+    import importlib.metadata
+    import sys
+
+    try:
+        dist = importlib.metadata.distribution("cupy-memstrat")
+    except importlib.metadata.PackageNotFoundError:
+        return (f"cupy-memstrat: NOT installed for {sys.executable}: the tests that start a subprocess will "
+                f"fail; install it for this Python: {sys.executable} -m pip install -e .")
+    plugin = any(ep.name == "gpumem" or ep.value.startswith("pytest_gpumem")
+                 for ep in dist.entry_points if ep.group == "pytest11")
+    return f"cupy-memstrat {dist.version} installed for {sys.executable}" + ("" if plugin else " (without its pytest plugin)")
+
+
 @pytest.fixture(params=["c", "python"])
 def hot_path(request, monkeypatch):
     """Each strategy test runs with both allocation hot paths: the C one

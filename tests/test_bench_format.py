@@ -241,3 +241,44 @@ def test_bench_with_no_group_refuses_an_out_it_cannot_write(tmp_path, monkeypatc
     (tmp_path / "file").write_text("")
     assert main(["bench", "--out", str(tmp_path / "file" / "sub")]) == 2
     assert f"bench: cannot write to --out {str(tmp_path / 'file' / 'sub')!r}: Not a directory" in capsys.readouterr().err
+
+
+def test_the_workloads_figure_keeps_a_path_missing_from_the_first_workload_and_says_so():
+    import pytest
+
+    pytest.importorskip("matplotlib", reason="the [plot] extra is not installed")
+    from cupy_memstrat.bench.plot import _pyplot, _workloads
+
+    report = _workloads_report()
+    del report["results"]["kmeans"]["managed"]
+    report["results"]["monte-carlo"]["managed"]["ratio_to_first"] = float("inf")
+    plt = _pyplot()
+    fig = _workloads(report, plt)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["cupy-default", "managed"]
+    texts = [t.get_text() for t in ax.texts]
+    assert " not run" in texts and " ratio inf" in texts
+    plt.close(fig)
+
+
+def test_plot_names_what_it_wrote_and_refuses_a_mangled_report_clearly(tmp_path, capsys):
+    import json
+
+    import pytest
+
+    pytest.importorskip("matplotlib", reason="the [plot] extra is not installed")
+    from cupy_memstrat.cli import main
+
+    good = tmp_path / "w.json"
+    good.write_text(json.dumps(_workloads_report()))
+    assert main(["plot", str(good), "-o", str(tmp_path / "timeline")]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'timeline.png'}"
+    assert (tmp_path / "timeline.png").exists()
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"benchmark": "workloads", "results": {}}))
+    assert main(["plot", str(bad), "-o", str(tmp_path / "b.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plot: this workloads report cannot be drawn: it lacks or mangles what the figure needs")
+    bad.write_text(json.dumps({"benchmark": "workloads"}))
+    assert main(["plot", str(bad), "-o", str(tmp_path / "b.png")]) == 2
+    assert "(KeyError: 'results')" in capsys.readouterr().err

@@ -135,3 +135,70 @@ def test_run_refuses_clearly(tmp_path, args, env, message):
     (tmp_path / "job.py").write_text(SCRIPT)
     r = _run_fake(tmp_path, *args, env=env)
     assert r.returncode == 2 and message in r.stderr and r.stdout == ""
+
+
+def _fake_group_run(monkeypatch, seen):
+    """bench GROUP without a GPU: the group's run returns a synthetic report."""
+    from cupy_memstrat.bench import workloads
+
+    report = {"benchmark": "workloads", "params": {"descriptions": {}}, "results": {}}
+    monkeypatch.setattr(workloads, "run", lambda **kw: seen.append(kw) or report)
+    monkeypatch.setattr(workloads, "format_table", lambda rep: "the table")
+
+
+def test_a_failed_bench_leaves_an_existing_json_file_as_it_was(tmp_path, monkeypatch, capsys):
+    from cupy_memstrat.bench import workloads
+    from cupy_memstrat.errors import NoDeviceError
+
+    old = tmp_path / "old.json"
+    old.write_text('{"old": 1}')
+
+    def no_gpu(**kw):
+        raise NoDeviceError("no CUDA device is available: test")
+
+    monkeypatch.setattr(workloads, "run", no_gpu)
+    assert cli.main(["bench", "workloads", "--json", str(old)]) == 2
+    assert old.read_text() == '{"old": 1}'
+    assert not (tmp_path / "new.json").exists()
+    assert cli.main(["bench", "workloads", "--json", str(tmp_path / "new.json")]) == 2
+    assert not (tmp_path / "new.json").exists()  # the writability check leaves nothing behind
+
+
+def test_bench_never_deletes_what_json_names(tmp_path, monkeypatch, capsys):
+    seen = []
+    _fake_group_run(monkeypatch, seen)
+    link = tmp_path / "to-null"
+    link.symlink_to("/dev/null")  # reads as size 0, like a device or a pipe
+    assert cli.main(["bench", "workloads", "--quiet", "--json", str(link)]) == 0
+    assert link.is_symlink()
+    out = tmp_path / "w.json"
+    assert cli.main(["bench", "workloads", "--quiet", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["benchmark"] == "workloads"
+
+
+def test_options_before_the_group_count_and_out_with_a_group_is_refused(tmp_path, monkeypatch, capsys):
+    seen = []
+    _fake_group_run(monkeypatch, seen)
+    assert cli.main(["bench", "--rounds", "3", "--quiet", "workloads"]) == 0
+    assert seen[-1]["rounds"] == 3 and seen[-1]["progress"] is None
+    assert cli.main(["bench", "workloads", "--rounds", "2"]) == 0
+    assert seen[-1]["rounds"] == 2 and seen[-1]["progress"] is not None
+    assert cli.main(["bench", "workloads"]) == 0
+    assert seen[-1]["rounds"] == 5
+    n = len(seen)
+    assert cli.main(["bench", "--out", str(tmp_path / "x"), "workloads"]) == 2
+    assert "--out is for bench with no group" in capsys.readouterr().err and len(seen) == n
+
+
+def test_bench_with_no_group_refuses_an_out_folder_it_cannot_fill_before_running(tmp_path, monkeypatch, capsys):
+    from cupy_memstrat.bench import alloc
+
+    monkeypatch.setattr(alloc, "require_real_gpu", lambda: None)
+    pytest.importorskip("cupy", reason="CuPy is not installed")
+    (tmp_path / "res" / "bench-workloads.json").mkdir(parents=True)
+    ran = []
+    monkeypatch.setattr(alloc, "run", lambda **kw: ran.append(kw))
+    assert cli.main(["bench", "--out", str(tmp_path / "res")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write" in err and "bench-workloads.json" in err and not ran
+    assert sorted(p.name for p in (tmp_path / "res").iterdir()) == ["bench-workloads.json"]

@@ -122,3 +122,35 @@ def test_plot_picks_a_test_timeline_from_a_gpumem_report(fake_cupy, tmp_path, ca
     path.write_text(json.dumps({"tests": [{"nodeid": "t.py::test_a"}]}))
     assert main(["plot", str(path), "-o", str(tmp_path / "n.png")]) == 2
     assert "no test in it has a timeline (run pytest with --gpumem-history)" in capsys.readouterr().err
+
+
+def test_recording_another_strategy_puts_the_installed_one_back_at_the_end(fake_cupy):
+    a = cupy_memstrat.use("device")
+    before = cupy.cuda.get_allocator()
+    b = cupy_memstrat.create("managed")
+    cupy_memstrat.record_history(strategy=b)
+    x = _alloc(MiB)
+    assert b.stats().n_live == 1 and a.stats().n_live == 0  # b allocates while recording
+    cupy_memstrat.record_history(False)
+    assert cupy.cuda.get_allocator() == before and cupy_memstrat.current() is a
+    del x
+
+
+def test_a_bad_call_leaves_the_recording_in_progress_running(fake_cupy):
+    cupy_memstrat.use("device")
+    h = cupy_memstrat.record_history()
+    for bad, exc in ((0, ValueError), (10**30, ValueError), ("5", TypeError)):
+        with pytest.raises(exc, match="max_entries: expected an int >= 1"):
+            cupy_memstrat.record_history(max_entries=bad)
+    _alloc(MiB)
+    assert h.recording and len(cupy_memstrat.snapshot()["events"]) == 2
+
+
+def test_installing_another_strategy_ends_the_events_and_the_snapshot_says_so(fake_cupy):
+    cupy_memstrat.use("device")
+    cupy_memstrat.record_history()
+    _alloc(MiB)
+    cupy_memstrat.use("managed")
+    _alloc(MiB)
+    doc = cupy_memstrat.snapshot()
+    assert doc["recording"] is False and len(doc["events"]) == 2

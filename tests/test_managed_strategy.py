@@ -558,3 +558,8 @@ def test_warnings_point_at_the_users_line(fake):
     with pytest.warns(cupy_memstrat.ManagedMemoryWarning) as rec:
         cupy_memstrat.create("managed", backend=fake, read_mostly=True)
     assert rec[0].filename == __file__
+
+
+@pytest.mark.parametrize("off", [None, False, "false", "off", "none", ""])
+def test_prefetch_is_switched_off_by_any_of_the_usual_spellings(off):
+    assert cupy_memstrat.validate("managed", prefetch=off)[1]["prefetch"] is None

@@ -165,3 +165,51 @@ def test_run_refuses_bad_arguments_before_needing_a_gpu():
         W.run(only=["nbody"])
     with pytest.raises(ValueError, match=r"scale: expected a number in \(0, 1\], got 2"):
         W.run(scale=2)
+
+
+@pytest.mark.parametrize("ref, got, want", [
+    ([1.0, float("nan")], [1.0, float("nan")], {"identical": True, "max_rel_diff": 0.0}),
+    (np.array([2**62], dtype=np.int64), np.array([2**62 + 1], dtype=np.int64),
+     {"identical": False, "max_rel_diff": 1 / 2**62}),
+    ([0.0, 0.0], [0.0, 1e-3], {"identical": False, "max_rel_diff": None, "max_abs_diff": 1e-3,
+                               "why": "the reference is all zeros"}),
+    ([1.0, 2.0], [1.0, 2.5], {"identical": False, "max_rel_diff": 0.25}),
+])
+def test_results_are_compared_bit_for_bit_nan_equal_and_integers_exactly(ref, got, want):
+    assert W._compare(ref, got) == want
+
+
+def test_the_measuring_loop_refuses_what_it_cannot_measure():
+    prog = {"p": (lambda xp, sp: xp.zeros(1), {})}
+    path = ("a", lambda: None, None, None)
+    kw = dict(sync=lambda: None, to_host=np.asarray, say=lambda m: None)
+    with pytest.raises(ValueError, match="rounds: expected an int >= 1, got 0"):
+        W.measure(np, None, [path], prog, rounds=0, **kw)
+    with pytest.raises(ValueError, match="paths: expected at least one"):
+        W.measure(np, None, [], prog, rounds=1, **kw)
+    with pytest.raises(ValueError, match=r"each label must be unique, got \['a', 'a'\]"):
+        W.measure(np, None, [path, path], prog, rounds=1, **kw)
+    with pytest.raises(ValueError, match="min_sample_s: expected seconds >= 0, got nan"):
+        W.measure(np, None, [path], prog, rounds=1, min_sample_s=float("nan"), **kw)
+
+
+def test_page_faults_are_reported_per_run_like_the_time():
+    clock = _Clock()
+
+    class Faults:
+        def start(self):
+            self.runs0 = len(runs)
+
+        def stop(self):
+            return {"gpu_faults": 7 * (len(runs) - self.runs0), "bytes_htod": 0}
+
+    runs = []
+
+    def prog(xp, sp):
+        clock.t += 0.001
+        runs.append(1)
+        return xp.zeros(1)
+
+    rows = W.measure(np, None, [("a", lambda: None, None, None)], {"p": (prog, {})}, rounds=2, sync=lambda: None,
+                     to_host=np.asarray, say=lambda m: None, faults=Faults(), min_sample_s=0.01, clock=clock)["p"]
+    assert rows["a"]["reps"] == 10 and rows["a"]["faults"] == {"gpu_faults": 7, "bytes_htod": 0}

@@ -3,6 +3,8 @@ matplotlib (``pip install 'cupy-memstrat[plot]'``)."""
 
 from __future__ import annotations
 
+import math
+
 __all__ = ["plot"]
 
 
@@ -116,18 +118,25 @@ def _workloads(report: dict, plt):
     from the pool's are written by the bar; a workload measured cold says so."""
     res = report["results"]
     names = list(res)
+    if not names:
+        raise ValueError("no workload in its results")
     cold = set((report.get("params") or {}).get("cold") or ())
-    labels = list(next(iter(res.values())))
+    labels = list(dict.fromkeys(lab for rows in res.values() for lab in rows))  # every path, in order
     fig, ax = plt.subplots(figsize=(11, 0.9 * len(names) * max(1, len(labels) / 4) + 1.6))
     h = 0.8 / len(labels)
     cmap = plt.get_cmap("tab10")
     shown = []
     for j, lab in enumerate(labels):
         ys = [i + j * h for i in range(len(names))]
-        vals = [res[n][lab]["ratio_to_first"] if lab in res[n] else float("nan") for n in names]
-        ax.barh(ys, vals, height=h, color=cmap(j % 10), label=lab)
-        for y, n, v in zip(ys, names, vals):
-            if v != v:  # this path did not run this workload
+        vals = [float(res[n][lab]["ratio_to_first"]) if lab in res[n] else None for n in names]
+        drawable = [v if v is not None and math.isfinite(v) and v > 0 else float("nan") for v in vals]
+        ax.barh(ys, drawable, height=h, color=cmap(j % 10), label=lab)
+        for y, n, v, d in zip(ys, names, vals, drawable):
+            if v is None:
+                ax.text(1.0, y, " not run", va="center", fontsize=7, color="0.4")
+                continue
+            if d != d:  # a ratio of 0, inf or NaN: no bar on a log scale, the value said
+                ax.text(1.0, y, f" ratio {v}", va="center", fontsize=7, color="0.4")
                 continue
             shown.append(v)
             row = res[n].get(lab) or {}
@@ -207,18 +216,33 @@ _PLOTS = {"alloc": _alloc, "async": _async, "managed": _managed, "workloads": _w
           "memory-history": _timeline}
 
 
-def plot(report: dict, path: str) -> None:
+def plot(report: dict, path: str) -> str:
     """Draw the figure for a benchmark report (the JSON of ``bench ... --json``),
-    or the memory timeline of a ``cupy_memstrat.snapshot()``, into ``path``.
+    or the memory timeline of a ``cupy_memstrat.snapshot()``, into ``path``
+    (its extension picks the format; none: ``.png`` is added).
+
+    Returns:
+        str: the path written.
 
     Raises:
-        ValueError: no figure exists for this benchmark.
+        ValueError: no figure exists for this benchmark, or the report lacks
+            or mangles what its figure needs (the message names what).
         RuntimeError: matplotlib is not installed.
     """
-    kind = report.get("benchmark") or report.get("kind")
+    import os
+
+    kind = report.get("benchmark") or report.get("kind") if isinstance(report, dict) else None
     if kind not in _PLOTS:
         raise ValueError(f"no figure for benchmark {kind!r}; figures exist for: {', '.join(sorted(_PLOTS))}")
+    if not os.path.splitext(path)[1]:
+        path += ".png"
     plt = _pyplot()
-    fig = _PLOTS[kind](report, plt)
+    try:
+        fig = _PLOTS[kind](report, plt)
+    except (KeyError, IndexError, TypeError, AttributeError, StopIteration, ValueError, ArithmeticError) as exc:
+        plt.close("all")
+        raise ValueError(f"this {kind} report cannot be drawn: it lacks or mangles what the figure needs "
+                         f"({type(exc).__name__}: {exc})") from exc
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return path

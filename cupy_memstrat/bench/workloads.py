@@ -150,15 +150,28 @@ def expected_managed_large(nbytes: int) -> float:
 
 
 def _compare(ref, got) -> dict:
+    """Bit for bit (NaN equal to NaN), else the largest difference relative
+    to the reference's largest magnitude (absolute if the reference is all
+    zeros; integers compared exactly)."""
     import numpy as np
 
     ref, got = np.asarray(ref), np.asarray(got)
-    if ref.shape == got.shape and np.array_equal(ref, got):
-        return {"identical": True, "max_rel_diff": 0.0}
     if ref.shape != got.shape:
         return {"identical": False, "max_rel_diff": None, "why": f"shape {got.shape} != {ref.shape}"}
-    scale = max(float(np.max(np.abs(ref))), 1e-30)
-    return {"identical": False, "max_rel_diff": float(np.max(np.abs(got.astype(np.float64) - ref))) / scale}
+    nan_ok = ref.dtype.kind in "fc" and got.dtype.kind in "fc"
+    if np.array_equal(ref, got, equal_nan=nan_ok):
+        return {"identical": True, "max_rel_diff": 0.0}
+    if ref.dtype.kind in "iu" and got.dtype.kind in "iu":
+        diff = max(abs(int(a) - int(b)) for a, b in zip(ref.reshape(-1).tolist(), got.reshape(-1).tolist()))
+        scale = max(max((abs(int(a)) for a in ref.reshape(-1).tolist()), default=0), 1)
+        return {"identical": False, "max_rel_diff": diff / scale}
+    diff = float(np.nanmax(np.abs(got.astype(np.complex128) - ref.astype(np.complex128))))
+    if np.isnan(got).sum() != np.isnan(ref).sum():
+        diff = float("nan")
+    scale = float(np.max(np.abs(ref))) if ref.size else 0.0
+    if not scale > 0:
+        return {"identical": False, "max_rel_diff": None, "max_abs_diff": diff, "why": "the reference is all zeros"}
+    return {"identical": False, "max_rel_diff": diff / scale}
 
 
 def measure(xp, sp, paths, workloads: dict, *, rounds: int, sync, to_host, say, stats=None, faults=None,
@@ -185,6 +198,15 @@ def measure(xp, sp, paths, workloads: dict, *, rounds: int, sync, to_host, say, 
     to rows of paths without a strategy. Returns {workload: {label: row}};
     ``row["seconds"]`` is the median over the rounds of the seconds per run.
     """
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds: expected an int >= 1, got {rounds!r}")
+    if not paths:
+        raise ValueError("paths: expected at least one (label, activate, strategy, release)")
+    labels = [p[0] for p in paths]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"paths: each label must be unique, got {labels}")
+    if not min_sample_s >= 0:  # NaN fails too
+        raise ValueError(f"min_sample_s: expected seconds >= 0, got {min_sample_s!r}")
     out = {}
     for name, (fn, kwargs) in workloads.items():
         is_cold = name in cold
@@ -225,7 +247,9 @@ def measure(xp, sp, paths, workloads: dict, *, rounds: int, sync, to_host, say, 
                 sync()
                 row["runs"].append((clock() - t0) / reps)
                 if faults is not None:
-                    row["faults"] = faults.stop()
+                    counts = faults.stop()
+                    # per run, like the time: the sample's counts over its runs
+                    row["faults"] = None if counts is None else {k: round(v / reps) for k, v in counts.items()}
                 hosts[label] = to_host(result)
                 del result
                 if strategy is not None:
@@ -253,7 +277,7 @@ def measure(xp, sp, paths, workloads: dict, *, rounds: int, sync, to_host, say, 
                 row["check"] = _compare(ref, host)
         base = next(iter(rows.values()))["seconds"]
         for row in rows.values():
-            row["ratio_to_first"] = row["seconds"] / base
+            row["ratio_to_first"] = row["seconds"] / base if base > 0 else float("nan")
         out[name] = rows
     return out
 
@@ -356,7 +380,9 @@ def format_table(report: dict) -> str:
             f = (r.get("faults") or {}).get("gpu_faults")
             c = r.get("check") or {}
             check = "reference" if c.get("reference") else "identical" if c.get("identical") else (
-                f"differs (max rel {c['max_rel_diff']:.2e})" if c.get("max_rel_diff") is not None else c.get("why", "?"))
+                f"differs (max rel {c['max_rel_diff']:.2e})" if c.get("max_rel_diff") is not None
+                else f"differs (max abs {c['max_abs_diff']:.2e}; {c['why']})" if "max_abs_diff" in c
+                else c.get("why", "?"))
             out.append(f"  {label:28s} {r['seconds']:9.4f} s ({r['ratio_to_first']:5.2f}x)  {peaks:>22s}  "
                        f"{'' if f is None else f'{f} faults':>12s}  {check}")
     return "\n".join(out)

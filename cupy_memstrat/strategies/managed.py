@@ -42,7 +42,7 @@ _CLASS_INDEX = tuple(
     bisect.bisect_left(SIZE_CLASSES, max(i << 9, 1)) for i in range((SMALL_MAX >> 9) + 1)
 )
 
-_NONE = ("", "none", "off", "no")
+_NONE = ("", "none", "off", "no", "false")
 
 
 def _as_location(value, what: str):
@@ -89,7 +89,7 @@ def _as_accessed_by(value, what: str) -> tuple:
 
 
 def _as_prefetch(value, what: str):
-    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE):
+    if value is None or value is False or (isinstance(value, str) and value.strip().lower() in _NONE):
         return None
     if isinstance(value, str) and value.strip().lower() in ("on_alloc", "on_new"):
         return value.strip().lower()
