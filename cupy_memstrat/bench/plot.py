@@ -74,19 +74,25 @@ def _latency_panels(lat: dict, axes) -> None:
         ax.set_xscale("log")
         ax.axvline(base, color="0.3", ls="--", lw=1)
         for i, t in enumerate(us):
-            ax.text(t * 1.08, i, f"{t:.2f} us ({t / base:.2f}x)", va="center", fontsize=7)
+            ax.text(t * 1.08, i, f"{t:.2f} µs ({t / base:.2f}x)", va="center", fontsize=7)
         ax.set_xlim(right=max(us) * 20)
         ax.set_title(format_size(int(size)), fontsize=9)
-        ax.set_xlabel("alloc+free, us (log)", fontsize=8)
+        ax.set_xlabel("alloc+free, µs (log scale)", fontsize=8)
 
 
 def _alloc(report: dict, plt):
     n = len([k for k in next(iter(report["results_us"].values())) if k.isdigit()])
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 0.4 * len(report["results_us"]) + 1.8))
     _latency_panels(report, list(axes))
-    fig.suptitle(f"Alloc+free through cupy.cuda.alloc on {_device_name(report)} "
-                 "(median; blue: cupy_memstrat strategies; dashed: CuPy's pool)", fontsize=10)
-    fig.tight_layout()
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    fig.suptitle(f"Alloc+free through cupy.cuda.alloc on {_device_name(report)} (median of rounds)", fontsize=10)
+    fig.legend(handles=[Patch(color="#4c72b0", label="cupy_memstrat strategy (device+origins: device, track_origins=True)"),
+                        Patch(color="0.55", label="CuPy's pool, raw cudaMalloc (no-pool), CuPy / RMM async pools"),
+                        Line2D([], [], color="0.3", ls="--", label="CuPy's pool")],
+               loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
 
 
@@ -103,10 +109,10 @@ def _async(report: dict, plt):
     ax1.invert_yaxis()
     ax1.set_xscale("log")
     for i, t in enumerate(us):
-        ax1.text(t * 1.08, i, f"{t:.1f} us", va="center", fontsize=7)
+        ax1.text(t * 1.08, i, f"{t:.1f} µs", va="center", fontsize=7)
     ax1.set_xlim(right=max(us) * 20)
     loop_mib = report.get("params", {}).get("loop_bytes", 0) >> 20
-    ax1.set_title(f"{loop_mib} MiB alloc, free, synchronize: us per iteration (log)", fontsize=9)
+    ax1.set_title(f"{loop_mib} MiB alloc, free, synchronize: µs per iteration (log scale)", fontsize=9)
     fig.suptitle(f"The async strategy on {_device_name(report)} (median)", fontsize=10)
     fig.tight_layout()
     return fig
@@ -144,10 +150,10 @@ def _workloads(report: dict, plt):
             mark = "" if c.get("identical") or c.get("reference") else ", result differs"
             faults = (row.get("faults") or {}).get("gpu_faults")
             mark += f", {faults:,} GPU faults" if faults else ""
-            ax.text(v * 1.03, y, f"{v:.2f}x{mark}", va="center", fontsize=7)
+            ax.text(max(v, 1.0) * 1.03, y, f"{v:.2f}x{mark}", va="center", fontsize=7)  # clear of the 1.0x line
     ax.set_xscale("log")
     if shown:
-        ax.set_xlim(min(0.5, min(shown) * 0.8), max(shown) * 2.5)
+        ax.set_xlim(min(0.5, min(shown) * 0.8), max(shown) * 2.2)
     ax.set_yticks([i + 0.4 - h / 2 for i in range(len(names))],
                   [f"{n}\n(cold)" if n in cold else n for n in names])
     ax.invert_yaxis()
