@@ -294,7 +294,7 @@ def format_table(report: dict) -> str:
     if "device_vs_no_pool" in report:
         dv = report["device_vs_no_pool"]
         out.append(
-            "device / no-pool: "
+            "device / no-pool (the table's medians over rounds): "
             + ", ".join(f"{h} {dv[c]:.3f}x" for h, c in zip(heads, cols))
         )
     if "device_vs_no_pool_paired" in report:

@@ -234,7 +234,8 @@ def format_table(report: dict) -> str:
     lat = report["latency"]
     out = [_alloc.format_table(lat)]
     for key, row in lat["ratios"].items():
-        out.append(f"{key}: " + ", ".join(f"{k} {v:.3f}x" for k, v in row.items()))
+        out.append(f"{key}: " + ", ".join(
+            f"{format_size(int(k)) if k.isdigit() else k} {v:.3f}x" for k, v in row.items()))
     out.append("raw cudaMallocFromPoolAsync + cudaFreeAsync, no allocator (median us): " + "; ".join(
         f"{label} " + ", ".join(f"{format_size(int(k))} {v['median_us']:.2f}" for k, v in row.items())
         for label, row in report["raw_cuda_floor_us"].items()
