@@ -73,7 +73,7 @@ def _cmd_bench_all(args) -> int:
 
             plot(report, png)
             written.append(png)
-        except (RuntimeError, ValueError) as exc:  # no matplotlib: the JSON is still there, plot it later
+        except (RuntimeError, ValueError) as exc:  # no matplotlib, or nothing to draw: the JSON is still there
             print(f"bench {group}: no figure: {exc}", file=sys.stderr)
     print("\nwrote " + ", ".join(written))
     return 0

@@ -237,7 +237,7 @@ def plot(report: dict, path: str) -> str:
     """
     import os
 
-    kind = report.get("benchmark") or report.get("kind") if isinstance(report, dict) else None
+    kind = (report.get("benchmark") or report.get("kind")) if isinstance(report, dict) else None
     if kind not in _PLOTS:
         raise ValueError(f"no figure for benchmark {kind!r}; figures exist for: {', '.join(sorted(_PLOTS))}")
     if not os.path.splitext(path)[1]:

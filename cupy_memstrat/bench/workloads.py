@@ -25,8 +25,8 @@ a short program is repeated within a sample). ``managed-large`` is measured
 cold: every sample starts with the path's cache given back, as a program
 allocating one big data set does. The report has the median seconds per run,
 the ratio to CuPy's pool, peak bytes in use and reserved (for strategies,
-from their statistics), the page faults of the last sample where counters
-exist, and whether the result equals the one under CuPy's pool (bit for bit,
+from their statistics), the page faults per run (from the last sample) where
+counters exist, and whether the result equals the one under CuPy's pool (bit for bit,
 or the largest relative difference).
 """
 
@@ -194,7 +194,7 @@ def measure(xp, sp, paths, workloads: dict, *, rounds: int, sync, to_host, say, 
 
     ``sync()`` waits for the device; ``to_host(x)`` gives a NumPy copy;
     ``faults``, if given, has ``start()`` / ``stop() -> dict or None``
-    (counted over a path's last sample); ``stats()`` adds CuPy-pool figures
+    (reported per run: the last sample's counts over its runs); ``stats()`` adds CuPy-pool figures
     to rows of paths without a strategy. Returns {workload: {label: row}};
     ``row["seconds"]`` is the median over the rounds of the seconds per run.
     """
