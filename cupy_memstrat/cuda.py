@@ -37,6 +37,21 @@ Stream-ordered pools (``cudaMemPool_t``), used by the ``async`` strategy;
 ``current_stream(device) -> stream object``
     CuPy's current stream for ``device`` (an object with ``.ptr``, the
     ``cudaStream_t``; weak-referenceable; it destroys its stream when it dies).
+``current_stream_ptr(device) -> int``
+    the handle of CuPy's current stream on ``device`` (``.ptr`` of the
+    above): 0 for the legacy default stream, :data:`STREAM_PER_THREAD` (2)
+    for the per-thread default stream
+    (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``) in every thread.
+``current_stream_ptr_capsule() -> PyCapsule | None``
+    the same as a C function ``intptr_t (int device)`` for the C hot path
+    (CuPy's own ``cupy_backends.cuda.stream.get_stream_ptr``, where CuPy
+    keeps each thread's current streams), or None where there is none (the
+    C path then calls ``current_stream_ptr``).
+``stream_destroyed(stream) -> bool``
+    True only where the backend knows the handle was destroyed. CUDA has no
+    safe way to ask: ``cudaStreamQuery`` on a destroyed handle crashed the
+    process (SIGSEGV) on the H200, so the real backend always says False and
+    a stream's handle must outlive its use, as CUDA requires.
 ``pool_create(device, max_size) -> pool``
     ``cudaMemPoolCreate``: a new pool of device memory on ``device``;
     ``max_size`` bytes (0: no limit besides the device).
@@ -103,6 +118,7 @@ __all__ = [
     "ERROR_NO_DEVICE",
     "ERROR_INSUFFICIENT_DRIVER",
     "HOST",
+    "STREAM_PER_THREAD",
     "RealBackend",
     "CheckKernels",
     "kernel_source",
@@ -137,6 +153,8 @@ POOL_ATTR_RESERVED_MEM_CURRENT = 5
 POOL_ATTR_RESERVED_MEM_HIGH = 6
 POOL_ATTR_USED_MEM_CURRENT = 7
 POOL_ATTR_USED_MEM_HIGH = 8
+#: cudaStreamPerThread: the per-thread default stream's handle, the same value in every thread
+STREAM_PER_THREAD = 2
 #: largest release threshold: the pool keeps all freed memory (cudaMemPoolAttrReleaseThreshold is a cuuint64_t).
 RELEASE_THRESHOLD_MAX = (1 << 64) - 1
 
@@ -208,6 +226,7 @@ class RealBackend:
         from cupy.cuda.stream import get_current_stream
 
         self.current_stream = get_current_stream
+        self._get_current_stream = get_current_stream
         self.malloc_from_pool_async = runtime.mallocFromPoolAsync
         self.free_async = runtime.freeAsync
         self.pool_destroy = runtime.memPoolDestroy
@@ -388,6 +407,32 @@ class RealBackend:
         if status == ERROR_NOT_READY:
             return True
         self.clear_last_error()
+        return False
+
+    def current_stream_ptr(self, device: int) -> int:
+        return self._get_current_stream(device).ptr
+
+    def current_stream_ptr_capsule(self):
+        """CuPy's C function ``get_stream_ptr(device)``
+        (cupy_backends/cuda/stream.pxd, exported in the module's
+        ``__pyx_capi__``), or None if this CuPy build does not export it
+        (the hot path then calls :meth:`current_stream_ptr`)."""
+        try:
+            from cupy_backends.cuda import stream
+
+            capsule = stream.__pyx_capi__["get_stream_ptr"]
+        except (ImportError, AttributeError, KeyError):
+            return None
+        import ctypes
+
+        get_name = ctypes.pythonapi.PyCapsule_GetName
+        get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+        return capsule if get_name(capsule) == b"intptr_t (int)" else None
+
+    def stream_destroyed(self, stream: int) -> bool:
+        """False: CUDA cannot tell a destroyed handle from a live one without
+        undefined behaviour (``cudaStreamQuery`` on one crashed the process
+        on the H200, tests/gpu/test_streams_gpu.py)."""
         return False
 
     def stream_non_blocking(self, stream: int) -> bool:

@@ -143,8 +143,8 @@ class FakeStream:
         return self.ptr in self._backend._destroyed_streams
 
     def destroy(self) -> None:
-        """``cudaStreamDestroy`` (the null stream cannot be destroyed)."""
-        if self.ptr:
+        """``cudaStreamDestroy`` (the default streams, handles 0-2, cannot be destroyed)."""
+        if self.ptr > 2:
             self._backend._destroyed_streams.add(self.ptr)
 
     def synchronize(self) -> None:
@@ -191,6 +191,10 @@ class FakeBackend:
         concurrent_managed_access, pageable_memory_access,
         memory_pools_supported: device attributes (H200 values by default).
         driver_version, runtime_version: CUDA-encoded versions (13000 = 13.0).
+        per_thread_default_stream: CuPy's default stream is the per-thread
+            default stream (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``): handle
+            ``cudaStreamPerThread`` (2) in every thread, a separate stream in
+            each (its work, events and pool frees are per thread).
 
     Raises:
         ValueError: ``devices`` < 1 or a bad ``memory`` value.
@@ -210,6 +214,7 @@ class FakeBackend:
         memory_pools_supported: int = 1,
         driver_version: int = 13000,
         runtime_version: int = 13000,
+        per_thread_default_stream: bool = False,
     ):
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices: expected an int >= 1, got {devices!r}")
@@ -238,6 +243,10 @@ class FakeBackend:
         self.n_free_calls = 0
         # streams and pools
         self._null_streams = [FakeStream(self, d, 0) for d in range(devices)]
+        # CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1: CuPy's default stream is then
+        # cudaStreamPerThread, handle 2 in every thread, one stream per thread
+        self.per_thread_default_stream = bool(per_thread_default_stream)
+        self._ptds = [FakeStream(self, d, _cuda.STREAM_PER_THREAD) for d in range(devices)]
         self._destroyed_streams: set[int] = set()
         self._stream_device: dict[int, int] = {}
         self._next_handle = 0x1000
@@ -386,6 +395,8 @@ class FakeBackend:
     # A stream's queue is a count of items submitted and completed; nothing
     # completes until the test says so (finish) or a synchronisation does.
     def _work_key(self, stream: int):
+        if stream == _cuda.STREAM_PER_THREAD:  # one stream per thread behind the one handle
+            return (self.get_device(), 2, threading.get_ident())
         return (self.get_device(), 0) if stream <= 2 else stream
 
     def launch(self, stream, writes=()) -> None:
@@ -417,6 +428,10 @@ class FakeBackend:
     def stream_non_blocking(self, stream: int) -> bool:
         return bool(self._stream_flags.get(stream, 0))
 
+    def stream_destroyed(self, stream: int) -> bool:
+        """Whether ``stream`` was destroyed (real CUDA cannot say safely)."""
+        return stream in self._destroyed_streams
+
     def event_create(self) -> int:
         with self._lock:
             self._next_handle += 0x100
@@ -424,7 +439,7 @@ class FakeBackend:
             return self._next_handle
 
     def event_record(self, event: int, stream: int) -> None:
-        key = self._work_key(stream)
+        key = self._stream_key(stream)  # a destroyed stream fails
         with self._lock:
             if event not in self._events:
                 self._fail(_cuda.ERROR_INVALID_RESOURCE_HANDLE)
@@ -480,13 +495,24 @@ class FakeBackend:
         if device == -1:
             device = self.get_device()
         stack = self._stream_stack(device)
-        return stack[-1] if stack else self._null_streams[device]
+        if stack:
+            return stack[-1]
+        return (self._ptds if self.per_thread_default_stream else self._null_streams)[device]
+
+    def current_stream_ptr(self, device: int) -> int:
+        """The handle of the calling thread's current stream on ``device``."""
+        return self.current_stream(device).ptr
+
+    def current_stream_ptr_capsule(self):
+        """None: the fake has no C function for :meth:`current_stream_ptr`."""
+        return None
 
     def _stream_key(self, stream: int):
         if stream in self._destroyed_streams:
             self._fail(_cuda.ERROR_INVALID_RESOURCE_HANDLE)
-        # handles 0-2 (legacy / per-thread default) mean the current device's
-        return (self.get_device(), 0) if stream <= 2 else stream
+        # handles 0-2 (legacy / per-thread default) mean the current device's;
+        # cudaStreamPerThread (2) is the calling thread's own stream
+        return self._work_key(stream)
 
     def stream_synchronize(self, stream: int) -> None:
         """``cudaStreamSynchronize``: orders the frees queued on ``stream``
