@@ -15,9 +15,28 @@
  *
  *   hooks    allocate(size) -> ptr and deallocate(ptr): the base Strategy's hooks
  *            (the device strategy binds cudaMalloc / cudaFree there);
- *   classes  free lists by size class (managed): small sizes index
- *            small[device][(size + 511) >> 9], large ones large[device][size
- *            rounded up to 512 B]; miss(size, device) is the slow path.
+ *   classes  stream-ordered free lists by size class (managed): one arena per
+ *            stream, arenas[device][stream key] = (small, large); small sizes
+ *            index small[(size + 511) >> 9], large ones large[size rounded up
+ *            to 512 B]; miss(size, device, key) is the slow path. A block goes
+ *            back to the arena of the stream it was allocated on, whatever
+ *            stream is current at the free, so only later work on that stream
+ *            reuses it: each chunk belongs to one arena for good, owner[chunk
+ *            base] (the base is ptr rounded down to chunk_bytes; arena_of(ptr,
+ *            device) finds it otherwise). The stream key is CuPy's: the
+ *            current stream's handle, or for the per-thread default stream
+ *            (handle 2 in every thread) minus the thread's ident
+ *            (_get_stream_identifier in cupy/cuda/memory.pyx, cupy#5069). The
+ *            handle comes from CuPy's own C function get_stream_ptr(device)
+ *            (cupy_backends/cuda/stream.pxd) when the backend gives it as a
+ *            capsule, else from a callable stream_ptr(device).
+ *
+ * Both modes: while blocks freed with record_stream() wait (pending is not
+ * empty), malloc first calls poll(); a free of a block in recorded calls
+ * defer(ptr, size, device) instead of giving the block back; when watch[0] is
+ * not None and the device has no live block left after a free, watch[0]() is
+ * called (using() lets go of a strategy). If allocate raises the backend's
+ * error, failed(size, device, exc) recovers and returns the pointer, or raises.
  *
  * Accounting, as the Python version (base.py's module docstring): per device, an
  * allocation appends +size to events[device] before inserting ptr -> size into
@@ -30,6 +49,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <pythread.h>
+#include <stdint.h>
+#include <string.h>
 
 typedef struct {
     PyObject_HEAD
@@ -45,14 +67,33 @@ typedef struct {
     PyObject *allocate;       /* hooks: allocate(size) -> ptr */
     PyObject *deallocate;     /* hooks: deallocate(ptr) */
     PyObject *dealloc_failed; /* hooks: dealloc_failed(ptr, size, device, exc, stacklevel) */
-    PyObject *small;          /* classes: list (device) of lists (512 B unit) of free lists */
-    PyObject *large;          /* classes: list (device) of dicts rounded size -> free list */
-    PyObject *miss;           /* classes: miss(size, device) -> ptr */
-    PyObject *large_hit;      /* classes: large_hit(ptr, size, device) or None */
+    PyObject *arenas;         /* classes: list (device) of dicts stream key -> (small, large) */
+    PyObject *owner;          /* classes: dict chunk base -> its arena's (small, large) */
+    PyObject *arena_of;       /* classes: arena_of(ptr, device) -> (small, large) */
+    PyObject *stream_ptr;     /* classes: stream_ptr(device) -> the current stream's handle */
+    PyObject *capsule;        /* classes: the capsule behind stream_fn, or None */
+    PyObject *miss;           /* classes: miss(size, device, key) -> ptr */
+    PyObject *large_hit;      /* classes: large_hit(ptr, size, device, key) or None */
+    PyObject *recorded;       /* dict ptr -> recorded streams (record_stream) */
+    PyObject *defer;          /* defer(ptr, size, device) */
+    PyObject *pending;        /* list of blocks waiting for recorded streams */
+    PyObject *poll;           /* poll() */
+    PyObject *watch;          /* [callable or None] */
+    intptr_t (*stream_fn)(int);
+    unsigned long long chunk_mask;
+    /* classes mode, a cache of the last lookup (not for the per-thread default
+     * stream, whose key depends on the thread): handle -> key, (device, key) -> arena */
+    intptr_t last_h;
+    Py_ssize_t last_d;
+    PyObject *last_key;    /* owned, or NULL */
+    PyObject *last_arena;  /* owned, or NULL: arenas[last_d][last_key] */
+    unsigned long long last_base;  /* the chunk of the last free, and its owner's arena (owned, or NULL) */
+    PyObject *last_owner;
 } Accounting;
 
 #define FIELDS(X) X(events) X(live) X(fold) X(unknown_free) X(failed) X(error) X(allocate) \
-    X(deallocate) X(dealloc_failed) X(small) X(large) X(miss) X(large_hit)
+    X(deallocate) X(dealloc_failed) X(arenas) X(owner) X(arena_of) X(stream_ptr) X(capsule) X(miss) X(large_hit) \
+    X(recorded) X(defer) X(pending) X(poll) X(watch)
 
 static int
 Accounting_traverse(Accounting *self, visitproc visit, void *arg)
@@ -60,6 +101,9 @@ Accounting_traverse(Accounting *self, visitproc visit, void *arg)
 #define VISIT(f) Py_VISIT(self->f);
     FIELDS(VISIT)
 #undef VISIT
+    Py_VISIT(self->last_key);
+    Py_VISIT(self->last_arena);
+    Py_VISIT(self->last_owner);
     return 0;
 }
 
@@ -69,6 +113,9 @@ Accounting_clear(Accounting *self)
 #define CLEAR(f) Py_CLEAR(self->f);
     FIELDS(CLEAR)
 #undef CLEAR
+    Py_CLEAR(self->last_key);
+    Py_CLEAR(self->last_arena);
+    Py_CLEAR(self->last_owner);
     return 0;
 }
 
@@ -101,15 +148,21 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"events", "live", "fold", "fold_at", "unknown_free", "failed", "error",
                              "allocate", "deallocate", "dealloc_failed",
-                             "small", "large", "small_max", "miss", "large_hit", NULL};
+                             "arenas", "owner", "arena_of", "chunk_bytes", "stream_ptr", "capsule", "small_max",
+                             "miss", "large_hit", "recorded", "defer", "pending", "poll", "watch", NULL};
     PyObject *events, *live, *fold, *unknown_free, *failed, *error;
     PyObject *allocate = Py_None, *deallocate = Py_None, *dealloc_failed = Py_None;
-    PyObject *small = Py_None, *large = Py_None, *miss = Py_None, *large_hit = Py_None;
+    PyObject *arenas = Py_None, *owner = Py_None, *arena_of = Py_None, *stream_ptr = Py_None, *capsule = Py_None;
+    unsigned long long chunk_bytes = 0;
+    PyObject *miss = Py_None, *large_hit = Py_None;
+    PyObject *recorded = NULL, *defer = NULL, *pending = NULL, *poll = NULL, *watch = NULL;
     Py_ssize_t fold_at;
     Py_ssize_t small_max = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOnOOO|$OOOOOnOO", kwlist, &events, &live, &fold, &fold_at,
-                                     &unknown_free, &failed, &error, &allocate, &deallocate, &dealloc_failed,
-                                     &small, &large, &small_max, &miss, &large_hit))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOnOOO|$OOOOOOKOOnOOOOOOO", kwlist, &events, &live, &fold,
+                                     &fold_at, &unknown_free, &failed, &error, &allocate, &deallocate,
+                                     &dealloc_failed, &arenas, &owner, &arena_of, &chunk_bytes, &stream_ptr,
+                                     &capsule, &small_max, &miss, &large_hit, &recorded, &defer, &pending, &poll,
+                                     &watch))
         return -1;
     if (!PyList_CheckExact(events)) {
         PyErr_SetString(PyExc_TypeError, "Accounting: events must be a list");
@@ -123,6 +176,19 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
     if (check_per_device(events, "events", n, &PyList_Type) < 0 ||
         check_per_device(live, "live", n, &PyDict_Type) < 0)
         return -1;
+    /* record_stream and using(): required */
+    if (recorded == NULL || pending == NULL || watch == NULL || defer == NULL || poll == NULL) {
+        PyErr_SetString(PyExc_TypeError, "Accounting: recorded, defer, pending, poll and watch are required");
+        return -1;
+    }
+    if (!PyDict_CheckExact(recorded) || !PyList_CheckExact(pending) || !PyList_CheckExact(watch) ||
+        PyList_GET_SIZE(watch) != 1 || !PyCallable_Check(defer) || !PyCallable_Check(poll)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "Accounting: recorded must be a dict, pending a list, watch a 1-item list, "
+                        "defer and poll callables");
+        return -1;
+    }
+    intptr_t (*stream_fn)(int) = NULL;
     int hooks = allocate != Py_None;
     if (hooks) {
         if (!PyCallable_Check(allocate) || !PyCallable_Check(deallocate) || !PyCallable_Check(dealloc_failed)) {
@@ -130,25 +196,32 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
             return -1;
         }
     } else {
-        if (check_per_device(small, "small", n, &PyList_Type) < 0 ||
-            check_per_device(large, "large", n, &PyDict_Type) < 0)
+        if (check_per_device(arenas, "arenas", n, &PyDict_Type) < 0)
             return -1;
-        for (Py_ssize_t d = 0; d < n; d++) {
-            PyObject *idx = PyList_GET_ITEM(small, d);
-            if (PyList_GET_SIZE(idx) <= ((small_max + 511) >> 9)) {
-                PyErr_SetString(PyExc_ValueError, "Accounting: small[d] must have an entry per 512 B up to small_max");
+        if (!PyDict_CheckExact(owner)) {
+            PyErr_SetString(PyExc_TypeError, "Accounting: owner must be a dict");
+            return -1;
+        }
+        if (chunk_bytes == 0 || (chunk_bytes & (chunk_bytes - 1)) != 0) {
+            PyErr_SetString(PyExc_ValueError, "Accounting: chunk_bytes must be a power of two");
+            return -1;
+        }
+        if (!PyCallable_Check(miss) || !PyCallable_Check(stream_ptr) || !PyCallable_Check(arena_of) ||
+            (large_hit != Py_None && !PyCallable_Check(large_hit))) {
+            PyErr_SetString(PyExc_TypeError,
+                            "Accounting: miss, arena_of and stream_ptr (and large_hit, if given) must be callables");
+            return -1;
+        }
+        if (capsule != Py_None) {
+            const char *cname = PyCapsule_CheckExact(capsule) ? PyCapsule_GetName(capsule) : NULL;
+            if (cname == NULL || strcmp(cname, "intptr_t (int)") != 0) {
+                PyErr_Clear();
+                PyErr_SetString(PyExc_TypeError, "Accounting: capsule must hold a C function intptr_t (int)");
                 return -1;
             }
-            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(idx); i++) {
-                if (!PyList_CheckExact(PyList_GET_ITEM(idx, i))) {
-                    PyErr_SetString(PyExc_TypeError, "Accounting: small[d][i] must be lists");
-                    return -1;
-                }
-            }
-        }
-        if (!PyCallable_Check(miss) || (large_hit != Py_None && !PyCallable_Check(large_hit))) {
-            PyErr_SetString(PyExc_TypeError, "Accounting: miss (and large_hit, if given) must be callables");
-            return -1;
+            stream_fn = (intptr_t (*)(int))PyCapsule_GetPointer(capsule, cname);
+            if (stream_fn == NULL)
+                return -1;
         }
     }
     if (!PyCallable_Check(fold) || !PyCallable_Check(unknown_free) || !PyCallable_Check(failed)) {
@@ -162,6 +235,13 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
     self->n_devices = n;
     self->fold_at = fold_at;
     self->small_max = (unsigned long long)small_max;
+    self->stream_fn = stream_fn;
+    self->chunk_mask = ~(chunk_bytes ? chunk_bytes - 1 : 0ULL);
+    self->last_h = -1;
+    self->last_d = -1;
+    Py_CLEAR(self->last_key);
+    Py_CLEAR(self->last_arena);
+    Py_CLEAR(self->last_owner);
 #define SET(f) Py_INCREF(f); Py_XSETREF(self->f, f);
     FIELDS(SET)
 #undef SET
@@ -182,9 +262,10 @@ device_index(Accounting *self, PyObject *device)
     return d < self->n_devices ? d : -1;
 }
 
-/* allocate() raised the backend's error: failed(size, device, exc) raises the
- * error to show (an OutOfMemoryError naming the request, or exc itself), with exc
- * as the exception being handled, as in the Python version's except block. */
+/* allocate() raised the backend's error: failed(size, device, exc) recovers (CuPy's
+ * order: give back, collect, retry) and returns the pointer, or raises the error to
+ * show (an OutOfMemoryError naming the request, or exc itself), with exc as the
+ * exception being handled, as in the Python version's except block. */
 static PyObject *
 allocation_failed(Accounting *self, PyObject *size, PyObject *device)
 {
@@ -204,11 +285,12 @@ allocation_failed(Accounting *self, PyObject *size, PyObject *device)
     Py_XDECREF(type);
     Py_XDECREF(value);
     Py_XDECREF(tb);
-    if (r != NULL) {
+    if (r != NULL && !PyLong_CheckExact(r)) {
         Py_DECREF(r);
-        PyErr_SetString(PyExc_SystemError, "cupy_memstrat: the allocation-failure handler returned");
+        PyErr_SetString(PyExc_SystemError, "cupy_memstrat: the allocation-failure handler returned a non-int");
+        return NULL;
     }
-    return NULL;
+    return r;
 }
 
 /* Pop the last item of a list (a new reference), or NULL if it is empty (no error set). */
@@ -244,16 +326,79 @@ table_item(PyObject *table, Py_ssize_t i, PyTypeObject *type, const char *name)
     return item;
 }
 
-/* The free list of a size class: small[d][(n + 511) >> 9], a new reference. */
-static PyObject *
-small_list(Accounting *self, Py_ssize_t d, unsigned long long n)
+/* The handle of device d's current stream; -1 with an error set on failure. */
+static intptr_t
+stream_handle(Accounting *self, Py_ssize_t d, PyObject *device)
 {
-    PyObject *idx = table_item(self->small, d, &PyList_Type, "small");
-    if (idx == NULL)
+    if (self->stream_fn != NULL)
+        return self->stream_fn((int)d);  /* -1 with an error set on failure (Cython's except? -1) */
+    PyObject *r = PyObject_CallOneArg(self->stream_ptr, device);
+    if (r == NULL)
+        return -1;
+    intptr_t h = (intptr_t)PyLong_AsSsize_t(r);
+    Py_DECREF(r);
+    return h;
+}
+
+/* The stream key of the current stream (a new reference): its handle, or for the
+ * per-thread default stream minus the thread's ident. *h gets the handle. */
+static PyObject *
+stream_key(Accounting *self, Py_ssize_t d, PyObject *device, intptr_t *h)
+{
+    *h = stream_handle(self, d, device);
+    if (*h == -1 && PyErr_Occurred())
         return NULL;
-    PyObject *lst = table_item(idx, (Py_ssize_t)((n + 511) >> 9), &PyList_Type, "small[d]");
-    Py_DECREF(idx);
-    return lst;
+    if (*h == 2) {  /* cudaStreamPerThread: one stream per thread behind one handle */
+        PyObject *tid = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+        if (tid == NULL)
+            return NULL;
+        PyObject *key = PyNumber_Negative(tid);
+        Py_DECREF(tid);
+        return key;
+    }
+    if (*h == self->last_h && self->last_key != NULL) {
+        Py_INCREF(self->last_key);
+        return self->last_key;
+    }
+    PyObject *key = PyLong_FromSsize_t((Py_ssize_t)*h);
+    if (key != NULL) {
+        Py_XSETREF(self->last_key, Py_NewRef(key));
+        self->last_h = *h;
+        self->last_d = -1;  /* the arena cache was for another key */
+        Py_CLEAR(self->last_arena);
+    }
+    return key;
+}
+
+/* arenas[d][key] as (small, large), borrowed references; 0 if there is no such
+ * arena yet (no error set), -1 with an error if the tables have a wrong shape. */
+static int
+arena_lists(Accounting *self, Py_ssize_t d, PyObject *key, PyObject **small, PyObject **large)
+{
+    PyObject *per_device = table_item(self->arenas, d, &PyDict_Type, "arenas");
+    if (per_device == NULL)
+        return -1;
+    PyObject *arena = PyDict_GetItemWithError(per_device, key);  /* borrowed */
+    Py_DECREF(per_device);
+    if (arena == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (!PyTuple_CheckExact(arena) || PyTuple_GET_SIZE(arena) != 2 ||
+        !PyList_CheckExact(PyTuple_GET_ITEM(arena, 0)) || !PyDict_CheckExact(PyTuple_GET_ITEM(arena, 1)) ||
+        PyList_GET_SIZE(PyTuple_GET_ITEM(arena, 0)) <= (Py_ssize_t)((self->small_max + 511) >> 9)) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "cupy_memstrat: an arena of the strategy is not a (list per 512 B, dict) pair any more");
+        return -1;
+    }
+    *small = PyTuple_GET_ITEM(arena, 0);
+    *large = PyTuple_GET_ITEM(arena, 1);
+    return 1;
+}
+
+/* The free list of a size class: small[(n + 511) >> 9], a new reference. */
+static PyObject *
+small_list(PyObject *small, unsigned long long n)
+{
+    return table_item(small, (Py_ssize_t)((n + 511) >> 9), &PyList_Type, "arena small");
 }
 
 /* The size as an unsigned long long; 0 with no error set if it is an int that does
@@ -298,6 +443,72 @@ account_malloc(Accounting *self, Py_ssize_t d, PyObject *device, PyObject *ptr, 
     return rc;
 }
 
+/* Blocks freed with record_stream() may be done: poll() gives them back. */
+static inline int
+poll_pending(Accounting *self)
+{
+    if (PyList_GET_SIZE(self->pending) == 0)
+        return 0;
+    PyObject *r = PyObject_CallNoArgs(self->poll);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* classes mode: a block from the arena of stream `key`, or NULL with no error set
+ * (a miss); *hit_large tells a large block was taken. */
+static PyObject *
+arena_pop(Accounting *self, Py_ssize_t d, PyObject *key, intptr_t h, PyObject *size, int *hit_large)
+{
+    unsigned long long n;
+    int fits = size_value(size, &n);
+    if (fits <= 0)
+        return NULL;  /* an error (fits < 0), or too large: the slow path says why */
+    PyObject *small, *large;
+    if (h != 2 && d == self->last_d && key == self->last_key && self->last_arena != NULL) {
+        small = PyTuple_GET_ITEM(self->last_arena, 0);  /* checked when it was cached */
+        large = PyTuple_GET_ITEM(self->last_arena, 1);
+    } else {
+        int have = arena_lists(self, d, key, &small, &large);
+        if (have <= 0)
+            return NULL;
+        if (h != 2 && key == self->last_key) {  /* cache it: arenas are never removed */
+            PyObject *per_device = PyList_GET_ITEM(self->arenas, d);
+            PyObject *arena = PyDict_GetItemWithError(per_device, key);
+            if (arena != NULL) {
+                Py_XSETREF(self->last_arena, Py_NewRef(arena));
+                self->last_d = d;
+            }
+        }
+    }
+    Py_INCREF(small);
+    Py_INCREF(large);
+    PyObject *ptr = NULL;
+    if (n <= self->small_max) {
+        PyObject *lst = small_list(small, n);
+        if (lst != NULL) {
+            ptr = list_pop(lst);
+            Py_DECREF(lst);
+        }
+    } else {
+        PyObject *k = PyLong_FromUnsignedLongLong((n + 511) & ~511ULL), *lst = NULL;
+        if (k != NULL) {
+            lst = PyDict_GetItemWithError(large, k);
+            Py_XINCREF(lst);
+            Py_DECREF(k);
+        }
+        if (lst != NULL && PyList_CheckExact(lst)) {
+            ptr = list_pop(lst);
+            *hit_large = ptr != NULL;
+        }
+        Py_XDECREF(lst);
+    }
+    Py_DECREF(small);
+    Py_DECREF(large);
+    return ptr;
+}
+
 static PyObject *
 Accounting_malloc(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -312,60 +523,45 @@ Accounting_malloc(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
                      self->n_devices);
         return NULL;
     }
-    PyObject *ptr = NULL;
+    if (poll_pending(self) < 0)
+        return NULL;
+    PyObject *ptr = NULL, *key = NULL;
     if (self->allocate != Py_None) {
         ptr = PyObject_CallOneArg(self->allocate, size);
         if (ptr == NULL) {
-            if (PyErr_ExceptionMatches(self->error))
-                return allocation_failed(self, size, device);
-            return NULL;
-        }
-    } else {
-        unsigned long long n;
-        int fits = size_value(size, &n), hit = 0;
-        if (fits < 0)
-            return NULL;
-        if (fits && n <= self->small_max) {
-            PyObject *lst = small_list(self, d, n);
-            if (lst == NULL)
+            if (!PyErr_ExceptionMatches(self->error))
                 return NULL;
-            ptr = list_pop(lst);
-            Py_DECREF(lst);
-            if (ptr == NULL && PyErr_Occurred())
-                return NULL;
-        } else if (fits) {
-            PyObject *large = table_item(self->large, d, &PyDict_Type, "large");
-            if (large == NULL)
-                return NULL;
-            PyObject *key = PyLong_FromUnsignedLongLong((n + 511) & ~511ULL), *lst = NULL;
-            if (key != NULL) {
-                lst = PyDict_GetItemWithError(large, key);
-                Py_XINCREF(lst);
-                Py_DECREF(key);
-            }
-            Py_DECREF(large);
-            if (lst == NULL && PyErr_Occurred())
-                return NULL;
-            if (lst != NULL && PyList_CheckExact(lst)) {
-                ptr = list_pop(lst);
-                hit = ptr != NULL;
-            }
-            Py_XDECREF(lst);
-            if (ptr == NULL && PyErr_Occurred())
-                return NULL;
-        }
-        if (ptr == NULL) {
-            ptr = PyObject_CallFunctionObjArgs(self->miss, size, device, NULL);
+            ptr = allocation_failed(self, size, device);
             if (ptr == NULL)
                 return NULL;
+        }
+    } else {
+        intptr_t h;
+        key = stream_key(self, d, device, &h);
+        if (key == NULL)
+            return NULL;
+        int hit = 0;
+        ptr = arena_pop(self, d, key, h, size, &hit);
+        if (ptr == NULL && PyErr_Occurred()) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        if (ptr == NULL) {
+            ptr = PyObject_CallFunctionObjArgs(self->miss, size, device, key, NULL);
+            if (ptr == NULL) {
+                Py_DECREF(key);
+                return NULL;
+            }
         } else if (hit && self->large_hit != Py_None) {
-            PyObject *r = PyObject_CallFunctionObjArgs(self->large_hit, ptr, size, device, NULL);
+            PyObject *r = PyObject_CallFunctionObjArgs(self->large_hit, ptr, size, device, key, NULL);
             if (r == NULL) {
                 Py_DECREF(ptr);  /* large_hit put the block back in the cache */
+                Py_DECREF(key);
                 return NULL;
             }
             Py_DECREF(r);
         }
+        Py_DECREF(key);
     }
     if (account_malloc(self, d, device, ptr, size) < 0) {
         Py_DECREF(ptr);
@@ -429,7 +625,8 @@ live_pop(Accounting *self, Py_ssize_t d, PyObject *ptr)
     return size;
 }
 
-/* The freed block goes back to its size class's free list (classes mode). */
+/* The freed block goes back to the free list of its size class in the arena of the
+ * stream it was allocated on (classes mode). */
 static int
 cache_block(Accounting *self, Py_ssize_t d, PyObject *ptr, PyObject *size)
 {
@@ -440,38 +637,102 @@ cache_block(Accounting *self, Py_ssize_t d, PyObject *ptr, PyObject *size)
             PyErr_SetString(PyExc_OverflowError, "cupy_memstrat: a live block's size does not fit in size_t");
         return -1;
     }
+    /* the arena its chunk belongs to: owner[ptr rounded down to a chunk], else arena_of(ptr, device) */
+    PyObject *arena = NULL;
+    unsigned long long p = PyLong_AsUnsignedLongLong(ptr);
+    if (p == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    if (self->last_owner != NULL && (p & self->chunk_mask) == self->last_base) {
+        arena = self->last_owner;  /* the chunk of the last free (forget() drops it when chunks go back) */
+    } else {
+        PyObject *base = PyLong_FromUnsignedLongLong(p & self->chunk_mask);
+        if (base == NULL)
+            return -1;
+        arena = PyDict_GetItemWithError(self->owner, base);  /* borrowed */
+        Py_DECREF(base);
+        if (arena != NULL) {
+            self->last_base = p & self->chunk_mask;
+            Py_XSETREF(self->last_owner, Py_NewRef(arena));
+        }
+    }
+    if (arena != NULL) {
+        Py_INCREF(arena);
+    } else {
+        if (PyErr_Occurred())
+            return -1;
+        PyObject *device = PyLong_FromSsize_t(d);
+        if (device == NULL)
+            return -1;
+        arena = PyObject_CallFunctionObjArgs(self->arena_of, ptr, device, NULL);
+        Py_DECREF(device);
+        if (arena == NULL)
+            return -1;
+    }
+    if (!PyTuple_CheckExact(arena) || PyTuple_GET_SIZE(arena) != 2 ||
+        !PyList_CheckExact(PyTuple_GET_ITEM(arena, 0)) || !PyDict_CheckExact(PyTuple_GET_ITEM(arena, 1)) ||
+        PyList_GET_SIZE(PyTuple_GET_ITEM(arena, 0)) <= (Py_ssize_t)((self->small_max + 511) >> 9)) {
+        Py_DECREF(arena);
+        PyErr_SetString(PyExc_RuntimeError,
+                        "cupy_memstrat: an arena of the strategy is not a (list per 512 B, dict) pair any more");
+        return -1;
+    }
+    PyObject *small = PyTuple_GET_ITEM(arena, 0), *large = PyTuple_GET_ITEM(arena, 1);
+    Py_INCREF(small);
+    Py_INCREF(large);
     int rc = -1;
     if (n <= self->small_max) {
-        PyObject *lst = small_list(self, d, n);
+        PyObject *lst = small_list(small, n);
         if (lst != NULL) {
             rc = PyList_Append(lst, ptr);
             Py_DECREF(lst);
         }
-        return rc;
-    }
-    /* the run's list, indexed when it was allocated */
-    PyObject *large = table_item(self->large, d, &PyDict_Type, "large");
-    if (large == NULL)
-        return -1;
-    PyObject *key = PyLong_FromUnsignedLongLong((n + 511) & ~511ULL);
-    if (key != NULL) {
-        PyObject *lst = PyDict_GetItemWithError(large, key);
-        Py_XINCREF(lst);
-        if (lst == NULL && !PyErr_Occurred()) {
-            lst = PyList_New(0);
-            if (lst != NULL && PyDict_SetItem(large, key, lst) < 0)
-                Py_CLEAR(lst);
+    } else {
+        /* the run's list, indexed when it was allocated */
+        PyObject *k = PyLong_FromUnsignedLongLong((n + 511) & ~511ULL);
+        if (k != NULL) {
+            PyObject *lst = PyDict_GetItemWithError(large, k);
+            Py_XINCREF(lst);
+            if (lst == NULL && !PyErr_Occurred()) {
+                lst = PyList_New(0);
+                if (lst != NULL && PyDict_SetItem(large, k, lst) < 0)
+                    Py_CLEAR(lst);
+            }
+            if (lst != NULL) {
+                rc = PyList_CheckExact(lst) ? PyList_Append(lst, ptr) : -1;
+                if (rc < 0 && !PyErr_Occurred())
+                    PyErr_SetString(PyExc_RuntimeError, "cupy_memstrat: an arena's large table holds a non-list");
+                Py_DECREF(lst);
+            }
+            Py_DECREF(k);
         }
-        if (lst != NULL) {
-            rc = PyList_CheckExact(lst) ? PyList_Append(lst, ptr) : -1;
-            if (rc < 0 && !PyErr_Occurred())
-                PyErr_SetString(PyExc_RuntimeError, "cupy_memstrat: the strategy's table large[d] holds a non-list");
-            Py_DECREF(lst);
-        }
-        Py_DECREF(key);
     }
+    Py_DECREF(small);
     Py_DECREF(large);
+    Py_DECREF(arena);
     return rc;
+}
+
+/* After a free: if watch[0] is set and device d has no live block left, call it. */
+static int
+check_watch(Accounting *self, Py_ssize_t d)
+{
+    PyObject *cb = PyList_GET_SIZE(self->watch) == 1 ? PyList_GET_ITEM(self->watch, 0) : Py_None;
+    if (cb == Py_None)
+        return 0;
+    PyObject *live = table_item(self->live, d, &PyDict_Type, "live");
+    if (live == NULL)
+        return -1;
+    Py_ssize_t left = PyDict_GET_SIZE(live);
+    Py_DECREF(live);
+    if (left)
+        return 0;
+    Py_INCREF(cb);
+    PyObject *r = PyObject_CallNoArgs(cb);
+    Py_DECREF(cb);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
 }
 
 static PyObject *
@@ -515,7 +776,25 @@ Accounting_free(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(ev);
     Py_DECREF(minus);
     int rc = 0;
-    if (self->allocate != Py_None) {
+    int deferred = 0;
+    if (PyDict_GET_SIZE(self->recorded)) {
+        int has = PyDict_Contains(self->recorded, ptr);
+        if (has < 0) {
+            PyErr_Clear();
+            has = 0;
+        }
+        if (has) {  /* other streams use it: given back once they are done */
+            PyObject *device = PyLong_FromSsize_t(d), *r = NULL;
+            if (device != NULL)
+                r = PyObject_CallFunctionObjArgs(self->defer, ptr, size, device, NULL);
+            Py_XDECREF(device);
+            rc = r == NULL ? -1 : 0;
+            Py_XDECREF(r);
+            deferred = 1;
+        }
+    }
+    if (deferred) {
+    } else if (self->allocate != Py_None) {
         PyObject *r = PyObject_CallOneArg(self->deallocate, ptr);
         if (r == NULL && PyErr_ExceptionMatches(PyExc_Exception)) {
             /* a finaliser must not raise: dealloc_failed warns */
@@ -538,12 +817,22 @@ Accounting_free(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
         rc = cache_block(self, d, ptr, size);
     }
     Py_DECREF(size);
-    if (rc < 0)
+    if (rc < 0 || check_watch(self, d) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
+static PyObject *
+Accounting_forget(Accounting *self, PyObject *Py_UNUSED(ignored))
+{
+    Py_CLEAR(self->last_owner);
+    self->last_base = 0;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Accounting_methods[] = {
+    {"forget", (PyCFunction)Accounting_forget, METH_NOARGS,
+     "forget(): drop the cached owner of the last freed block's chunk (call when a chunk goes back to CUDA)."},
     {"malloc", (PyCFunction)(void (*)(void))Accounting_malloc, METH_FASTCALL,
      "malloc(size, device) -> ptr: allocate size bytes (> 0) on device, the current device."},
     {"free", (PyCFunction)(void (*)(void))Accounting_free, METH_FASTCALL,
@@ -582,13 +871,32 @@ typedef struct {
     PyObject *owner;     /* its __self__: the PythonFunctionAllocator */
     PyObject *mem_name;  /* "mem" */
     vectorcallfunc vectorcall;
+    unsigned long long granule;  /* sizes rounded up to a multiple of this (a power of two) */
 } GcSafeMalloc;
 
 static PyObject *
 GcSafeMalloc_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     GcSafeMalloc *self = (GcSafeMalloc *)callable;
-    PyObject *mp = PyObject_Vectorcall(self->malloc, args, nargsf, kwnames);
+    PyObject *mp;
+    if (self->granule > 1 && PyVectorcall_NARGS(nargsf) == 1 && kwnames == NULL && PyLong_CheckExact(args[0])) {
+        /* the block's size as CuPy's pool reports it (memptr.mem.size) */
+        unsigned long long n = PyLong_AsUnsignedLongLong(args[0]), g = self->granule;
+        if (n == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();  /* negative or too large: CuPy's own check raises */
+            mp = PyObject_Vectorcall(self->malloc, args, nargsf, kwnames);
+        } else if (n % g == 0 || n > ~0ULL - g) {
+            mp = PyObject_Vectorcall(self->malloc, args, nargsf, kwnames);
+        } else {
+            PyObject *rounded = PyLong_FromUnsignedLongLong((n + g - 1) & ~(g - 1));
+            if (rounded == NULL)
+                return NULL;
+            mp = PyObject_CallOneArg(self->malloc, rounded);
+            Py_DECREF(rounded);
+        }
+    } else {
+        mp = PyObject_Vectorcall(self->malloc, args, nargsf, kwnames);
+    }
     if (mp == NULL)
         return NULL;
     PyObject *mem = PyObject_GetAttr(mp, self->mem_name);
@@ -606,8 +914,13 @@ static int
 GcSafeMalloc_init(GcSafeMalloc *self, PyObject *args, PyObject *kwds)
 {
     PyObject *malloc;
-    if (!PyArg_ParseTuple(args, "O:GcSafeMalloc", &malloc))
+    unsigned long long granule = 1;
+    if (!PyArg_ParseTuple(args, "O|K:GcSafeMalloc", &malloc, &granule))
         return -1;
+    if (granule == 0 || (granule & (granule - 1)) != 0) {
+        PyErr_Format(PyExc_ValueError, "GcSafeMalloc: granule must be a power of two, got %llu", granule);
+        return -1;
+    }
     if (!PyCallable_Check(malloc)) {
         PyErr_SetString(PyExc_TypeError, "GcSafeMalloc: expected PythonFunctionAllocator.malloc");
         return -1;
@@ -625,6 +938,7 @@ GcSafeMalloc_init(GcSafeMalloc *self, PyObject *args, PyObject *kwds)
     Py_XSETREF(self->owner, owner);
     Py_XSETREF(self->mem_name, name);
     self->vectorcall = GcSafeMalloc_vectorcall;
+    self->granule = granule;
     return 0;
 }
 
@@ -680,8 +994,8 @@ static PyMemberDef GcSafeMalloc_members[] = {
 static PyTypeObject GcSafeMallocType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "cupy_memstrat._hotpath.GcSafeMalloc",
-    .tp_doc = PyDoc_STR("GcSafeMalloc(pfa.malloc): pfa.malloc(size), with the memory object kept "
-                        "off the garbage collector (see csrc/hotpath.c)."),
+    .tp_doc = PyDoc_STR("GcSafeMalloc(pfa.malloc, granule=1): pfa.malloc(size rounded up to a multiple of "
+                        "granule), with the memory object kept off the garbage collector (see csrc/hotpath.c)."),
     .tp_basicsize = sizeof(GcSafeMalloc),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_vectorcall_offset = offsetof(GcSafeMalloc, vectorcall),

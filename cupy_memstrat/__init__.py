@@ -5,6 +5,7 @@
     cupy_memstrat.use("async")           # or: a stream-ordered pool of its own
     cupy_memstrat.use("managed")         # or: managed memory in 2 MiB chunks
     cupy_memstrat.prefetch(x)            # move a managed array to the GPU ahead of use
+    cupy_memstrat.record_stream(x, s)    # stream s also uses x: its block waits for s when freed
     with cupy_memstrat.faults.count() as c:   # exact page-fault counters
         ...
     cupy_memstrat.use("pool", check="all")   # catch stream races, writes after free, overruns
@@ -23,6 +24,7 @@ from .api import (
     current,
     live_allocations,
     prefetch,
+    record_stream,
     reset_peak,
     stats,
     trim,
@@ -64,6 +66,7 @@ __all__ = [
     "trim",
     "prefetch",
     "advise",
+    "record_stream",
     "Strategy",
     "DeviceStrategy",
     "CuPyPoolStrategy",

@@ -41,6 +41,7 @@ __all__ = [
     "trim",
     "prefetch",
     "advise",
+    "record_stream",
 ]
 
 
@@ -182,6 +183,8 @@ def use(strategy: str | Strategy, **options) -> Strategy:
     if thread_local() is not None:
         raise RuntimeError(_USE_INSIDE_USING)
     s = create(strategy, **options)
+    if s is strategy:
+        s._keep()  # installed again: not let go when its arrays are gone
     try:
         cuda.set_allocator(s.cupy_allocator())
     except ValueError as exc:  # CuPy's own check, should the one above miss
@@ -240,13 +243,17 @@ def using(strategy: str | Strategy, **options) -> Iterator[Strategy]:
     A strategy made here from a spec gives back on exit what no array uses:
     it is closed if nothing it allocated is still alive, else trimmed
     (:meth:`Strategy.trim`); arrays that outlive the block stay valid and are
-    freed by it later. A strategy object passed in is left as it is.
+    freed by it later, and it is closed (its cache and pools given back) when
+    the last of them is freed, so a loop of ``using()`` blocks does not
+    accumulate strategies. A strategy object passed in is left as it is.
 
     Raises:
         as :func:`create`.
     """
     cuda = _cupy_cuda()
     s = create(strategy, **options)
+    if s is strategy:
+        s._keep()  # in use again: not let go when its arrays are gone
     try:
         with cuda.using_allocator(s.cupy_allocator()):
             yield s
@@ -256,11 +263,12 @@ def using(strategy: str | Strategy, **options) -> Iterator[Strategy]:
 
             if isinstance(s, CheckedStrategy) and not s._owns_inner:
                 # checks around a strategy passed in: that strategy is left as it is
-                s.close() if not any(s.live_allocations()) else s._drain()
+                if any(s.live_allocations()):
+                    s._drain()
             elif any(s.live_allocations()):
                 s.trim()
-            else:
-                s.close()
+            # closed now if nothing is alive, else once its last array is freed
+            s._let_go_when_empty()
 
 
 def current() -> Strategy | None:
@@ -541,3 +549,108 @@ def advise(
         return
     for advice, loc in calls:  # all arguments checked before the first call
         _cuda_call("advise", ptr, size, backend, backend.mem_advise, ptr, size, advice, loc, location=loc)
+
+
+# -- record_stream: memory another stream also uses -----------------------------------
+
+
+def record_stream(array, stream) -> bool:
+    """Tell the strategy that owns ``array``'s memory that ``stream`` also
+    uses it, as PyTorch's ``Tensor.record_stream``: when the array is freed,
+    no stream (its own included) gets the block again until the work queued
+    on ``stream`` at the free is done.
+
+    Use it when an array made on one stream is used by a kernel on another
+    (cupy#8068): allocate on A, launch a kernel on B that reads it, drop it
+    while B may still run. Without it every pool, CuPy's own included, hands
+    the block to the next allocation on A at once, and B's kernel can read
+    (or write) the next array's data. docs/streams.md shows which patterns
+    each strategy keeps safe, measured on an H200.
+
+    How each strategy honours it: ``managed``, ``async`` and ``pool`` record
+    an event on each recorded stream at the free and keep the block out of
+    reach until the events are done (checked at later allocations, like
+    PyTorch's caching allocator; :func:`trim` and out-of-memory recovery
+    synchronise and take them back at once). ``device`` needs nothing:
+    ``cudaFree`` synchronises the device, so every stream's work is done
+    before the block can be reused; it returns False. Under the checking
+    layer, ``check="streams"`` counts recorded streams as ordered. A stream
+    that only ever appears as a kernel's ``stream=`` argument, never current
+    at an allocation or free and never recorded, is invisible to every
+    allocator and to the checks.
+
+    Args:
+        array: a CuPy array (or a ``cupy.cuda.MemoryPointer``); a view marks
+            its whole allocation.
+        stream: a ``cupy.cuda.Stream`` or ``ExternalStream`` on the array's
+            device (``Stream.null`` counts as that device's default stream).
+            It is kept alive until the array is freed.
+
+    Returns:
+        bool: True if a strategy recorded it; False if there is nothing to
+        record: an empty array, memory no cupy_memstrat strategy owns (CuPy's
+        own pool, another library's), or a strategy whose frees wait for
+        every stream (``device``).
+
+    Raises:
+        TypeError: ``array`` is not a CuPy array or ``MemoryPointer``, or
+            ``stream`` is not a stream object (a raw handle is refused).
+        ValueError: ``stream`` is on another device than ``array``, or was
+            destroyed, where that can be told: a ``cupy.cuda.Stream`` is live
+            while it exists, but CUDA cannot say whether the handle of an
+            ``ExternalStream`` was destroyed (asking crashed the process on
+            the H200), so that stays the caller's duty, as CUDA requires.
+    """
+    mem, device = _memory_of(array)
+    if isinstance(stream, (bool, int, float, str)) or not isinstance(getattr(stream, "ptr", None), int):
+        raise TypeError(
+            f"stream: expected a cupy.cuda.Stream (or ExternalStream), got {type(stream).__name__} {stream!r}"
+        )
+    handle = stream.ptr
+    sdev = getattr(stream, "device_id", -1)
+    if not isinstance(sdev, int) or isinstance(sdev, bool):
+        raise TypeError(f"stream: its device_id should be an int, got {sdev!r}")
+    if sdev < 0:  # Stream.null / Stream.ptds: the default stream of whichever device is current
+        sdev = device
+    if sdev != device:
+        raise ValueError(
+            f"stream: {stream!r} is on device {sdev}, but the array's memory is on device {device}; "
+            "record a stream of the array's device"
+        )
+    if not mem.ptr:
+        return False
+    owner = _owner_of_block(mem.ptr, device)
+    if owner is None:
+        return False
+    if owner.backend.stream_destroyed(handle):
+        raise ValueError(
+            f"stream: {stream!r} (handle 0x{handle:x}) is not a live stream on device {device}: it was destroyed"
+        )
+    return owner.record_stream(mem.ptr, stream)
+
+
+def _memory_of(array):
+    """``(memory object, device)`` of a CuPy array or MemoryPointer."""
+    data = getattr(array, "data", None)
+    if data is not None and hasattr(array, "strides") and hasattr(data, "mem"):  # a CuPy array
+        mem = data.mem
+    elif hasattr(array, "mem") and hasattr(array, "ptr") and hasattr(array, "device_id"):  # a MemoryPointer
+        mem = array.mem
+    else:
+        raise TypeError(
+            f"array: expected a CuPy array or a cupy.cuda.MemoryPointer, got {type(array).__name__}"
+        )
+    device = getattr(mem, "device_id", None)
+    if not isinstance(device, int):
+        raise TypeError(f"array: its memory has no device ({type(mem).__name__})")
+    return mem, device
+
+
+def _owner_of_block(ptr: int, device: int):
+    """The outermost strategy whose live table holds ``ptr`` on ``device``
+    (a checking layer before the strategy it wraps), or None: the calling
+    thread's current strategy first."""
+    s = current()
+    if s is not None and 0 <= device < len(s._live) and ptr in s._live[device]:
+        return s
+    return Strategy._owner_of_pointer(ptr, device)

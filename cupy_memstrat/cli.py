@@ -212,8 +212,9 @@ def _cmd_run(args) -> int:
     return 1
 
 
-_BENCH_MODULES = {"alloc": "alloc", "async": "async_pool", "managed": "managed", "workloads": "workloads"}
-_DEFAULT_ROUNDS = {"workloads": 5}  # the others: 7
+_BENCH_MODULES = {"alloc": "alloc", "async": "async_pool", "managed": "managed", "workloads": "workloads",
+                  "streams": "streams"}
+_DEFAULT_ROUNDS = {"workloads": 5, "streams": 5}  # the others: 7
 
 
 def _without_fake_hint(exc) -> str:
@@ -265,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", metavar="DIR", default=None,
                        help="with no GROUP: where the JSON and figures go (default ./memstrat-bench/)")
     bench.add_argument("--rounds", type=_positive_int, default=None,
-                       help="interleaved rounds (default: each group's own: 7, workloads 5)")
+                       help="interleaved rounds (default: each group's own: 7, workloads and streams 5)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines")
     bench.set_defaults(func=_cmd_bench)
     groups = bench.add_subparsers(dest="group", required=False, metavar="GROUP")
@@ -276,8 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
         "managed": "the managed strategy: alloc+free latency against CuPy's pool, a 1 GiB first GPU pass "
         "under each advice / prefetch policy with page-fault counts, read-mostly's cost",
         "workloads": "real CuPy programs (CG Poisson solve, FFT convolution, k-means, a Monte Carlo pricer, "
-        "one data set larger than a quarter of the GPU) under CuPy's pool and every strategy: time, peaks, "
-        "page faults, results checked against CuPy's pool",
+        "one data set larger than a quarter of the GPU, four streams of allocate / compute / free) under "
+        "CuPy's pool and every strategy: time, peaks, page faults, results checked against CuPy's pool",
+        "streams": "stream patterns that hand a block to one stream while another still uses it (late "
+        "writers, frees from another stream or the collector, per-thread default streams, cupy#8068 with "
+        "and without record_stream): wrong elements under CuPy's pool and every strategy",
     }
     for group, text in helps.items():
         g = groups.add_parser(group, help=text, description=text)

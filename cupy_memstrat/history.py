@@ -144,7 +144,7 @@ def _recording_allocator(strategy, h: History) -> _RecordingAllocator:
             h.n_events += 1
             events.append((clock(), "free", ptr, size, device, stream(device), None))
 
-    cupy_malloc, pfa, _ = base._cupy_malloc_over(strategy.backend, rec_malloc, rec_free)
+    cupy_malloc, pfa, _ = base._cupy_malloc_over(strategy.backend, rec_malloc, rec_free, strategy.block_granule)
     return _RecordingAllocator(cupy_malloc, strategy, pfa)
 
 

@@ -29,6 +29,10 @@ class Stats:
         n_failed: allocation requests that raised ``OutOfMemoryError``.
         n_invalid_frees: frees of pointers the strategy did not own (unknown
             or already freed); each was warned about and ignored.
+        n_oom_recoveries: allocations that CUDA (or the managed guard) first
+            refused and that succeeded after the strategy gave cached memory
+            back and ran the garbage collector (CuPy's pool's order; see
+            docs/streams.md).
     """
 
     device: int
@@ -42,6 +46,7 @@ class Stats:
     n_live: int = 0
     n_failed: int = 0
     n_invalid_frees: int = 0
+    n_oom_recoveries: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -54,6 +59,7 @@ class Stats:
             f"{self.n_live} live, {self.n_allocs} allocs, {self.n_frees} frees, "
             f"{self.n_failed} failed"
             + (f", {self.n_invalid_frees} invalid frees" if self.n_invalid_frees else "")
+            + (f", {self.n_oom_recoveries} recovered from out of memory" if self.n_oom_recoveries else "")
         )
 
 

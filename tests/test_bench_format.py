@@ -112,6 +112,30 @@ def test_alloc_table_shows_device_against_no_pool_both_ways():
     assert "measured back to back (median of paired ratios [quartiles]): 512 B 1.040x [1.010-1.080], 1.0 MiB" in text
 
 
+def _streams_report():
+    from cupy_memstrat.bench import streams
+
+    res = {p: {a: (0 if a != "managed-one-cache" else 5242880) for a in streams.ALLOCATORS} for p in streams.PATTERNS
+           if p != "other-reader+checks"}
+    res["other-reader"].update({"managed": 5242880, "async": 5242880, "pool": 5242880, "cupy-default": 5242880})
+    res["other-reader+checks"] = {"pool": {"wrong_elements": 5242880, "findings": 5, "kinds": ["cross-stream reuse"]}}
+    return {"benchmark": "streams", "params": {"rounds": 5, "elements": 1 << 20, "spin_s": 0.1}, "results": res}
+
+
+def test_streams_table_and_figure(tmp_path):
+    import pytest
+
+    from cupy_memstrat.bench import streams
+
+    text = streams.format_table(_streams_report())
+    assert "other-stream" in text and "managed-one-cache" in text
+    assert "other-reader under pool with check='streams': 5 findings (cross-stream reuse)" in text
+    pytest.importorskip("matplotlib", reason="the [plot] extra is not installed")
+    from cupy_memstrat.bench.plot import plot
+
+    assert plot(_streams_report(), str(tmp_path / "s.png")).endswith("s.png")
+
+
 def test_bench_with_no_group_runs_every_group_and_writes_json_and_figures(tmp_path, monkeypatch, capsys):
     """The orchestration (the groups' own runs need a GPU: synthetic reports here)."""
     import json
@@ -125,19 +149,20 @@ def test_bench_with_no_group_runs_every_group_and_writes_json_and_figures(tmp_pa
 
     alloc_report = dict(_alloc_report(["cupy-default", "no-pool", "device"]), benchmark="alloc",
                         machine={"cuda": {"devices": [{"name": "Fake H200"}]}})
-    from cupy_memstrat.bench import workloads
+    from cupy_memstrat.bench import streams, workloads
 
     seen = []
     for mod, rep in ((alloc, alloc_report), (async_pool, _async_report()), (managed, _managed_report()),
-                     (workloads, _workloads_report())):
+                     (workloads, _workloads_report()), (streams, _streams_report())):
         monkeypatch.setattr(mod, "run", lambda rep=rep, mod=mod, **kw: seen.append((mod.__name__, kw.get("rounds"))) or rep)
     monkeypatch.setattr(alloc, "require_real_gpu", lambda: None)
     out = tmp_path / "res"
     assert main(["bench", "--out", str(out), "--quiet", "--rounds", "2"]) == 0
-    assert [r for _, r in seen] == [2, 2, 2, 2]
+    assert [r for _, r in seen] == [2, 2, 2, 2, 2]
     names = sorted(p.name for p in out.iterdir())
     assert names == ["bench-alloc.json", "bench-alloc.png", "bench-async.json", "bench-async.png",
-                     "bench-managed.json", "bench-managed.png", "bench-workloads.json", "bench-workloads.png"]
+                     "bench-managed.json", "bench-managed.png", "bench-streams.json", "bench-streams.png",
+                     "bench-workloads.json", "bench-workloads.png"]
     assert json.loads((out / "bench-async.json").read_text())["sync_loop"]["threshold_0_over_default"] == 54.0
     text = capsys.readouterr().out
     assert "== bench alloc" in text and "== bench workloads" in text and "wrote " in text
@@ -147,11 +172,12 @@ def test_bench_with_no_group_shows_progress_with_the_group_and_the_time_so_far(t
     import pytest
 
     pytest.importorskip("cupy", reason="CuPy is not installed")
-    from cupy_memstrat.bench import managed, workloads
+    from cupy_memstrat.bench import managed, streams, workloads
     from cupy_memstrat.cli import main
 
     for mod, rep in ((alloc, dict(_alloc_report(["cupy-default", "no-pool"]), benchmark="alloc")),
-                     (async_pool, _async_report()), (managed, _managed_report()), (workloads, _workloads_report())):
+                     (async_pool, _async_report()), (managed, _managed_report()), (workloads, _workloads_report()),
+                     (streams, _streams_report())):
         monkeypatch.setattr(mod, "run", lambda rep=rep, **kw: kw["progress"]("step one") or rep)
     monkeypatch.setattr(alloc, "require_real_gpu", lambda: None)
     import cupy_memstrat.bench.plot as plot_mod
@@ -159,8 +185,9 @@ def test_bench_with_no_group_shows_progress_with_the_group_and_the_time_so_far(t
     monkeypatch.setattr(plot_mod, "plot", lambda report, path: None)
     assert main(["bench", "--out", str(tmp_path / "res")]) == 0
     captured = capsys.readouterr()
-    assert "[bench alloc] [0:00 1/4] step one" in captured.err
-    assert "[bench workloads] [0:00 4/4] step one" in captured.err
+    assert "[bench alloc] [0:00 1/5] step one" in captured.err
+    assert "[bench workloads] [0:00 4/5] step one" in captured.err
+    assert "[bench streams] [0:00 5/5] step one" in captured.err
     assert "== bench managed (done at 0:00)" in captured.out
 
 

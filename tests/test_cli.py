@@ -107,7 +107,7 @@ def test_run_executes_a_script_under_a_strategy_with_its_arguments(tmp_path):
     r = _run_fake(tmp_path, "run", "--strategy", "managed:prefetch=on_alloc", "job.py", "3", "--flag")
     assert r.returncode == 3, r.stderr  # the script's exit status
     assert "strategy managed on_alloc argv ['job.py', '3', '--flag']" in r.stdout
-    assert "cupy_memstrat: managed:prefetch=on_alloc on device 0: peak in use 3.9 KiB, peak reserved 2.0 MiB, " \
+    assert "cupy_memstrat: managed:prefetch=on_alloc on device 0: peak in use 4.0 KiB, peak reserved 2.0 MiB, " \
            "1 allocations" in r.stderr
     r = _run_fake(tmp_path, "run", "-q", "job.py", env={"CUPY_MEMSTRAT": "device"})
     assert r.returncode == 0 and "strategy device" in r.stdout and r.stderr == ""

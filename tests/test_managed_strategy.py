@@ -209,14 +209,17 @@ def test_a_failed_prefetch_on_alloc_fails_clearly_and_loses_nothing(fake, size):
     assert st0.n_failed == 1 and st0.n_live == 0
     assert s.managed_stats(0).cached_bytes == s.managed_stats(0).reserved_bytes > 0  # all of it cached
     assert s.trim() == s.stats(0).peak_bytes_reserved  # and so it can be given back
-    p = s.raw_malloc(size)  # on a live stream it works
-    s.raw_free(p)
+    st2 = fake.stream()
+    with st2:
+        p = s.raw_malloc(size)  # on a live stream it works
+    s.raw_free(p)  # cached for st2: blocks are reused on their allocation stream
+    st2.destroy()
     if size > MiB:  # a cached large block is prefetched again, and goes back to the cache if that fails
-        with st, pytest.raises(RuntimeError):
+        with st2, pytest.raises(RuntimeError):
             s.raw_malloc(size)
         assert s.managed_stats(0).cached_bytes == s.managed_stats(0).reserved_bytes == size
     else:  # a cached slot of a shared chunk was prefetched with its chunk: no new prefetch
-        with st:
+        with st2:
             assert s.raw_malloc(size) == p
 
 
@@ -282,8 +285,32 @@ def test_the_guard_lowers_its_baseline_when_others_give_memory_back(fake):
 def test_a_hopeless_request_keeps_the_cache(fake, s):
     s.raw_free(s.raw_malloc(64 * MiB))
     with pytest.raises(cupy_memstrat.OutOfMemoryError):
-        s.raw_malloc(4 << 30)  # even an empty cache would not make room: keep it
+        s.raw_malloc(4 << 30)  # more than the whole device: nothing given back could make room, keep it
     assert s.managed_stats(0).cached_bytes == 64 * MiB
+
+
+class _HeldByACycle:
+    """A block freed only when the garbage collector breaks this object's cycle."""
+
+    def __init__(self, s, size):
+        self.me, self.s, self.ptr = self, s, s.raw_malloc(size)
+
+    def __del__(self):
+        self.s.raw_free(self.ptr)
+
+
+def test_the_guard_collects_reference_cycles_before_refusing(fake, s):
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(4):  # 4 x 300 MiB on a 1 GiB device, each block dropped in a cycle
+            _HeldByACycle(s, 300 * MiB)
+        st = s.stats(0)
+        assert st.n_oom_recoveries == 1 and st.n_failed == 0  # the 4th fit once the collector ran
+        assert st.n_live == 1
+    finally:
+        gc.enable()
+        gc.collect()
 
 
 def test_the_guard_gives_the_cache_back_before_refusing(fake, s):

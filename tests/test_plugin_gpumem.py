@@ -134,7 +134,7 @@ def test_under():
         "*- gpumem -*",
         "during the call: 2 allocations, 1 free; in use when it began: 0 B",
         "largest allocations made by the test and still live at the end of its call:",
-        "       100 B  device 0  0x*",
+        "       512 B  device 0  0x*",
         "GPUMEM *::test_over*",
     ])
     assert "test_under" not in out.split("short test summary")[1]
@@ -315,7 +315,7 @@ def test_leaks_fail_the_test_listing_each_leaked_allocation(pytester, fake_env):
         "allocations made by the test and still live after its teardown and gc.collect(), largest first:",
         "     3.0 MiB  device 0  0x*",
         "     1.0 MiB  device 0  0x*",
-        "      1000 B  device 0  0x*",
+        "     1.0 KiB  device 0  0x*",
         "  (where each was allocated: run with --gpumem-strategy=pool:track_origins=true)",
     ])
     r.stdout.fnmatch_lines(["*_ test_traceback_keeps_arrays _*", "leaked 1 allocation, 2.0 MiB > limit 0 B*"])
@@ -326,8 +326,8 @@ def test_leaks_fail_the_test_listing_each_leaked_allocation(pytester, fake_env):
         assert f"::{name} " not in summary
     assert "FAILED test_leaks_fail_the_test_listing_each_leaked_allocation.py::test_fails_and_leaks" in summary
     tests = {t["nodeid"].split("::")[1]: t for t in json.loads((pytester.path / "out.json").read_text())["tests"]}
-    assert tests["test_leaks"]["leaked_bytes"] == 4 * 2**20 + 1000 and tests["test_leaks"]["leaked_count"] == 3
-    assert [x["size"] for x in tests["test_leaks"]["leaks"]] == [3 << 20, 1 << 20, 1000]
+    assert tests["test_leaks"]["leaked_bytes"] == 4 * 2**20 + 1024 and tests["test_leaks"]["leaked_count"] == 3
+    assert [x["size"] for x in tests["test_leaks"]["leaks"]] == [3 << 20, 1 << 20, 1024]  # as the pool rounds: 512 B steps
     assert tests["test_leaks"]["verdict"] == "leaks" and tests["test_leaks"]["outcome"] == "failed"
     assert tests["test_fails_and_leaks"]["leaked_bytes"] is None  # no leak verdict on a failed test
     assert tests["test_fails_and_leaks"]["leak_check"].startswith("skipped")
@@ -363,7 +363,7 @@ def test_clean():
 """)
     r = run(pytester)
     r.assert_outcomes(failed=1, passed=1)
-    r.stdout.fnmatch_lines(["leaked 1 allocation, 100 B > limit 0 B (limit_gpu_leaks marker)"])
+    r.stdout.fnmatch_lines(["leaked 1 allocation, 512 B > limit 0 B (limit_gpu_leaks marker)"])
 
 
 # -- page faults (the fake backend's counters) ------------------------------------------------------

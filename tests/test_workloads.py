@@ -65,6 +65,19 @@ def test_managed_large_sums_exactly(nbytes):
     assert float(W.managed_large(np, nbytes=nbytes, chunk=1 << 16)) == W.expected_managed_large(nbytes)
 
 
+def test_multi_stream_sums_each_streams_pipeline():
+    n, stages = 4096, 3
+    got = W.multi_stream(np, streams=2, stages=stages, n=n)
+    for i in range(2):
+        want = 0.0
+        for stage in range(stages):
+            a = np.arange(n, dtype=np.float32) * np.float32(i + 1) + np.float32(stage)
+            want += float((np.sqrt(a * a + np.float32(1)) - a).sum(dtype=np.float64))
+        assert got[i] == want
+    assert got.dtype == np.float64 and got.shape == (2,)
+    assert "multi-stream" in W.WORKLOADS
+
+
 class _Strategy:
     """Enough of a strategy for the measuring loop: per-device peaks."""
 

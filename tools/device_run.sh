@@ -29,6 +29,9 @@
 #   tools/device_run.sh mainjob           info, tests/gpu, then the README's main job: python -m cupy_memstrat
 #                                         bench --out (capped at BENCH_TIMEOUT s, default 420); its folder
 #                                         comes back as mainjob.tgz (8 files at most come back)
+#   tools/device_run.sh safety            info, a stream-handle reuse probe, tests/gpu, then bench streams,
+#                                         bench managed and bench workloads (JSON into $OUT)
+#   tools/device_run.sh hotpath2          the managed hot-path probe (tools/probes/managed_hot_path.py), bench managed
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -91,6 +94,27 @@ if [ "$part" = main ]; then
   for s in cupy-default device; do
     timeout 180 compute-sanitizer --tool memcheck --print-limit 2 python3 tools/oob_demo.py $s 2>&1 | grep -E "ERROR SUMMARY|Invalid __global__ write|kernel ran"
   done
+fi
+
+if [ "$part" = safety ]; then
+  step info
+  python3 -m cupy_memstrat info --json > "$OUT/info.json"
+  python3 -m cupy_memstrat info | head -20
+  step "probe: are stream handles reused after a stream dies?"
+  python3 tools/probes/stream_handles.py
+  step tests/gpu
+  python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$OUT/tests_gpu.xml"
+  for g in streams managed workloads; do
+    step "bench $g"
+    python3 -m cupy_memstrat bench $g --json "$OUT/bench-$g.json"
+  done
+fi
+
+if [ "$part" = hotpath2 ]; then
+  step "probe: the managed hot path"
+  python3 tools/probes/managed_hot_path.py | tee "$OUT/managed_hot_path.json"
+  step "bench managed"
+  python3 -m cupy_memstrat bench managed --json "$OUT/bench-managed.json"
 fi
 
 if [ "$part" = managed ]; then
@@ -317,6 +341,7 @@ if [ "$part" = cupy ] && [ -d .cupy_tests/tests ]; then
     step "CuPy v14.2.0 subset, run $tag ($s)"
     t0=$(date +%s.%N)
     ( cd .cupy_tests && timeout 300 python3 -m pytest tests/cupy_tests/creation_tests tests/cupy_tests/manipulation_tests \
+        ${CUPY_EXTRA_TESTS:-} \
         -n 8 -q -p no:cacheprovider --timeout=120 --timeout-method=thread $extra \
         --junitxml=$R/cm_$tag.xml > $R/cm_$tag.log 2>&1; echo "exit $?" >> $R/cm_$tag.log )
     t1=$(date +%s.%N)

@@ -218,7 +218,36 @@ def _short(origin: str, width: int = 70) -> str:
     return origin if len(origin) <= width else "..." + origin[-(width - 3):]
 
 
-_PLOTS = {"alloc": _alloc, "async": _async, "managed": _managed, "workloads": _workloads,
+def _streams(report: dict, plt):
+    res = report["results"]
+    patterns = [p for p in res if p != "other-reader+checks"]
+    allocs = []
+    for p in patterns:
+        for a in res[p]:
+            if a not in allocs:
+                allocs.append(a)
+    fig, ax = plt.subplots(figsize=(1.5 * len(allocs) + 2.5, 0.5 * len(patterns) + 1.6))
+    for i, p in enumerate(patterns):
+        for j, a in enumerate(allocs):
+            v = res[p].get(a)
+            color = "0.85" if v is None else "#55a868" if v == 0 else "#c44e52"
+            ax.add_patch(plt.Rectangle((j, i), 0.95, 0.9, color=color))
+            ax.text(j + 0.47, i + 0.45, "-" if v is None else "safe" if v == 0 else f"{v:,}", ha="center",
+                    va="center", fontsize=8, color="white" if v else "black")
+    ax.set_xlim(0, len(allocs))
+    ax.set_ylim(len(patterns), 0)
+    ax.set_xticks([j + 0.47 for j in range(len(allocs))], allocs, rotation=20, ha="right", fontsize=8)
+    ax.set_yticks([i + 0.45 for i in range(len(patterns))], patterns, fontsize=8)
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    ax.set_title(f"wrong elements over {report['params']['rounds']} rounds of {report['params']['elements']:,} "
+                 "(green: 0, safe)", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+_PLOTS = {"alloc": _alloc, "async": _async, "managed": _managed, "workloads": _workloads, "streams": _streams,
           "memory-history": _timeline}
 
 

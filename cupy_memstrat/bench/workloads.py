@@ -15,7 +15,11 @@ machine without one) and a sparse module ``sp`` (``cupyx.scipy.sparse`` /
   handful of temporaries per time step;
 * ``managed-large``: a reduction over one data set larger than a quarter of
   the device's memory (the others fit easily), filled on the GPU, summed in
-  chunks.
+  chunks;
+* ``multi-stream``: four non-blocking streams, each a pipeline of stages that
+  allocate, compute and free on their own stream while the others run: the
+  stream-ordered reuse every caching strategy must get right (a block handed
+  to another stream too early gives a wrong sum).
 
 Every path (CuPy's default pool, then each strategy, ``managed`` also with
 ``prefetch="on_new"`` and ``prefetch="on_alloc"``) runs each workload once to
@@ -127,12 +131,51 @@ def managed_large(xp, sp=None, nbytes: int = 1 << 30, chunk: int = 1 << 28):
     return total
 
 
+class _HostStream:
+    """Stands in for a CUDA stream where ``xp`` has none (NumPy, in the tests)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def synchronize(self):
+        return None
+
+
+def multi_stream(xp, sp=None, streams: int = 4, stages: int = 16, n: int = 1 << 21):
+    """``streams`` non-blocking streams (made for each run, as a program
+    makes them), each running ``stages`` stages; a stage allocates a float32
+    array of ``n`` values on its stream, computes two temporaries from it and
+    adds their sum to the stream's running total; every array is freed on
+    its stream while the other streams still run. Returns the totals
+    (float64, one per stream)."""
+    cuda = getattr(xp, "cuda", None)
+    made = [cuda.Stream(non_blocking=True) if cuda is not None else _HostStream() for _ in range(streams)]
+    totals = []
+    for st in made:
+        with st:
+            totals.append(xp.zeros((), dtype=xp.float64))
+    for stage in range(stages):
+        for i, st in enumerate(made):
+            with st:
+                a = xp.arange(n, dtype=xp.float32) * xp.float32(i + 1) + xp.float32(stage)
+                b = xp.sqrt(a * a + xp.float32(1.0))
+                totals[i] += (b - a).sum(dtype=xp.float64)
+                del a, b  # freed on this stream, the others still running
+    for st in made:
+        st.synchronize()
+    return xp.stack(totals)
+
+
 WORKLOADS = {
     "cg-poisson": (cg_poisson, "CG, 2-D Poisson (5-point Laplacian, CSR), 1024 x 1024 grid, 200 iterations"),
     "fft-convolution": (fft_convolution, "64 images of 512 x 512 convolved with a Gaussian through rfft2"),
     "kmeans": (kmeans, "k-means, 2 000 000 points in 2-D, k = 16, 20 iterations"),
     "monte-carlo": (monte_carlo, "European call, 1 000 000 GBM paths x 64 steps"),
     "managed-large": (managed_large, "fill and sum one float32 array larger than a quarter of the device"),
+    "multi-stream": (multi_stream, "4 non-blocking streams, each 16 stages of allocate / compute / free, 8 MiB arrays"),
 }
 
 
@@ -323,6 +366,7 @@ def run(*, rounds: int = 5, progress=None, strategies=None, scale: float = 1.0, 
         "kmeans": {"n": max(1000, int(2_000_000 * scale))},
         "monte-carlo": {"paths": max(1000, int(1_000_000 * scale))},
         "managed-large": {"nbytes": large},
+        "multi-stream": {"n": max(1024, int((1 << 21) * scale))},
     }
     workloads = {n: (WORKLOADS[n][0], kwargs[n]) for n in names}
     specs = list(strategies) if strategies is not None else get_registry().names() + [

@@ -331,6 +331,8 @@ class CheckedStrategy(Strategy):
                 fold(device)
             return ptr
 
+        inner_recorded, own_recorded, watch = inner._recorded, self._recorded, self._watch
+
         def free(ptr, device, stacklevel=1):
             try:
                 size = live[device].pop(ptr)
@@ -341,15 +343,24 @@ class CheckedStrategy(Strategy):
             events[device].append(-size)
             origin = origins.pop(ptr, None)
             padded, ent, tid, seq = meta.pop(ptr)
+            # streams marked with record_stream(): the inner strategy holds the
+            # block back until their work is done, so they are ordered
+            rec = inner_recorded.get(ptr) if inner_recorded else None
+            if own_recorded:  # the inner strategy's frees wait for every stream (device)
+                rec = own_recorded.pop(ptr, None) or rec
             if streams_on:
                 try:
-                    check_streams(ptr, size, device, origin, ent, tid, seq)
+                    check_streams(ptr, size, device, origin, ent, tid, seq, rec)
                 except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
                     _quiet_warn(f"cupy_memstrat.checks: the stream check of 0x{ptr:x} failed: {exc!r}")
-            if pad:
+            if pad and not rec:
                 after_free(ptr, size, padded, device, origin, ent, tid)
             else:
+                # a recorded block is not poisoned: a recorded stream may still
+                # use it, legitimately, after the free
                 inner_free(ptr, device)
+            if watch[0] is not None and not live[device]:
+                watch[0]()
 
         self._malloc, self._free, self.hot_path = malloc, free, "python"
         return malloc, free
@@ -360,7 +371,28 @@ class CheckedStrategy(Strategy):
             del table[k]
 
     # -- streams -----------------------------------------------------------------------------
-    def _check_free_streams(self, ptr, size, device, origin, ent, tid, seq) -> None:
+    def record_stream(self, ptr: int, stream) -> bool:
+        """As :meth:`Strategy.record_stream`, on the strategy this layer
+        checks (the same pointer): the ``streams`` check then counts
+        ``stream`` as ordered before the block's reuse, and the ``poison``
+        check does not fill the block (the recorded stream may still use it
+        after the free).
+
+        Raises:
+            ValueError: ``ptr`` is not a live allocation of this layer.
+        """
+        for d, live in enumerate(self._live):
+            if ptr in live:
+                break
+        else:
+            raise ValueError(f"{self.name}: 0x{ptr:x} is not the start of a live allocation of this strategy")
+        if not self.inner.record_stream(ptr, stream):
+            # the inner strategy's frees wait for every stream: kept for the check only
+            tid = threading.get_ident() if stream.ptr == 2 else None
+            self._recorded.setdefault(ptr, []).append((stream, stream.ptr, getattr(stream, "device_id", d), tid))
+        return True
+
+    def _check_free_streams(self, ptr, size, device, origin, ent, tid, seq, recorded=None) -> None:
         b = self.backend
         now = threading.get_ident()
         cur = b.current_stream(device)
@@ -380,10 +412,12 @@ class CheckedStrategy(Strategy):
         # CuPy's multi-GPU copies keep them busy with unrelated work, and
         # considering them gave false findings in CuPy's own tests. A late
         # write from one is what the poison check catches.
+        # a recorded stream (record_stream) is ordered before any reuse
+        ordered = {(r[2], r[1]) for r in recorded} if recorded else ()
         cands = []
         for t in (tid, now) if tid != now else (tid,):
             for e in (self._seen.get(t) or {}).values():
-                if e[0] > seq and e[4] == device and e is not ent and e not in cands:
+                if e[0] > seq and e[4] == device and e is not ent and e not in cands and (e[4], e[2]) not in ordered:
                     cands.append(e)
         if not cands:
             return

@@ -10,7 +10,7 @@ from .. import cuda as _cuda
 from ..options import Option, as_bool, as_size
 from ..sizes import format_size, parse_size
 from ..stats import Stats, capture_origin
-from .base import _FOLD_AT, Strategy, _pinned, _warn
+from .base import _FOLD_AT, Strategy, _warn
 
 __all__ = ["AsyncPoolStrategy", "PoolStats"]
 
@@ -70,9 +70,10 @@ class PoolStats:
         n_oom_recoveries: allocations that first failed, then succeeded after
             a synchronize + trim.
         n_frees_after_stream_destroyed: blocks freed after the stream they
-            were allocated on was destroyed, or whose stream handle CUDA
-            refused (each such free synchronises the device first, see
-            :class:`AsyncPoolStrategy`).
+            were allocated on was destroyed, whose stream handle CUDA
+            refused, or that were allocated on another thread's per-thread
+            default stream (each such free synchronises the device first,
+            see :class:`AsyncPoolStrategy`).
     """
 
     device: int
@@ -162,14 +163,21 @@ class AsyncPoolStrategy(Strategy):
     ``cupy.cuda.Stream`` object died), its handle is not used: the device is
     synchronised, so all work the stream had queued is finished, and the
     block is freed on the device's null stream; these frees are counted in
-    :meth:`pool_stats` (``n_frees_after_stream_destroyed``). A stream
-    wrapped with ``cupy.cuda.ExternalStream`` must outlive the memory
-    allocated on it, as CUDA requires.
+    :meth:`pool_stats` (``n_frees_after_stream_destroyed``). The same goes
+    for a block allocated on the per-thread default stream
+    (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``) and freed by another thread:
+    its handle (``cudaStreamPerThread``) would name the freeing thread's
+    stream. A stream wrapped with ``cupy.cuda.ExternalStream`` must outlive
+    the memory allocated on it, as CUDA requires. Blocks marked with
+    :func:`cupy_memstrat.record_stream` are freed only once the work queued
+    on the recorded streams at the free is done (docs/streams.md).
 
-    Out of memory: a failed allocation gives the cached blocks back,
-    synchronises the device, trims the pool to 0 and the caches of the other
-    strategies that hold memory on the device (:meth:`Strategy.trim`), and
-    retries once; if that fails too it raises
+    Out of memory: a failed allocation recovers in CuPy's order: it gives the
+    cached blocks back, synchronises the device, trims the pool to 0 and the
+    caches of the other strategies that hold memory on the device
+    (:meth:`Strategy.trim`) and CuPy's default pool's free blocks, and
+    retries; then runs ``gc.collect()`` twice, gives back again and retries
+    (``Stats.n_oom_recoveries`` counts successes); if that fails too it raises
     ``cupy.cuda.memory.OutOfMemoryError`` naming the request, the bytes in
     use and reserved. CUDA's sticky last error is cleared and existing
     allocations are untouched.
@@ -184,6 +192,7 @@ class AsyncPoolStrategy(Strategy):
 
     name = "async"
     aliases = ("malloc_async",)
+    block_granule = 512
     description = "stream-ordered pool (cudaMallocFromPoolAsync), own pool per device, release threshold and trim"
     reserved_is_in_use = False
     options = (
@@ -246,7 +255,7 @@ class AsyncPoolStrategy(Strategy):
             self._cache_limit.append(_resolve(cache, total, d, "cache", allow_max=True))
         self._pools = [0] * n  # cudaMemPool_t per device, made on first use
         self._owned = [False] * n
-        self._pool_lock = threading.Lock()
+        self._pool_lock = threading.RLock()  # close() may run from a finaliser (using() letting go)
         # ptr -> weakref to the allocating stream, or None: allocated on the
         # legacy default stream in its size class, for the cache
         self._stream_of: dict[int, object] = {}
@@ -279,27 +288,17 @@ class AsyncPoolStrategy(Strategy):
             self._pools[device] = pool
             return pool
 
-    def _recover(self, size: int, device: int, stream, pool: int, exc: BaseException, alloc_size: int = 0) -> int:
-        """A pool allocation failed: give cached blocks back, synchronise, trim
-        this pool and every other pinned strategy's cache on the device, and
-        retry once (or raise)."""
+    def _recover_pool(self, size: int, device: int, stream, pool: int, exc: BaseException, alloc_size: int = 0) -> int:
+        """A pool allocation failed: recover in CuPy's order
+        (:meth:`Strategy._recover`: this strategy's trim, which gives the
+        cached blocks back, synchronises the device and trims the pool to 0,
+        and every other strategy's; then the same after ``gc.collect()``
+        twice) and retry, or raise."""
         b = self.backend
-        b.clear_last_error()
-        if getattr(exc, "status", None) != _cuda.ERROR_MEMORY_ALLOCATION:
-            self._allocation_failed(size, device, exc)
-        self._release_cached(device)
-        b.device_synchronize(device)  # frees still queued on streams become idle memory
-        for other in list(_pinned):
-            if other is not self:
-                try:
-                    other.trim(0, device)
-                except Exception:  # noqa: BLE001 - best effort for someone else's cache
-                    b.clear_last_error()
-        b.pool_trim_to(pool, 0)
-        try:
-            ptr = b.malloc_from_pool_async(alloc_size or size, pool, stream.ptr)
-        except self._Error as exc2:
-            self._allocation_failed(size, device, exc2, detail=self._oom_detail(size, device))
+        ptr = self._recover(
+            size, device, exc, lambda: b.malloc_from_pool_async(alloc_size or size, pool, stream.ptr),
+            detail=lambda: self._oom_detail(size, device),
+        )
         with self._fold_lock:
             self._n_recoveries[device] += 1
         return ptr
@@ -336,12 +335,15 @@ class AsyncPoolStrategy(Strategy):
         get_device, Error = b.get_device, self._Error
         events, live, stream_of, pools = self._events, self._live, self._stream_of, self._pools
         origins, track = self._origins, self._track_origins
-        ensure_pool, recover, fold, unknown_free = self._ensure_pool, self._recover, self._fold, self._unknown_free
-        free_off_path, ref = self._free_off_path, weakref.ref
+        ensure_pool, recover, fold, unknown_free = self._ensure_pool, self._recover_pool, self._fold, self._unknown_free
+        free_off_path, ref, get_ident = self._free_off_path, weakref.ref, threading.get_ident
+        recorded, pending, poll, defer, watch = self._recorded, self._pending, self._poll_pending, self._defer, self._watch
 
         caches, limits = self._cache, self._cache_limit
 
         def malloc(size, device):
+            if pending:  # blocks freed with record_stream() whose streams may be done
+                poll()
             stream = current_stream(device)
             sptr = stream.ptr
             if sptr == 0 and size <= limits[device]:
@@ -367,7 +369,8 @@ class AsyncPoolStrategy(Strategy):
                     ptr = pool_malloc(size, pool, sptr)
                 except Error as exc:
                     ptr = recover(size, device, stream, pool, exc)
-                r = ref(stream)
+                # cudaStreamPerThread (2) is another stream in each thread: remember the thread
+                r = ref(stream) if sptr != 2 else get_ident()
             ev = events[device]
             ev.append(size)
             if track:
@@ -378,16 +381,8 @@ class AsyncPoolStrategy(Strategy):
                 fold(device)
             return ptr
 
-        def free(ptr, device, stacklevel=1):
-            try:
-                size = live[device].pop(ptr)
-            except (KeyError, IndexError, TypeError):
-                device, size = unknown_free(ptr, stacklevel)
-                if size is None:
-                    return
-            if track:
-                origins.pop(ptr, None)
-            events[device].append(-size)
+        def give_back(ptr, size, device, stacklevel=1):
+            # the block returns to the pool in the order of the stream it was allocated on
             r = stream_of.pop(ptr)
             if r is None:  # a default-stream block of a size class: cache it if there is room
                 cls = (size + 511) & -512
@@ -399,6 +394,11 @@ class AsyncPoolStrategy(Strategy):
                     lst.append(ptr)
                     return
                 sptr = 0
+            elif r.__class__ is int:  # the per-thread default stream of thread r
+                if r != get_ident():  # another thread's stream cannot be named from here
+                    free_off_path(ptr, size, device, None, stacklevel)
+                    return
+                sptr = 2
             else:
                 stream = r()
                 if stream is None:  # destroyed
@@ -414,8 +414,34 @@ class AsyncPoolStrategy(Strategy):
                     sptr = None  # treat it as destroyed
             free_off_path(ptr, size, device, sptr, stacklevel)
 
+        def free(ptr, device, stacklevel=1):
+            try:
+                size = live[device].pop(ptr)
+            except (KeyError, IndexError, TypeError):
+                device, size = unknown_free(ptr, stacklevel)
+                if size is None:
+                    return
+            if track:
+                origins.pop(ptr, None)
+            events[device].append(-size)
+            if recorded and ptr in recorded:
+                defer(ptr, size, device)  # other streams use it: freed once they are done
+            else:
+                give_back(ptr, size, device, stacklevel + 1)
+            if watch[0] is not None and not live[device]:
+                watch[0]()
+
+        self._give_back_fn = give_back
         self._malloc, self._free, self.hot_path = malloc, free, "python"
         return malloc, free
+
+    def _give_back_block(self, ptr: int, size: int, device: int) -> None:
+        """A block whose recorded streams are done: freed on its allocation stream (or cached)."""
+        try:
+            self._give_back_fn(ptr, size, device, 2)
+        except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
+            self.backend.clear_last_error()
+            _warn(f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}", RuntimeWarning, 3)
 
     def _free_off_path(self, ptr: int, size: int, device: int, stream: int | None, stacklevel: int = 1) -> None:
         """Frees the hot path does not do: on another device's default
@@ -516,10 +542,13 @@ class AsyncPoolStrategy(Strategy):
             TypeError, ValueError: a bad ``keep_bytes`` or ``device``.
         """
         devices = range(len(self._pools)) if device is None else [self._device_or_current(device)]
-        released = 0
-        for d in devices:
+        keeps = []
+        for d in devices:  # every value checked before anything is released
             total = self.backend.device_properties(d)["total_memory"] if isinstance(keep_bytes, str) else None
-            keep = parse_size(keep_bytes, total=total, what="keep_bytes")
+            keeps.append(parse_size(keep_bytes, total=total, what="keep_bytes"))
+        self._flush_pending()  # blocks waiting for recorded streams are idle memory too
+        released = 0
+        for d, keep in zip(devices, keeps):
             pool = self._pools[d]
             if not pool:
                 continue

@@ -35,6 +35,7 @@ chooses, read when a strategy builds its hot path (its first allocation).
 
 from __future__ import annotations
 
+import gc
 import importlib
 import operator
 import os
@@ -130,11 +131,12 @@ class _Counters:
         "n_allocs",
         "n_frees",
         "n_failed",
+        "n_oom_recoveries",
     )
 
     def __init__(self):
         self.in_use = self.peak_in_use = self.reserved = self.peak_reserved = 0
-        self.n_allocs = self.n_frees = self.n_failed = 0
+        self.n_allocs = self.n_frees = self.n_failed = self.n_oom_recoveries = 0
 
 
 class _FakeOwner:
@@ -150,9 +152,13 @@ class _FakeOwner:
         self.free(self.ptr, self.device)
 
 
-def _cupy_malloc_over(backend, malloc, free):
+def _cupy_malloc_over(backend, malloc, free, granule: int = 1):
     """CuPy's ``malloc(size) -> MemoryPointer`` over a hot path's
     ``malloc(size, device)`` / ``free(ptr, device, stacklevel)``.
+
+    ``granule`` (a power of two): sizes are rounded up to a multiple of it
+    before the hot path sees them, so ``memptr.mem.size`` is what the block
+    holds, as with CuPy's own pool (512).
 
     Returns ``(cupy_malloc, pfa, gc_safe)``: ``pfa`` is the
     ``PythonFunctionAllocator`` behind it (None with the fake backend, where
@@ -162,6 +168,7 @@ def _cupy_malloc_over(backend, malloc, free):
     """
     memory = _cupy_memory()
     gc_safe = _c_hotpath is not None and hot_path_status()["setting"] != "python"
+    mask = -granule
     if isinstance(backend, _cuda.RealBackend):
         # CuPy reads the current device, calls malloc(size, device) for
         # size > 0 and, when the array's memory dies, free(ptr, device), all
@@ -171,12 +178,19 @@ def _cupy_malloc_over(backend, malloc, free):
         if gc_safe:
             # Keeps each array's memory object off the garbage collector,
             # which in CuPy 14.2 can clear it before its destructor has
-            # freed the block (csrc/hotpath.c, GcSafeMalloc).
-            cupy_malloc = _c_hotpath.GcSafeMalloc(cupy_malloc)
+            # freed the block (csrc/hotpath.c, GcSafeMalloc); rounds too.
+            cupy_malloc = _c_hotpath.GcSafeMalloc(cupy_malloc, granule)
+        elif granule > 1:
+            pfa_malloc = cupy_malloc
+
+            def cupy_malloc(size):
+                return pfa_malloc((size + granule - 1) & mask)
+
         return cupy_malloc, pfa, gc_safe
 
     def fake_malloc(size):
         device = backend.get_device()
+        size = (size + granule - 1) & mask
         ptr = malloc(size, device) if size else 0
         owner = _FakeOwner(free, ptr, device) if ptr else None
         return memory.MemoryPointer(memory.UnownedMemory(ptr, size, owner, device), 0)
@@ -215,6 +229,15 @@ class Strategy:
     #: caches nothing. A strategy that caches sets it to False and reports
     #: what it takes from and gives back to CUDA with :meth:`_record_reserved`.
     reserved_is_in_use: ClassVar[bool] = True
+    #: True if freeing a block waits for the work of every stream, as
+    #: ``cudaFree`` of ``cudaMalloc`` memory does (it synchronises the
+    #: device): :meth:`record_stream` then has nothing to add.
+    free_waits_for_all_streams: ClassVar[bool] = False
+    #: CuPy's arrays see blocks of sizes rounded up to a multiple of this
+    #: (``memptr.mem.size``), and ``bytes_in_use`` counts them so: 512 for the
+    #: pooling strategies, as CuPy's own ``MemoryPool`` rounds; 1 (the size
+    #: as requested) for a strategy that hands out exactly what CUDA gives.
+    block_granule: ClassVar[int] = 1
 
     common_options: ClassVar[tuple[Option, ...]] = (
         Option(
@@ -252,6 +275,14 @@ class Strategy:
         self.hot_path: str | None = None
         self._pinned = False
         self._n_invalid_frees = 0  # not per device: a bad pointer names none
+        # record_stream: live ptr -> [(stream object, handle, device, thread ident)];
+        # blocks freed with recorded streams wait in _pending, oldest first, as
+        # [events, ptr, size, device], until those streams' work queued at the free is done
+        self._recorded: dict[int, list] = {}
+        self._pending: list[list] = []
+        self._poll_lock = threading.Lock()
+        # _watch[0]: called when the last live allocation is freed (using() lets go)
+        self._watch: list = [None]
 
     # -- options ---------------------------------------------------------------
     @classmethod
@@ -345,22 +376,26 @@ class Strategy:
         """
         allocate, deallocate, Error = self._allocate, self._deallocate, self._Error
         events, live, origins = self._events, self._live, self._origins
-        failed, fold, track = self._allocation_failed, self._fold, self._track_origins
+        recover, fold, track = self._recover_hook, self._fold, self._track_origins
         unknown_free, name = self._unknown_free, self.name
+        recorded, pending, poll, defer, watch = self._recorded, self._pending, self._poll_pending, self._defer, self._watch
         Accounting = _c_accounting(track)
         if Accounting is not None:
             acc = Accounting(
-                events, live, fold, _FOLD_AT, unknown_free, failed, Error,
+                events, live, fold, _FOLD_AT, unknown_free, recover, Error,
                 allocate=allocate, deallocate=deallocate, dealloc_failed=self._deallocation_failed,
+                recorded=recorded, defer=defer, pending=pending, poll=poll, watch=watch,
             )
             self._malloc, self._free, self.hot_path = acc.malloc, acc.free, "c"
             return acc.malloc, acc.free
 
         def malloc(size, device):
+            if pending:  # blocks freed with record_stream() whose streams may be done
+                poll()
             try:
                 ptr = allocate(size)
             except Error as exc:
-                failed(size, device, exc)
+                ptr = recover(size, device, exc)  # CuPy's order: give back, collect, retry; or raise
             ev = events[device]
             ev.append(size)  # before the insert: the matching -size can only follow it
             if track:
@@ -382,17 +417,276 @@ class Strategy:
             if track:
                 origins.pop(ptr, None)
             events[device].append(-size)
-            try:
-                deallocate(ptr)
-            except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
-                _warn(
-                    f"{name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}",
-                    RuntimeWarning,
-                    stacklevel=2 + stacklevel,
-                )
+            if recorded and ptr in recorded:
+                defer(ptr, size, device)  # other streams use it: given back once they are done
+            else:
+                try:
+                    deallocate(ptr)
+                except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
+                    _warn(
+                        f"{name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}",
+                        RuntimeWarning,
+                        stacklevel=2 + stacklevel,
+                    )
+            if watch[0] is not None and not live[device]:
+                watch[0]()
 
         self._malloc, self._free, self.hot_path = malloc, free, "python"
         return malloc, free
+
+    def stream_key(self, device: int | None = None) -> int:
+        """CuPy's identifier of the current stream of ``device`` (default:
+        the current device): the stream's handle, or, for the per-thread
+        default stream (handle ``cudaStreamPerThread`` in every thread),
+        minus the calling thread's ident, as CuPy's pool keys its arenas
+        (``_get_stream_identifier`` in cupy/cuda/memory.pyx, cupy#5069).
+
+        A strategy that caches freed blocks keys its cache by it: remember
+        the key at ``_allocate``, put the block back under that key at
+        ``_deallocate``, and hand it out again only to an allocation under
+        the same key (docs/streams.md); the built-in ``managed`` does so.
+        """
+        d = self.backend.get_device() if device is None else self._device_or_current(device)
+        h = self.backend.current_stream_ptr(d)
+        return -threading.get_ident() if h == _cuda.STREAM_PER_THREAD else h
+
+    # -- record_stream: blocks other streams still use ----------------------------------
+    def record_stream(self, ptr: int, stream) -> bool:
+        """Mark the live block at ``ptr`` (the start of an allocation of this
+        strategy) as used by ``stream`` too, as PyTorch's
+        ``Tensor.record_stream``: when the block is freed, no stream, its own
+        included, gets it again until the work queued on ``stream`` at the
+        free is done (an event recorded there at the free).
+
+        :func:`cupy_memstrat.record_stream` validates its arguments and calls
+        this on the strategy that owns the array.
+
+        Args:
+            ptr: the allocation's pointer (``array.data.mem.ptr``).
+            stream: a ``cupy.cuda.Stream`` (or ``ExternalStream``; anything
+                with ``.ptr`` and ``.device_id``); it is kept alive until the
+                block is freed.
+
+        Returns:
+            bool: True if recorded; False if this strategy's frees already
+            wait for every stream (``device``: ``cudaFree`` synchronises the
+            device), so there is nothing to record.
+
+        Raises:
+            ValueError: ``ptr`` is not a live allocation of this strategy.
+        """
+        for d, live in enumerate(self._live):
+            if ptr in live:
+                break
+        else:
+            raise ValueError(f"{self.name}: 0x{ptr:x} is not the start of a live allocation of this strategy")
+        if self.free_waits_for_all_streams:
+            return False
+        handle = stream.ptr
+        tid = threading.get_ident() if handle == _cuda.STREAM_PER_THREAD else None
+        dev = getattr(stream, "device_id", d)
+        recs = self._recorded.setdefault(ptr, [])
+        if not any(r[1] == handle and r[3] == tid and r[2] == dev for r in recs):
+            recs.append((stream, handle, d if dev is None or dev < 0 else dev, tid))
+        return True
+
+    def _defer(self, ptr: int, size: int, device: int) -> None:
+        """A block with recorded streams was freed (the hot path's free): an
+        event on each recorded stream, and the block waits in ``_pending``
+        until they are done. Where an event cannot be recorded (a stream
+        destroyed since, or another thread's per-thread default stream), the
+        device is synchronised instead and the block is given back at once.
+        Never raises (CuPy frees from finalisers)."""
+        b = self.backend
+        recs = self._recorded.pop(ptr, ())
+        events = []
+        sync = False
+        try:
+            me = threading.get_ident()
+            for _stream, handle, dev, tid in recs:
+                if tid is not None and tid != me:
+                    sync = True  # that thread's cudaStreamPerThread cannot be named from here
+                    break
+                cur = b.get_device()
+                try:
+                    if cur != dev:
+                        b.set_device(dev)
+                    ev = b.event_create()
+                    try:
+                        b.event_record(ev, handle)
+                    except Exception:
+                        b.event_destroy(ev)
+                        raise
+                    events.append((dev, ev))
+                finally:
+                    if cur != dev:
+                        b.set_device(cur)
+        except Exception:  # noqa: BLE001 - a destroyed stream: wait for everything instead
+            b.clear_last_error()
+            sync = True
+        if sync:
+            self._destroy_events(events)
+            try:
+                for dev in sorted({r[2] for r in recs} | {device}):
+                    b.device_synchronize(dev)
+            except Exception as exc:  # noqa: BLE001
+                b.clear_last_error()
+                _warn(f"{self.name}: synchronising before freeing 0x{ptr:x} failed: {exc}", RuntimeWarning, 3)
+            self._give_back_block(ptr, size, device)
+            return
+        self._pending.append([events, ptr, size, device])
+
+    def _destroy_events(self, events) -> None:
+        b = self.backend
+        for _dev, ev in events:
+            try:
+                b.event_destroy(ev)
+            except Exception:  # noqa: BLE001
+                b.clear_last_error()
+
+    def _poll_pending(self, wait: bool = False) -> None:
+        """Give back the pending blocks (freed with recorded streams) whose
+        events are done, oldest first, stopping at the first that is not
+        (PyTorch's caching allocator does the same). ``wait``: give back every
+        one (the caller has synchronised the devices)."""
+        if not self._poll_lock.acquire(blocking=False):
+            return  # another thread is at it (or this one, re-entered from a finaliser)
+        try:
+            pend, b = self._pending, self.backend
+            while pend:
+                events, ptr, size, device = pend[0]
+                if not wait:
+                    done = True
+                    for dev, ev in events:
+                        cur = b.get_device()
+                        if cur != dev:
+                            b.set_device(dev)
+                        try:
+                            done = b.event_done(ev)
+                        finally:
+                            if cur != dev:
+                                b.set_device(cur)
+                        if not done:
+                            break
+                    if not done:
+                        return
+                del pend[0]
+                self._destroy_events(events)
+                self._give_back_block(ptr, size, device)
+        finally:
+            self._poll_lock.release()
+
+    def _flush_pending(self) -> None:
+        """Synchronise the devices with pending blocks and give them all back
+        (trim, out-of-memory recovery, close)."""
+        if not self._pending:
+            return
+        devices = {p[3] for p in list(self._pending)} | {d for p in list(self._pending) for d, _ in p[0]}
+        for d in sorted(devices):
+            self.backend.device_synchronize(d)
+        self._poll_pending(wait=True)
+
+    def _give_back_block(self, ptr: int, size: int, device: int) -> None:
+        """What a free does after the accounting: give the block to the
+        strategy's cache or back to CUDA (here: ``_deallocate``). Caching
+        strategies override it. Must not raise."""
+        try:
+            self._deallocate(ptr)
+        except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
+            self.backend.clear_last_error()
+            _warn(f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}", RuntimeWarning, 3)
+
+    # -- out of memory: CuPy's order -------------------------------------------------
+    def _recover_hook(self, size: int, device: int, exc: BaseException) -> int:
+        """The hot path's ``allocate(size)`` raised ``exc``: recover and
+        retry (:meth:`_recover`), returning the pointer, or raise."""
+        return self._recover(size, device, exc, lambda: self._allocate(size))
+
+    def _recover(self, size: int, device: int, exc: BaseException, retry, detail=None) -> int:
+        """Out-of-memory recovery in CuPy's order (``_try_malloc`` of
+        ``cupy/cuda/memory.pyx``, v14.2.0): give back cached memory
+        (:meth:`_give_back`), retry; then ``gc.collect()`` twice, so that
+        arrays held only by reference cycles are freed, give back again,
+        retry; then raise ``OutOfMemoryError``. ``retry()`` allocates again
+        and raises ``backend.Error`` on failure. A CUDA error other than out
+        of memory is raised at once. Counts ``n_oom_recoveries`` on success.
+
+        Args:
+            detail: a callable returning text for the final error message.
+        """
+        b = self.backend
+        for step in (1, 2):
+            b.clear_last_error()
+            if getattr(exc, "status", None) != _cuda.ERROR_MEMORY_ALLOCATION:
+                break
+            if step == 2:
+                gc.collect()
+                gc.collect()
+            self._give_back(device)
+            try:
+                ptr = retry()
+            except self._Error as exc2:
+                exc = exc2
+                continue
+            with self._fold_lock:
+                self._counters[device].n_oom_recoveries += 1
+            return ptr
+        self._allocation_failed(size, device, exc, detail=detail() if detail else "")
+
+    def _give_back(self, device: int) -> None:
+        """Before retrying a failed allocation: this strategy's cached memory
+        (:meth:`trim`, which also gives back blocks waiting on recorded
+        streams), every other strategy's that holds memory on ``device``, and
+        the free blocks of CuPy's own default pool there, go back to CUDA."""
+        try:
+            self.trim(0, device)
+        except Exception:  # noqa: BLE001 - best effort: the retry decides
+            self.backend.clear_last_error()
+        for other in list(_pinned):
+            if other is not self:
+                try:
+                    other.trim(0, device)
+                except Exception:  # noqa: BLE001 - best effort for someone else's cache
+                    self.backend.clear_last_error()
+        if isinstance(self.backend, _cuda.RealBackend):
+            _free_cupy_pool_blocks(device)
+
+    # -- using(): let go once empty ----------------------------------------------------
+    def _let_go_when_empty(self) -> None:
+        """Close this strategy (giving its cache back) once its last live
+        allocation is freed, or now if there is none: what :func:`using`
+        does for a strategy it made when arrays outlive the block."""
+        self._watch[0] = self._check_empty
+        self._check_empty()
+
+    def _keep(self) -> None:
+        """Installed again (use() / using() of this object): stay open."""
+        self._watch[0] = None
+
+    @staticmethod
+    def _owner_of_pointer(ptr: int, device: int) -> "Strategy | None":
+        """The strategy whose live table holds ``ptr`` on ``device``; a
+        checking layer is preferred to the strategy it wraps (both hold it)."""
+        found = None
+        with _pinned_lock:
+            candidates = list(_pinned)
+        for s in candidates:
+            live = s._live
+            if 0 <= device < len(live) and ptr in live[device]:
+                if getattr(s, "inner", None) is not None:
+                    return s  # the layer: the program's view
+                found = s
+        return found
+
+    def _check_empty(self) -> None:
+        if any(self._live):
+            return
+        self._watch[0] = None
+        try:
+            self.close()
+        except Exception as exc:  # noqa: BLE001 - called from a finaliser
+            self.backend.clear_last_error()
+            _warn(f"{self.name}: closing after its last array was freed failed: {exc}", RuntimeWarning, 3)
 
     # -- accounting off the hot path -------------------------------------------
     def _deallocation_failed(self, ptr: int, size: int, device: int, exc: BaseException, stacklevel: int) -> None:
@@ -546,6 +840,7 @@ class Strategy:
                 n_live=n_live,
                 n_failed=c.n_failed,
                 n_invalid_frees=self._n_invalid_frees,
+                n_oom_recoveries=c.n_oom_recoveries,
             )
         if self.reserved_is_in_use:
             fields["bytes_reserved"] = fields["bytes_in_use"]
@@ -615,6 +910,7 @@ class Strategy:
         if device is not None:
             self._device_or_current(device)
         parse_size(keep_bytes, total=100, what="keep_bytes")  # validated; nothing to keep
+        self._flush_pending()
         return 0
 
     # -- CuPy -------------------------------------------------------------------
@@ -667,7 +963,7 @@ class Strategy:
 
     def _make_cupy_malloc(self):
         malloc, free = self._build_hot_path() if self._malloc is None else (self._malloc, self._free)
-        cupy_malloc, pfa, self._gc_safe = _cupy_malloc_over(self.backend, malloc, free)
+        cupy_malloc, pfa, self._gc_safe = _cupy_malloc_over(self.backend, malloc, free, self.block_granule)
         if pfa is not None:
             self._pfa = pfa
             _pfa_owners[id(pfa)] = weakref.ref(self)
@@ -697,7 +993,7 @@ class Strategy:
 _BACKEND_API = ("Error", "malloc", "free", "get_device", "device_count", "mem_get_info", "clear_last_error")
 _FOLD_AT = 1 << 16  # events queued per device before an allocation folds them
 _pinned: set = set()
-_pinned_lock = threading.Lock()
+_pinned_lock = threading.RLock()  # re-entered when a finaliser lets a strategy go
 _pfa_owners: dict = {}  # id(PythonFunctionAllocator) -> weakref to its strategy
 
 
@@ -711,6 +1007,22 @@ def _cupy_memory():
             "CuPy is not installed: install a CuPy wheel, e.g. pip install 'cupy-memstrat[cuda13]'"
         ) from exc
     return memory
+
+
+def _free_cupy_pool_blocks(device: int) -> None:
+    """``free_all_blocks()`` of CuPy's default pool on ``device``, if CuPy is
+    loaded: memory cached there from before a strategy was installed is
+    memory CuPy's pool would have reused."""
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return
+    try:
+        from cupy.cuda import Device
+
+        with Device(device):
+            cupy.get_default_memory_pool().free_all_blocks()
+    except Exception:  # noqa: BLE001 - best effort
+        pass
 
 
 def _cupy_pool_hint(device: int) -> str:

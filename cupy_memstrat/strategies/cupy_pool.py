@@ -53,6 +53,7 @@ class CuPyPoolStrategy(Strategy):
 
     name = "pool"
     aliases = ("cupy",)
+    block_granule = 512
     description = "CuPy's default MemoryPool, with per-allocation statistics (what CuPy does by default, measured)"
     reserved_is_in_use = False
 
@@ -136,12 +137,15 @@ class CuPyPoolStrategy(Strategy):
             TypeError, ValueError: a bad ``keep_bytes`` or ``device``.
         """
         devices = range(self.backend.device_count()) if device is None else [self._device_or_current(device)]
-        released = 0
-        for d in devices:
+        keeps = []
+        for d in devices:  # every value checked before anything is released
             total = None
             if isinstance(keep_bytes, str) and keep_bytes.strip().endswith("%"):
                 total = self.backend.device_properties(d)["total_memory"]
-            keep = parse_size(keep_bytes, total=total, what="keep_bytes")
+            keeps.append(parse_size(keep_bytes, total=total, what="keep_bytes"))
+        self._flush_pending()  # blocks waiting for recorded streams go back to the pool first
+        released = 0
+        for d, keep in zip(devices, keeps):
             if self._pool is None:
                 continue
             before = self._pool_total(d)

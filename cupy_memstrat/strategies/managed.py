@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import gc
 import operator
 import threading
 from dataclasses import dataclass
@@ -205,6 +206,7 @@ class ManagedStrategy(Strategy):
 
     name = "managed"
     aliases = ("malloc_managed",)
+    block_granule = 512
     description = "managed memory (cudaMallocManaged) in 2 MiB chunks, advice and prefetch policies, guard"
     reserved_is_in_use = False
     options = (
@@ -268,17 +270,23 @@ class ManagedStrategy(Strategy):
                 "1.4 ms without the advice; docs/managed.md). Use it only for data that nobody writes",
                 ManagedMemoryWarning,
             )
-        # Per device: free slots of shared chunks by class index, free large
-        # blocks by size, and the chunks (base -> (bytes, class index or -1)).
-        self._small = [[[] for _ in SIZE_CLASSES] for _ in range(n)]
-        self._large: list[dict[int, list[int]]] = [{} for _ in range(n)]
+        # Stream-ordered caches: per device, one arena per stream key (CuPy's
+        # _get_stream_identifier: the stream's handle, or minus the thread's
+        # ident for the per-thread default stream). An arena holds free slots
+        # of shared chunks by class index and free large blocks by run bytes:
+        # _lists[d][key] = (class lists, {run bytes: list}). The hot path's
+        # view of the same lists: _arenas[d][key] = (list per 512 B up to
+        # SMALL_MAX -> its class's list, {size rounded to 512 B: its run's
+        # list}, filled on first use). A chunk (or run of chunks) belongs to
+        # the arena it was made for, for good: _owner[chunk base] is that
+        # arena's hot-path view, and a freed block goes back there (chunks
+        # are 2 MiB-aligned, so a slot's base is ptr & _CHUNK_MASK).
+        self._lists: list[dict[int, tuple[list, dict]]] = [{} for _ in range(n)]
+        self._arenas: list[dict[int, tuple[list, dict]]] = [{} for _ in range(n)]
+        self._owner: dict[int, tuple[list, dict]] = {}
+        # the chunks (base -> (bytes, class index or -1)); shared chunks' bases, sorted
         self._chunks: list[dict[int, tuple[int, int]]] = [{} for _ in range(n)]
         self._small_bases: list[list[int]] = [[] for _ in range(n)]
-        # The hot path's index: (size + 511) >> 9 -> its class's free list
-        # (small sizes), size rounded to 512 B -> its run's free list (large
-        # sizes, filled on first use). The same list objects as above.
-        self._small_index = [[lists[ci] for ci in _CLASS_INDEX] for lists in self._small]
-        self._large_index: list[dict[int, list[int]]] = [{} for _ in range(n)]
         self._reserved = [0] * n  # managed bytes held, per device (guard)
         self._used0: list[int | None] = [None] * n  # device memory used at the first chunk
         self._n_refused = [0] * n
@@ -323,11 +331,14 @@ class ManagedStrategy(Strategy):
 
     # -- chunks -----------------------------------------------------------------
     def _guard(self, nbytes: int, size: int, device: int) -> None:
-        """Refuse ``nbytes`` of new chunks that the device could not hold."""
+        """Refuse ``nbytes`` of new chunks that the device could not hold;
+        before refusing, give memory back in CuPy's order: this strategy's
+        cache and the others' (:meth:`_give_back`), then the same after
+        ``gc.collect()`` twice (arrays held only by reference cycles)."""
         if self.config["oversubscribe"]:
             return
         b = self.backend
-        for attempt in (0, 1):
+        for attempt in (0, 1, 2):
             free, total = b.mem_get_info(device)
             used = total - free
             if self._used0[device] is None or used < self._used0[device]:
@@ -337,10 +348,16 @@ class ManagedStrategy(Strategy):
             need = nbytes + mine - resident
             room = free - self._headroom[device]
             if need <= room:
+                if attempt:
+                    with self._fold_lock:
+                        self._counters[device].n_oom_recoveries += 1
                 return
-            # Giving the cache back can help only if it could make the room.
-            if attempt == 1 or need - self._cached_bytes(device) > room or not self._release(device, 0):
-                break
+            if attempt == 2 or nbytes > total - self._headroom[device]:
+                break  # (more than the whole device could hold: nothing given back can help)
+            if attempt == 1:
+                gc.collect()
+                gc.collect()
+            self._give_back(device)
         self._n_refused[device] += 1
         with self._fold_lock:
             self._counters[device].n_failed += 1
@@ -352,27 +369,23 @@ class ManagedStrategy(Strategy):
                 f": refused by the oversubscription guard: {format_size(nbytes)} of new managed chunks "
                 f"plus {format_size(mine - resident)} of this strategy's chunks not yet resident need "
                 f"{format_size(need)}, more than the device's {format_size(free)} free less "
-                f"{format_size(self._headroom[device])} headroom; pass oversubscribe=True to allow "
-                "oversubscription (pages then move in and out of the device)"
+                f"{format_size(self._headroom[device])} headroom (after giving cached memory back and "
+                "collecting garbage); pass oversubscribe=True to allow oversubscription (pages then "
+                "move in and out of the device)"
             ),
         )
 
     def _new_chunks(self, nbytes: int, size: int, device: int, ci: int) -> int:
         """``cudaMallocManaged`` of ``nbytes`` (a multiple of 2 MiB) after the
-        guard; on a CUDA out-of-memory, release the cache and retry once."""
+        guard; on a CUDA out-of-memory, recover in CuPy's order and retry
+        (:meth:`Strategy._recover`)."""
         b = self.backend
         with self._chunk_lock:
             self._guard(nbytes, size, device)
             try:
                 ptr = b.malloc_managed(nbytes)
             except self._Error as exc:
-                b.clear_last_error()
-                if getattr(exc, "status", None) != _cuda.ERROR_MEMORY_ALLOCATION or not self._release(device, 0):
-                    self._allocation_failed(size, device, exc)
-                try:
-                    ptr = b.malloc_managed(nbytes)
-                except self._Error as exc2:
-                    self._allocation_failed(size, device, exc2)
+                ptr = self._recover(size, device, exc, lambda: b.malloc_managed(nbytes))
             try:
                 self._apply_policies(ptr, nbytes, device)
             except Exception:
@@ -386,12 +399,26 @@ class ManagedStrategy(Strategy):
             self._record_reserved(device, nbytes)
             return ptr
 
-    def _refill(self, ci: int, size: int, device: int) -> int:
+    def _arena(self, device: int, key: int) -> tuple[list, dict]:
+        """The lists of stream ``key``'s arena on ``device``, made on first use."""
+        lists = self._lists[device].get(key)
+        if lists is None:
+            with self._chunk_lock:
+                lists = self._lists[device].get(key)
+                if lists is None:
+                    small = [[] for _ in SIZE_CLASSES]
+                    lists = (small, {})
+                    self._lists[device][key] = lists
+                    self._arenas[device][key] = ([small[ci] for ci in _CLASS_INDEX], {})
+        return lists
+
+    def _refill(self, ci: int, size: int, device: int, key: int) -> int:
         """A new shared chunk for class ``ci``: one slot for this request, the
-        rest onto the class's free list."""
+        rest onto the class's free list in stream ``key``'s arena."""
         cls = SIZE_CLASSES[ci]
         base = self._new_chunks(CHUNK_BYTES, size, device, ci)
-        lst = self._small[device][ci]
+        lst = self._arena(device, key)[0][ci]
+        self._owner[base] = self._arenas[device][key]
         n = CHUNK_BYTES // cls
         lst.extend(range(base + (n - 1) * cls, base, -cls))  # lowest address popped first
         if self.config["prefetch"] is not None:
@@ -400,49 +427,59 @@ class ManagedStrategy(Strategy):
 
     def _release(self, device: int, keep: int) -> int:
         """Give cached chunks of ``device`` back to CUDA until at most
-        ``keep`` bytes stay cached; returns the bytes released."""
+        ``keep`` bytes stay cached; returns the bytes released. Blocks of
+        every stream's arena count: ``cudaFree`` synchronises the device, so
+        no stream's work still uses a freed chunk."""
         released = 0
         with self._chunk_lock:
             chunks = self._chunks[device]
             cached = self._cached_bytes(device)
+            arenas = list(self._lists[device].values())
             # large blocks first (whole blocks, biggest first)
-            large = self._large[device]
-            for nbytes in sorted(large, reverse=True):
-                lst = large[nbytes]
-                while cached > keep:
-                    try:
-                        ptr = lst.pop()
-                    except IndexError:
-                        break
-                    self._free_chunk(ptr, device)
-                    cached -= nbytes
-                    released += nbytes
-            if cached > keep:
-                # shared chunks whose every slot is free
-                slots: dict[int, list[int]] = {}
-                bases = self._small_bases[device]
-                for ci, lst in enumerate(self._small[device]):
-                    taken = []
-                    while True:
+            runs = sorted({n for _, large in arenas for n in list(large)}, reverse=True)
+            for nbytes in runs:
+                for _, large in arenas:
+                    lst = large.get(nbytes)
+                    while cached > keep and lst:
                         try:
-                            taken.append(lst.pop())
+                            ptr = lst.pop()
                         except IndexError:
                             break
-                    for ptr in taken:
-                        base = bases[bisect.bisect_right(bases, ptr) - 1]
-                        slots.setdefault(base, []).append(ptr)
-                for base, ptrs in slots.items():
+                        self._free_chunk(ptr, device)
+                        cached -= nbytes
+                        released += nbytes
+            if cached > keep:
+                # shared chunks whose every slot is free, in whichever arenas
+                slots: dict[int, list[tuple[list, int]]] = {}
+                bases = self._small_bases[device]
+                for small, _ in arenas:
+                    for lst in small:
+                        taken = []
+                        while True:
+                            try:
+                                taken.append(lst.pop())
+                            except IndexError:
+                                break
+                        for ptr in taken:
+                            base = bases[bisect.bisect_right(bases, ptr) - 1]
+                            slots.setdefault(base, []).append((lst, ptr))
+                for base, held in slots.items():
                     ci = chunks[base][1]
-                    if cached > keep and len(ptrs) == CHUNK_BYTES // SIZE_CLASSES[ci]:
+                    if cached > keep and len(held) == CHUNK_BYTES // SIZE_CLASSES[ci]:
                         self._free_chunk(base, device)
                         cached -= CHUNK_BYTES - CHUNK_BYTES % SIZE_CLASSES[ci]
                         released += CHUNK_BYTES
                     else:
-                        self._small[device][ci].extend(sorted(ptrs, reverse=True))
+                        for lst, ptr in sorted(held, key=lambda h: -h[1]):
+                            lst.append(ptr)
         return released
 
     def _free_chunk(self, ptr: int, device: int) -> None:
         nbytes, ci = self._chunks[device].pop(ptr)
+        self._owner.pop(ptr, None)
+        forget = getattr(self._free, "__self__", None)  # the C hot path caches the last chunk's owner
+        if forget is not None and hasattr(forget, "forget"):
+            forget.forget()
         if ci >= 0:
             bases = self._small_bases[device]
             del bases[bisect.bisect_left(bases, ptr)]
@@ -455,75 +492,109 @@ class ManagedStrategy(Strategy):
             _warn(f"managed: cudaFree of chunk 0x{ptr:x} on device {device} failed: {exc}", RuntimeWarning, 4)
 
     def _cached_bytes(self, device: int) -> int:
-        small = sum(SIZE_CLASSES[ci] * len(lst) for ci, lst in enumerate(self._small[device]))
-        return small + sum(n * len(lst) for n, lst in list(self._large[device].items()))
+        total = 0
+        for small, large in list(self._lists[device].values()):
+            total += sum(SIZE_CLASSES[ci] * len(lst) for ci, lst in enumerate(small))
+            total += sum(n * len(lst) for n, lst in list(large.items()))
+        return total
 
     # -- the hot path ---------------------------------------------------------------
-    def _miss(self, size: int, device: int) -> int:
+    def _miss(self, size: int, device: int, key: int) -> int:
         """The slow path of an allocation: no free block of ``size``'s class
-        (or run of chunks) on ``device``. A large size seen for the first
-        time is indexed under its 512-byte rounding, and may find a block
-        freed by another size of the same run."""
+        (or run of chunks) in stream ``key``'s arena on ``device``. A large
+        size seen for the first time there is indexed under its 512-byte
+        rounding, and may find a block freed by another size of the same run."""
+        small, large = self._arena(device, key)
         if size <= SMALL_MAX:
             ci = _CLASS_INDEX[(size + 511) >> 9]
             try:
-                return self._small[device][ci].pop()  # another thread freed one
+                return small[ci].pop()  # another thread freed one
             except IndexError:
-                return self._refill(ci, size, device)
+                return self._refill(ci, size, device, key)
         n = (size + CHUNK_BYTES - 1) & _CHUNK_MASK
         if n >= _SIZE_T_LIMIT:
             raise ValueError(
                 f"size: {size} bytes rounds up to {n} bytes of 2 MiB chunks, which does not fit in size_t"
             )
-        lst = self._large[device].setdefault(n, [])
-        self._large_index[device][(size + 511) & -512] = lst
+        lst = large.get(n)
+        if lst is None:
+            lst = large.setdefault(n, [])
+        self._arenas[device][key][1][(size + 511) & -512] = lst
         prefetch = self.config["prefetch"]
         try:
             ptr = lst.pop()
         except IndexError:
             ptr = self._new_chunks(n, size, device, -1)
+            self._owner[ptr] = self._arenas[device][key]
         else:
             prefetch = prefetch if prefetch == "on_alloc" else None  # on_new: a cached block is not
         if prefetch is not None:
             self._prefetch_to(ptr, n, device, size, lambda: lst.append(ptr))
         return ptr
 
+    def _stream_source(self):
+        """``(capsule or None, callable)`` giving the hot path the handle of
+        the current stream of a device (see ``current_stream_ptr`` in
+        :mod:`cupy_memstrat.cuda`)."""
+        b = self.backend
+        return b.current_stream_ptr_capsule(), b.current_stream_ptr
+
     def _build_hot_path(self):
-        # The base class's closures with the chunk cache inlined (it needs the
-        # device, which a plain allocate(size) hook does not get). Same
-        # accounting as the base: events append before the live insert.
-        # A cached allocation indexes its free list by the size in 512-byte
+        # The base class's closures with the stream-ordered chunk cache
+        # inlined (it needs the device and the stream, which a plain
+        # allocate(size) hook does not get). Same accounting as the base:
+        # events append before the live insert. A cached allocation finds
+        # its arena by stream key, then its free list by the size in 512-byte
         # units: a list for small sizes, a dict (filled on first use) above.
         events, live, origins, track = self._events, self._live, self._origins, self._track_origins
-        small, large = self._small_index, self._large_index
+        arenas, owner, arena_of = self._arenas, self._owner, self._arena_of
         miss, fold, unknown_free = self._miss, self._fold, self._unknown_free
+        recorded, pending, poll, defer, watch = self._recorded, self._pending, self._poll_pending, self._defer, self._watch
         prefetch_to = self._prefetch_to if self.config["prefetch"] == "on_alloc" else None
+        capsule, stream_ptr = self._stream_source()
         Accounting = _c_accounting(track)
         if Accounting is not None:  # the same steps in C (csrc/hotpath.c, "classes" mode)
             acc = Accounting(
                 events, live, fold, _FOLD_AT, unknown_free, self._allocation_failed, self._Error,
-                small=small, large=large, small_max=SMALL_MAX, miss=miss,
+                arenas=arenas, owner=owner, arena_of=arena_of, chunk_bytes=CHUNK_BYTES,
+                stream_ptr=stream_ptr, capsule=capsule,
+                small_max=SMALL_MAX, miss=miss,
                 large_hit=self._large_hit if prefetch_to is not None else None,
+                recorded=recorded, defer=defer, pending=pending, poll=poll, watch=watch,
             )
             self._malloc, self._free, self.hot_path = acc.malloc, acc.free, "c"
             return acc.malloc, acc.free
+        get_ident = threading.get_ident
 
         def malloc(size, device):
-            if size <= SMALL_MAX:
-                try:
-                    ptr = small[device][(size + 511) >> 9].pop()
-                except IndexError:  # none free: a new chunk for the class
-                    ptr = miss(size, device)
-            else:
-                try:
-                    ptr = large[device][(size + 511) & -512].pop()
-                except (KeyError, IndexError):  # first of its size here, or none free
-                    ptr = miss(size, device)
+            if pending:  # blocks freed with record_stream() whose streams may be done
+                poll()
+            key = stream_ptr(device)
+            if key == 2:  # cudaStreamPerThread: one stream per thread (cupy#5069)
+                key = -get_ident()
+            arena = arenas[device].get(key)
+            ptr = 0
+            if arena is not None:
+                if size <= SMALL_MAX:
+                    lst = arena[0][(size + 511) >> 9]
+                    if lst:
+                        try:
+                            ptr = lst.pop()
+                        except IndexError:  # another thread took the last one
+                            pass
                 else:
-                    if prefetch_to is not None:
-                        n = (size + CHUNK_BYTES - 1) & _CHUNK_MASK
-                        lst = large[device][(size + 511) & -512]
-                        prefetch_to(ptr, n, device, size, lambda: lst.append(ptr))
+                    lst = arena[1].get((size + 511) & -512)
+                    if lst:
+                        try:
+                            ptr = lst.pop()
+                        except IndexError:
+                            pass
+                        else:
+                            if prefetch_to is not None:
+                                n = (size + CHUNK_BYTES - 1) & _CHUNK_MASK
+                                prefetch_to(ptr, n, device, size, lambda: lst.append(ptr))
+            if not ptr:  # none free in this stream's arena: the slow path
+                ptr = miss(size, device, key)
             ev = events[device]
             ev.append(size)
             if track:
@@ -543,18 +614,48 @@ class ManagedStrategy(Strategy):
             if track:
                 origins.pop(ptr, None)
             events[device].append(-size)
-            if size <= SMALL_MAX:
-                small[device][(size + 511) >> 9].append(ptr)
+            if recorded and ptr in recorded:
+                defer(ptr, size, device)  # other streams use it: cached once they are done
             else:
-                large[device][(size + 511) & -512].append(ptr)  # indexed when it was allocated
+                # back to the arena of the stream it was allocated on, whatever stream is current
+                arena = owner.get(ptr & _CHUNK_MASK) or arena_of(ptr, device)
+                if size <= SMALL_MAX:
+                    arena[0][(size + 511) >> 9].append(ptr)
+                else:
+                    arena[1][(size + 511) & -512].append(ptr)  # indexed when it was allocated
+            if watch[0] is not None and not live[device]:
+                watch[0]()
 
         self._malloc, self._free, self.hot_path = malloc, free, "python"
         return malloc, free
 
-    def _large_hit(self, ptr: int, size: int, device: int) -> None:
+    def _give_back_block(self, ptr: int, size: int, device: int) -> None:
+        """A block whose recorded streams are done goes to its arena."""
+        try:
+            arena = self._owner.get(ptr & _CHUNK_MASK) or self._arena_of(ptr, device)
+            if size <= SMALL_MAX:
+                arena[0][(size + 511) >> 9].append(ptr)
+            else:
+                arena[1][(size + 511) & -512].append(ptr)
+        except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
+            _warn(f"managed: caching 0x{ptr:x} ({size} bytes) on device {device} failed: {exc!r}", RuntimeWarning, 3)
+
+    def _arena_of(self, ptr: int, device: int) -> tuple[list, dict]:
+        """The arena a live block goes back to, when its chunk's base is not
+        ``ptr & _CHUNK_MASK`` (CUDA gave a chunk that is not 2 MiB-aligned)."""
+        if ptr in self._owner:
+            return self._owner[ptr]
+        bases = self._small_bases[device]
+        i = bisect.bisect_right(bases, ptr) - 1
+        if i >= 0 and bases[i] in self._owner:
+            return self._owner[bases[i]]
+        raise RuntimeError(f"managed: 0x{ptr:x} lies in no chunk of this strategy on device {device}")
+
+    def _large_hit(self, ptr: int, size: int, device: int, key: int) -> None:
         """The C hot path, ``prefetch="on_alloc"``: prefetch a cached large
-        block taken for ``size`` (as the Python hot path does inline)."""
-        lst = self._large_index[device][(size + 511) & -512]
+        block taken for ``size`` from stream ``key``'s arena (as the Python
+        hot path does inline)."""
+        lst = self._arenas[device][key][1][(size + 511) & -512]
         self._prefetch_to(ptr, (size + CHUNK_BYTES - 1) & _CHUNK_MASK, device, size, lambda: lst.append(ptr))
 
     # -- statistics and control -----------------------------------------------------
@@ -591,11 +692,12 @@ class ManagedStrategy(Strategy):
             TypeError, ValueError: a bad ``keep_bytes`` or ``device``.
         """
         devices = range(len(self._chunks)) if device is None else [self._device_or_current(device)]
-        released = 0
-        for d in devices:
+        keeps = []
+        for d in devices:  # every value checked before anything is released
             total = self.backend.device_properties(d)["total_memory"] if isinstance(keep_bytes, str) else None
-            released += self._release(d, parse_size(keep_bytes, total=total, what="keep_bytes"))
-        return released
+            keeps.append(parse_size(keep_bytes, total=total, what="keep_bytes"))
+        self._flush_pending()  # blocks waiting for recorded streams are cache too
+        return sum(self._release(d, keep) for d, keep in zip(devices, keeps))
 
     def close(self) -> None:
         """As :meth:`Strategy.close`; also gives every cached chunk back.

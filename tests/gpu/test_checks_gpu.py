@@ -15,33 +15,6 @@ from cupy_memstrat import checks
 N = 1 << 20  # float32 elements: 4 MiB arrays
 SPIN = 100_000_000  # clock cycles a "long kernel" waits first: ~50 ms on an H200
 
-# The "long kernels" are one block of 256 threads that waits, then walks the
-# whole array: they hold one SM, so work on other streams runs beside them at
-# once (a full grid of waiting blocks would hold every SM and serialise it).
-_KERNELS = r"""
-extern "C" __global__ void slow_copy(const float* x, float* y, int n, long long cycles) {
-    long long t0 = clock64();
-    while (clock64() - t0 < cycles) {}
-    for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = x[i];
-}
-extern "C" __global__ void slow_fill(float* x, int n, float v, long long cycles) {
-    long long t0 = clock64();
-    while (clock64() - t0 < cycles) {}
-    for (int i = threadIdx.x; i < n; i += blockDim.x) x[i] = v;
-}
-extern "C" __global__ void fill_n(float* x, int n, float v) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] = v;
-}
-"""
-
-
-@pytest.fixture
-def k(cp):
-    m = cp.RawModule(code=_KERNELS)
-    return {name: m.get_function(name) for name in ("slow_copy", "slow_fill", "fill_n")}
-
-
 @pytest.fixture
 def installed(cp):
     """use() a strategy for the test; afterwards: CuPy's allocator back, the

@@ -1,0 +1,234 @@
+"""Drop-in safety on the GPU: no strategy hands a block to one stream while
+another still writes or reads it where CuPy's pool does not, record_stream
+closes cupy#8068, arrays held by reference cycles are collected before an
+out-of-memory error, using() gives everything back, block sizes as CuPy's.
+
+Each safety claim has its control: the same program without the fix
+(``managed-one-cache``: managed with one cache for every stream, as before)
+or without record_stream, which corrupts the data. The patterns live in
+cupy_memstrat.bench.streams (``python -m cupy_memstrat bench streams`` makes
+the table of docs/streams.md from them)."""
+
+import gc
+
+import pytest
+
+import cupy_memstrat
+from cupy_memstrat.bench import streams as S
+
+GiB = 1 << 30
+SAFE = ["cupy-default", "device", "managed", "async", "pool"]
+
+
+@pytest.fixture
+def kern(cp):
+    return S.Kernels(cp)
+
+
+def _run(cp, spec, fn, **options):
+    s = S.install(cp, spec, **options)
+    try:
+        return fn()
+    finally:
+        S.release(cp, s)
+
+
+PATTERNS = {
+    "other-stream": lambda cp, k: S.other_stream(cp, k),
+    "freed-elsewhere": lambda cp, k: S.freed_elsewhere(cp, k),
+    "freed-by-gc": lambda cp, k: S.freed_elsewhere(cp, k, by_gc=True),
+}
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize("spec", SAFE)
+def test_no_block_reaches_another_stream_while_its_stream_still_writes(cp, kern, spec, pattern):
+    assert _run(cp, spec, lambda: PATTERNS[pattern](cp, kern)) == 0
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_the_control_without_stream_ordered_reuse_corrupts_the_next_array(cp, kern, pattern):
+    assert _run(cp, "managed-one-cache", lambda: PATTERNS[pattern](cp, kern)) > 0
+
+
+def test_per_thread_default_streams_are_told_apart():
+    got = S.per_thread(SAFE + ["managed-one-cache"])
+    assert {k: v for k, v in got.items() if k in SAFE} == dict.fromkeys(SAFE, 0)
+    assert got["managed-one-cache"] > 0  # the control: one cache for every thread's stream
+
+
+def test_the_managed_hot_path_reads_the_stream_through_cupys_own_c_function(cp):
+    s = cupy_memstrat.use("managed")
+    try:
+        capsule, _ = s._stream_source()
+        assert capsule is not None  # cupy.cuda.stream.__pyx_capi__["get_current_stream_ptr"]
+        x = cp.ones(10)
+        assert s.hot_path in ("c", "python") and float(x.sum()) == 10.0
+    finally:
+        S.release(cp, s)
+
+
+@pytest.mark.parametrize("spec", ["managed", "async", "pool"])
+def test_cupy_8068_corrupts_without_record_stream_and_not_with_it(cp, kern, spec):
+    assert _run(cp, spec, lambda: S.other_reader(cp, kern)) > 0  # the control, as under CuPy's pool
+    assert _run(cp, spec, lambda: S.other_reader(cp, kern, record=True)) == 0
+
+
+def test_cupy_8068_is_safe_under_device_without_record_stream(cp, kern):
+    # cudaFree synchronises the device: the reader on B finishes first
+    assert _run(cp, "device", lambda: S.other_reader(cp, kern)) == 0
+    assert _run(cp, "device", lambda: S.other_reader(cp, kern, record=True)) == 0
+
+
+def test_cupy_8068_under_cupys_own_pool_is_unsafe_and_record_stream_cannot_help(cp, kern):
+    assert _run(cp, "cupy-default", lambda: S.other_reader(cp, kern, record=True)) > 0
+
+
+def test_the_streams_check_reports_cupy_8068(cp, kern):
+    got = S.checks_findings(cp, kern)
+    assert got["findings"] >= 1 and got["kinds"] == ["cross-stream reuse"]
+
+
+@pytest.mark.parametrize("spec", ["managed", "async", "pool"])
+def test_record_stream_with_the_streams_check_is_safe_and_silent(cp, kern, spec):
+    from cupy_memstrat import checks
+
+    mark = checks.mark()
+    assert _run(cp, spec, lambda: S.other_reader(cp, kern, record=True), check="streams", on_finding="record") == 0
+    assert checks.findings(mark) == []
+
+
+def test_record_stream_refuses_bad_input_on_the_gpu(cp):
+    s = cupy_memstrat.use("managed")
+    try:
+        x = cp.ones(1000, dtype=cp.float32)
+        with pytest.raises(TypeError, match="stream: expected a cupy.cuda.Stream"):
+            cupy_memstrat.record_stream(x, cp.cuda.Stream().ptr)
+        with pytest.raises(TypeError, match="array: expected a CuPy array"):
+            cupy_memstrat.record_stream(x.get(), cp.cuda.Stream())
+        assert s._recorded == {} and float(x.sum()) == 1000.0
+        assert cupy_memstrat.record_stream(x, cp.cuda.Stream.null) is True
+    finally:
+        S.release(cp, s)
+
+
+def test_record_stream_takes_an_external_stream(cp, kern):
+    """An ExternalStream (another library's handle) works like a CuPy stream.
+    (Whether its handle was destroyed cannot be asked safely: cudaStreamQuery
+    on a destroyed handle killed the process with SIGSEGV here.)"""
+    s = cupy_memstrat.use("managed")
+    raw = cp.cuda.runtime.streamCreateWithFlags(1)  # cudaStreamNonBlocking
+    try:
+        ext = cp.cuda.ExternalStream(raw)
+        a = cp.cuda.Stream(non_blocking=True)
+        with a:
+            x = cp.full(S.N, 7.0, dtype=cp.float32)
+        a.synchronize()
+        with ext:
+            out = cp.empty(S.N, dtype=cp.float32)
+        with ext:
+            kern.copy(x, out)
+        assert cupy_memstrat.record_stream(x, ext) is True
+        with a:
+            del x
+            z = cp.zeros(S.N, dtype=cp.float32)
+        ext.synchronize()
+        a.synchronize()
+        assert int(cp.count_nonzero(out != 7.0)) == 0
+        del out, z
+    finally:
+        S.release(cp, s)
+        cp.cuda.runtime.streamDestroy(raw)
+
+
+# -- out of memory with reference cycles --------------------------------------------------------------
+
+
+class _Cycle:
+    def __init__(self, x):
+        self.me, self.x = self, x
+
+
+@pytest.mark.parametrize("spec", SAFE)
+def test_arrays_held_by_reference_cycles_are_collected_before_out_of_memory(cp, spec):
+    """A program drops 2 GiB arrays in reference cycles with the collector
+    off; about 6 GiB are free (the rest held by plain cudaMalloc outside any
+    strategy, so nothing is ever oversubscribed). CuPy's pool collects and
+    retries: so must every strategy."""
+    rt = cp.cuda.runtime
+    gc.collect()
+    cp.get_default_memory_pool().free_all_blocks()
+    free, _ = rt.memGetInfo()
+    ballast = rt.malloc(free - 6 * GiB)
+    try:
+        s = S.install(cp, spec)
+        gc.disable()
+        try:
+            for _ in range(6):  # 12 GiB in all
+                _Cycle(cp.empty(2 * GiB // 4, dtype=cp.float32))
+        finally:
+            gc.enable()
+        if s is not None:
+            st = s.stats()
+            assert st.n_failed == 0
+            # (CuPy's own pool behind the pool strategy collects and retries by itself)
+            assert st.n_oom_recoveries >= 1 or spec == "pool"
+        S.release(cp, s)
+    finally:
+        rt.free(ballast)
+
+
+def test_the_control_without_collection_runs_out_of_memory(cp):
+    """The same program with CuPy's allocator off (raw cudaMalloc, no retry)."""
+    rt = cp.cuda.runtime
+    gc.collect()
+    cp.get_default_memory_pool().free_all_blocks()
+    free, _ = rt.memGetInfo()
+    ballast = rt.malloc(free - 6 * GiB)
+    prev = cp.cuda.get_allocator()
+    try:
+        cp.cuda.set_allocator(None)
+        gc.disable()
+        with pytest.raises((cp.cuda.memory.OutOfMemoryError, cp.cuda.runtime.CUDARuntimeError)):
+            for _ in range(6):
+                _Cycle(cp.empty(2 * GiB // 4, dtype=cp.float32))
+    finally:
+        gc.enable()
+        gc.collect()
+        cp.cuda.set_allocator(prev)
+        rt.free(ballast)
+
+
+# -- using() lets go; block sizes -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["managed", "async", "pool"])
+def test_using_in_a_loop_gives_everything_back_once_the_arrays_die(cp, spec):
+    from cupy_memstrat.strategies import base
+
+    cp.cuda.Device().synchronize()
+    gc.collect()
+    cp.get_default_memory_pool().free_all_blocks()
+    free0, _ = cp.cuda.runtime.memGetInfo()
+    for _ in range(10):
+        with cupy_memstrat.using(spec) as s:
+            x = cp.ones(64 << 20, dtype=cp.uint8)
+        assert s in base._pinned
+        del x
+        assert s not in base._pinned
+    cp.get_default_memory_pool().free_all_blocks()
+    free1, _ = cp.cuda.runtime.memGetInfo()
+    assert free0 - free1 < 64 << 20  # ten strategies' pools and caches are gone
+
+
+@pytest.mark.parametrize("spec", ["device", "managed", "async", "pool"])
+def test_block_sizes_are_reported_as_cupys_pool_reports_them(cp, spec):
+    s = cupy_memstrat.use(spec)
+    try:
+        x = cp.empty(1000, dtype=cp.uint8)
+        assert x.data.mem.size == (1000 if spec == "device" else 1024)
+        assert s.stats().bytes_in_use == x.data.mem.size
+    finally:
+        S.release(cp, s)
+    cp.cuda.set_allocator(cp.get_default_memory_pool().malloc)
+    assert cp.empty(1000, dtype=cp.uint8).data.mem.size == 1024  # CuPy's own pool

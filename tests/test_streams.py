@@ -1,0 +1,379 @@
+"""Drop-in safety on the fake backend: stream-ordered reuse, record_stream,
+out-of-memory recovery in CuPy's order, using() letting go, block sizes.
+
+The fake's streams keep simulated work queued until ``fake.finish()`` (or a
+synchronisation): a block handed to another stream while its stream is busy
+is the bug these tests rule out. tests/gpu/test_streams_gpu.py shows the same
+patterns corrupting real data without the fixes, and not with them.
+"""
+
+import gc
+import threading
+
+import pytest
+
+import cupy_memstrat
+from cupy_memstrat import cuda as C
+from cupy_memstrat.testing import FakeBackend
+
+MiB = 1 << 20
+POOLING = ["managed", "async", "pool"]
+ALL = ["device", "managed", "async", "pool"]
+
+
+def _alloc_on(s, stream, size):
+    with stream:
+        return s.raw_malloc(size)
+
+
+# -- stream-ordered reuse -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", [4096, 4 * MiB])
+def test_managed_does_not_hand_a_busy_streams_block_to_another_stream(fake, size):
+    """Pattern 1: allocated and written by a long kernel on A, dropped; the
+    next allocation of that size on B must not get the block."""
+    s = cupy_memstrat.create("managed", backend=fake)
+    A, B = fake.stream(non_blocking=True), fake.stream(non_blocking=True)
+    p = _alloc_on(s, A, size)
+    fake.launch(A)  # a long kernel writing p
+    with A:
+        s.raw_free(p)
+    q = _alloc_on(s, B, size)
+    assert q != p
+    with A:  # A itself reuses it at once: its later work is ordered after the kernel
+        assert s.raw_malloc(size) == p
+
+
+@pytest.mark.parametrize("size", [4096, 4 * MiB])
+def test_managed_returns_a_block_to_its_allocation_stream_whatever_stream_frees_it(fake, size):
+    """Pattern 2: allocated on S, dropped while the legacy default stream is
+    current (``del`` outside ``with S:``, or the collector)."""
+    s = cupy_memstrat.create("managed", backend=fake)
+    S = fake.stream(non_blocking=True)
+    p = _alloc_on(s, S, size)
+    fake.launch(S)
+    s.raw_free(p)  # the legacy stream is current here
+    assert s.raw_malloc(size) != p  # the legacy stream does not get S's block
+    assert _alloc_on(s, S, size) == p
+
+
+@pytest.mark.parametrize("size", [4096, 4 * MiB])
+def test_managed_tells_per_thread_default_streams_apart(hot_path, size):
+    """Pattern 3: CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1, every thread's stream
+    has the handle cudaStreamPerThread; CuPy keys its arenas per thread (cupy#5069)."""
+    fake = FakeBackend(memory="1GiB", per_thread_default_stream=True)
+    s = cupy_memstrat.create("managed", backend=fake)
+    assert fake.current_stream().ptr == C.STREAM_PER_THREAD
+    got = {}
+
+    def first():
+        got["p"] = s.raw_malloc(size)
+        fake.launch(fake.current_stream())  # this thread's stream stays busy
+        s.raw_free(got["p"])
+
+    t = threading.Thread(target=first)
+    t.start()
+    t.join()
+    q = s.raw_malloc(size)  # the main thread's own per-thread stream
+    assert q != got["p"]
+
+
+def test_a_block_freed_by_another_thread_goes_back_to_its_threads_arena(hot_path):
+    fake = FakeBackend(memory="1GiB", per_thread_default_stream=True)
+    s = cupy_memstrat.create("managed", backend=fake)
+    p = s.raw_malloc(4096)
+    t = threading.Thread(target=s.raw_free, args=(p,))  # the collector may free in any thread
+    t.start()
+    t.join()
+    assert s.raw_malloc(4096) == p  # back in the main thread's arena
+
+
+def test_async_frees_another_threads_per_thread_stream_block_after_a_synchronisation(hot_path):
+    fake = FakeBackend(memory="1GiB", per_thread_default_stream=True)
+    s = cupy_memstrat.create("async", backend=fake)
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("p", s.raw_malloc(MiB)))
+    t.start()
+    t.join()
+    syncs = fake.n_device_synchronize_calls
+    s.raw_free(got["p"])  # this thread's cudaStreamPerThread is another stream
+    assert fake.n_device_synchronize_calls == syncs + 1
+    assert s.pool_stats(0).n_frees_after_stream_destroyed == 1
+    assert s.stats(0).n_live == 0
+
+
+def test_trim_gives_back_every_streams_cache(fake):
+    s = cupy_memstrat.create("managed", backend=fake)
+    streams = [fake.stream() for _ in range(3)]
+    ptrs = [_alloc_on(s, st, 4 * MiB) for st in streams]
+    for p in ptrs:
+        s.raw_free(p)
+    assert s.managed_stats(0).cached_bytes == 12 * MiB
+    assert s.trim() == 12 * MiB
+    assert s.managed_stats(0).reserved_bytes == 0
+
+
+# -- record_stream ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", POOLING)
+def test_record_stream_keeps_a_block_from_its_own_stream_until_the_other_is_done(fake, name):
+    """cupy#8068: allocated on A, read by a long kernel on B, dropped on A,
+    the next allocation on A. With record_stream(x, B) it gets another block
+    until B's work queued at the free is done."""
+    s = cupy_memstrat.create(name, backend=fake)
+    A, B = fake.stream(non_blocking=True), fake.stream(non_blocking=True)
+    p = _alloc_on(s, A, MiB)
+    assert s.record_stream(p, B) is True
+    fake.launch(B)  # B still reads p
+    with A:
+        s.raw_free(p)
+    assert s.stats(0).n_live == 0  # freed for the program: in use drops at once
+    q = _alloc_on(s, A, MiB)
+    assert q != p
+    fake.finish(B)
+    r = _alloc_on(s, A, MiB)  # B is done: the block is A's again
+    assert r == p or name == "pool"  # (the fake's pool strategy caches nothing: p went back to CUDA)
+    for x in (q, r):
+        with A:
+            s.raw_free(x)
+    assert s.stats(0).n_live == 0 and not s._pending
+
+
+@pytest.mark.parametrize("name", POOLING)
+def test_without_record_stream_the_same_stream_reuses_the_block_at_once(fake, name):
+    """The control: what record_stream changes (every pool, CuPy's included)."""
+    if name == "pool":
+        pytest.skip("the fake's pool strategy caches nothing (CuPy's pool needs CUDA)")
+    s = cupy_memstrat.create(name, backend=fake)
+    A, B = fake.stream(non_blocking=True), fake.stream(non_blocking=True)
+    p = _alloc_on(s, A, MiB)
+    fake.launch(B)
+    with A:
+        s.raw_free(p)
+    assert _alloc_on(s, A, MiB) == p
+
+
+def test_record_stream_on_device_has_nothing_to_do(fake):
+    s = cupy_memstrat.create("device", backend=fake)
+    p = s.raw_malloc(MiB)
+    assert s.record_stream(p, fake.stream()) is False  # cudaFree synchronises the device
+    s.raw_free(p)
+    assert not fake.is_allocated(p)
+
+
+@pytest.mark.parametrize("name", POOLING)
+def test_trim_and_close_give_back_blocks_waiting_for_recorded_streams(fake, name):
+    s = cupy_memstrat.create(name, backend=fake)
+    B = fake.stream()
+    p = s.raw_malloc(MiB)
+    s.record_stream(p, B)
+    fake.launch(B)
+    s.raw_free(p)
+    assert len(s._pending) == 1
+    s.trim()  # synchronises: B's work is done
+    assert not s._pending
+    s.close()
+
+
+def test_a_destroyed_recorded_stream_makes_the_free_synchronise(fake):
+    s = cupy_memstrat.create("managed", backend=fake)
+    B = fake.stream()
+    p = s.raw_malloc(MiB)
+    s.record_stream(p, B)
+    B.destroy()
+    syncs = fake.n_device_synchronize_calls
+    s.raw_free(p)  # no event can be recorded on B: wait for the whole device instead
+    assert fake.n_device_synchronize_calls > syncs and not s._pending
+    assert s.raw_malloc(MiB) == p
+
+
+def test_record_stream_under_the_checks_counts_the_stream_as_ordered(fake):
+    from cupy_memstrat import checks
+
+    s = cupy_memstrat.create("managed", backend=fake, check="streams", on_finding="record")
+    A, B = fake.stream(non_blocking=True), fake.stream(non_blocking=True)
+    mark = checks.mark()
+
+    def pattern(record):
+        with A:
+            p = s.raw_malloc(MiB)
+        with B:  # B is current at an allocation: the check sees it
+            s.raw_free(s.raw_malloc(512))
+        if record:
+            s.record_stream(p, B)
+        fake.launch(B)
+        with A:
+            s.raw_free(p)
+        fake.finish()
+
+    pattern(record=False)
+    assert [f.kind for f in checks.findings(mark)] == ["cross-stream reuse"]
+    mark = checks.mark()
+    pattern(record=True)
+    assert checks.findings(mark) == []
+
+
+# -- the public record_stream: arrays, streams, bad input -----------------------------------------
+
+@pytest.mark.parametrize("name", ALL)
+def test_record_stream_on_arrays(restore_cupy_allocator, fake, name):
+    cupy = restore_cupy_allocator
+    s = cupy_memstrat.use(name, backend=fake)
+    x = cupy.empty(1000, dtype=cupy.float32)
+    B = fake.stream()
+    assert cupy_memstrat.record_stream(x, B) is (name != "device")
+    assert cupy_memstrat.record_stream(x[10:], B) is (name != "device")  # a view marks its allocation
+    if name != "device":
+        assert list(s._recorded) == [x.data.mem.ptr] and len(s._recorded[x.data.mem.ptr]) == 1
+    assert cupy_memstrat.record_stream(cupy.empty(0), B) is False  # nothing allocated
+
+
+def test_record_stream_refuses_bad_input_and_changes_nothing(restore_cupy_allocator, hot_path):
+    cupy = restore_cupy_allocator
+    fake = FakeBackend(devices=2, memory="1GiB")
+    s = cupy_memstrat.use("managed", backend=fake)
+    x = cupy.empty(1000, dtype=cupy.float32)
+    B = fake.stream(0)
+    with pytest.raises(TypeError, match="array: expected a CuPy array or a cupy.cuda.MemoryPointer, got list"):
+        cupy_memstrat.record_stream([1, 2], B)
+    with pytest.raises(TypeError, match=r"stream: expected a cupy.cuda.Stream \(or ExternalStream\), got int 7"):
+        cupy_memstrat.record_stream(x, 7)
+    with pytest.raises(TypeError, match="stream: expected a cupy.cuda.Stream .*got str 'B'"):
+        cupy_memstrat.record_stream(x, "B")
+    other = fake.stream(1)
+    with pytest.raises(ValueError, match="is on device 1, but the array's memory is on device 0"):
+        cupy_memstrat.record_stream(x, other)
+    dead = fake.stream(0)
+    dead.destroy()
+    with pytest.raises(ValueError, match=r"is not a live stream on device 0: it was destroyed"):
+        cupy_memstrat.record_stream(x, dead)
+    assert s._recorded == {} and s.stats(0).n_live == 1
+
+
+def test_record_stream_of_memory_no_strategy_owns_returns_false(restore_cupy_allocator, fake):
+    s = cupy_memstrat.create("managed", backend=fake)  # made, never installed nor used
+    from cupy.cuda import memory
+
+    mp = memory.MemoryPointer(memory.UnownedMemory(0x1234000, 512, None, 0), 0)
+    assert cupy_memstrat.record_stream(mp, fake.stream()) is False
+    assert s._recorded == {}
+
+
+# -- out of memory: CuPy's order ------------------------------------------------------------------------
+
+class _HeldByACycle:
+    """A block freed only when the garbage collector breaks this object's cycle."""
+
+    def __init__(self, s, size):
+        self.me, self.s, self.ptr = self, s, s.raw_malloc(size)
+
+    def __del__(self):
+        self.s.raw_free(self.ptr)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_arrays_held_by_reference_cycles_are_collected_before_out_of_memory(fake, name):
+    """12 x 20 GiB in cycles with gc.disable() on an H200 runs under CuPy's
+    pool; here 4 x 300 MiB on a 1 GiB device."""
+    s = cupy_memstrat.create(name, backend=fake)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(4):
+            _HeldByACycle(s, 300 * MiB)
+        st = s.stats(0)
+        assert st.n_failed == 0 and st.n_oom_recoveries == 1 and st.n_live == 1
+    finally:
+        gc.enable()
+        gc.collect()
+    assert fake.peek_last_error() == C.ERROR_SUCCESS
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_out_of_memory_gives_other_strategies_caches_back_first(fake, name):
+    other = cupy_memstrat.create("async", backend=fake)
+    other.raw_free(other.raw_malloc(600 * MiB))  # 608 MiB held by another strategy's pool
+    assert other.pool_stats(0).reserved_bytes == 608 * MiB
+    s = cupy_memstrat.create(name, backend=fake)
+    p = s.raw_malloc(700 * MiB)
+    assert other.pool_stats(0).reserved_bytes == 0 and s.stats(0).n_oom_recoveries == 1
+    s.raw_free(p)
+    other.close()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_hopeless_request_still_fails_clearly(fake, name):
+    s = cupy_memstrat.create(name, backend=fake)
+    p = s.raw_malloc(MiB)
+    with pytest.raises(cupy_memstrat.OutOfMemoryError, match="out of memory allocating 8.0 GiB"):
+        s.raw_malloc(8 << 30)
+    st = s.stats(0)
+    assert st.n_failed == 1 and st.n_live == 1 and st.n_oom_recoveries == 0
+    assert fake.peek_last_error() == C.ERROR_SUCCESS
+    s.raw_free(p)
+
+
+# -- using() lets go ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", POOLING)
+def test_using_lets_go_of_its_strategy_when_the_last_array_that_outlived_it_dies(restore_cupy_allocator, name):
+    cupy = restore_cupy_allocator
+    fake = FakeBackend(memory="1GiB")
+    from cupy_memstrat.strategies import base
+
+    for _ in range(5):
+        with cupy_memstrat.using(name, backend=fake) as s:
+            x = cupy.empty(MiB, dtype=cupy.uint8)
+        assert s in base._pinned  # x still lives
+        del x
+        assert s not in base._pinned  # closed: out of reach of nothing, holding nothing
+    assert fake.used_bytes(0) == 0  # no pool, chunk or cache left behind
+
+
+def test_using_a_strategy_object_leaves_it_open(restore_cupy_allocator, fake):
+    cupy = restore_cupy_allocator
+    s = cupy_memstrat.create("async", backend=fake)
+    with cupy_memstrat.using(s):
+        x = cupy.empty(MiB, dtype=cupy.uint8)
+    del x
+    assert s.pool_stats(0).handle != 0  # not closed: it belongs to the caller
+    s.close()
+
+
+# -- block sizes as CuPy's pool reports them -------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ALL)
+def test_mem_size_is_rounded_as_cupys_pool_rounds_it(restore_cupy_allocator, fake, name):
+    cupy = restore_cupy_allocator
+    s = cupy_memstrat.use(name, backend=fake)
+    x = cupy.empty(1000, dtype=cupy.uint8)
+    assert x.data.mem.size == (1000 if name == "device" else 1024)
+    assert s.stats(0).bytes_in_use == x.data.mem.size
+
+
+def test_device_rounds_like_cupys_pool_when_asked(restore_cupy_allocator, fake):
+    cupy = restore_cupy_allocator
+    cupy_memstrat.use("device:granule=512", backend=fake)
+    assert cupy.empty(1000, dtype=cupy.uint8).data.mem.size == 1024
+
+
+@pytest.mark.parametrize("bad", [0, 3, 1000, "4MiB", "1%", -512, "x"])
+def test_device_refuses_a_bad_granule(bad):
+    with pytest.raises((ValueError, TypeError), match="granule"):
+        cupy_memstrat.validate("device", granule=bad)
+
+
+def test_stream_key_is_cupys_stream_identifier(hot_path):
+    fake = FakeBackend(memory="1GiB")
+    s = cupy_memstrat.create("device", backend=fake)
+    assert s.stream_key() == 0
+    st = fake.stream()
+    with st:
+        assert s.stream_key() == st.ptr
+    ptds = FakeBackend(memory="1GiB", per_thread_default_stream=True)
+    s2 = cupy_memstrat.create("device", backend=ptds)
+    keys = []
+    t = threading.Thread(target=lambda: keys.append(s2.stream_key()))
+    t.start()
+    t.join()
+    assert s2.stream_key() == -threading.get_ident() != keys[0] < 0
