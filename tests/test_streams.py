@@ -377,3 +377,35 @@ def test_stream_key_is_cupys_stream_identifier(hot_path):
     t.start()
     t.join()
     assert s2.stream_key() == -threading.get_ident() != keys[0] < 0
+
+
+@pytest.mark.parametrize("name", POOLING)
+@pytest.mark.parametrize("when", ["inside", "after"])
+def test_record_stream_with_using_gives_everything_back(restore_cupy_allocator, hot_path, name, when):
+    """A new user's trial found the block of a recorded array kept for good under async and pool
+    once using() (or close()) had let the strategy go: 64 MiB per iteration."""
+    cupy = restore_cupy_allocator
+    fake = FakeBackend(memory="1GiB")
+    for _ in range(3):
+        B = fake.stream()
+        with cupy_memstrat.using(name, backend=fake) as s:
+            x = cupy.empty(64 * MiB, dtype=cupy.uint8)
+            fake.launch(B)
+            assert cupy_memstrat.record_stream(x, B) is True
+            if when == "inside":
+                del x
+        if when == "after":
+            del x
+        fake.finish(B)
+        assert not s._pending
+    assert fake.used_bytes(0) == 0
+
+
+def test_async_keeps_its_reserved_peak_after_close(fake):
+    s = cupy_memstrat.create("async", backend=fake)
+    s.raw_free(s.raw_malloc(64 * MiB))
+    peak = s.stats(0).peak_bytes_reserved
+    s.close()
+    assert peak >= 64 * MiB and s.stats(0).peak_bytes_reserved == peak
+    s.reset_peak(0)
+    assert s.stats(0).peak_bytes_reserved == 0

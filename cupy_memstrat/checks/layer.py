@@ -551,7 +551,8 @@ class CheckedStrategy(Strategy):
             f"for reuse while stream {s} still had work queued, and stream {a} {why}: a kernel on stream {s} "
             f"may still use the block after it is handed out again (make stream {a} wait for stream {s}, "
             f"e.g. {_wait_hint(info['alloc_stream'], info['other_stream'])}, or synchronise stream {s}, "
-            "before dropping the array)"
+            f"before dropping the array; or mark it with cupy_memstrat.record_stream(array, stream {s}) and "
+            "the block waits for that stream by itself)"
         )
         return Finding(kind="cross-stream reuse", check="streams", message=msg, **info)
 

@@ -262,6 +262,7 @@ class AsyncPoolStrategy(Strategy):
         self._cache: list[dict[int, list[int]]] = [{} for _ in range(n)]  # per device: class -> ptrs
         self._n_recoveries = [0] * n
         self._n_orphan_frees = [0] * n
+        self._peak_reserved = [0] * n  # the pools' ReservedMemHigh, as last read
 
     # -- pools ------------------------------------------------------------------
     def _ensure_pool(self, device: int) -> int:
@@ -483,11 +484,11 @@ class AsyncPoolStrategy(Strategy):
         """As :meth:`Strategy.stats`; ``bytes_reserved`` / ``peak_bytes_reserved``
         are the pool's (``cudaMemPoolAttrReservedMemCurrent`` / ``High``)."""
         st = super().stats(device)
-        return replace(
-            st,
-            bytes_reserved=self._pool_attr(st.device, _cuda.POOL_ATTR_RESERVED_MEM_CURRENT),
-            peak_bytes_reserved=self._pool_attr(st.device, _cuda.POOL_ATTR_RESERVED_MEM_HIGH),
-        )
+        d = st.device
+        peak = max(self._peak_reserved[d], self._pool_attr(d, _cuda.POOL_ATTR_RESERVED_MEM_HIGH))
+        self._peak_reserved[d] = peak  # kept when the pool is destroyed (close)
+        return replace(st, bytes_reserved=self._pool_attr(d, _cuda.POOL_ATTR_RESERVED_MEM_CURRENT),
+                       peak_bytes_reserved=peak)
 
     def pool_stats(self, device: int | None = None) -> PoolStats:
         """The pool's own attributes on ``device`` (default: current); see :class:`PoolStats`.
@@ -519,6 +520,7 @@ class AsyncPoolStrategy(Strategy):
         d = self._device_or_current(device)
         super().reset_peak(d)
         pool = self._pools[d]
+        self._peak_reserved[d] = 0
         if pool:
             self.backend.pool_set_attribute(pool, _cuda.POOL_ATTR_RESERVED_MEM_HIGH, 0)
             self.backend.pool_set_attribute(pool, _cuda.POOL_ATTR_USED_MEM_HIGH, 0)
@@ -570,6 +572,8 @@ class AsyncPoolStrategy(Strategy):
                 self._cache_limit[d] = 0
                 self._release_cached(d)
                 if pool and self._owned[d]:
+                    self._peak_reserved[d] = max(self._peak_reserved[d],
+                                                 self._pool_attr(d, _cuda.POOL_ATTR_RESERVED_MEM_HIGH))
                     self.backend.device_synchronize(d)
                     self.backend.pool_destroy(pool)
                     self._pools[d] = 0

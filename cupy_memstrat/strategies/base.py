@@ -979,8 +979,12 @@ class Strategy:
         closed, because CuPy's finalisers free through it. Close it only once
         its arrays are gone and it is no longer CuPy's allocator (allocations
         through an allocator that is still installed do not pin it again;
-        :meth:`raw_malloc` does). Closing twice is harmless.
+        :meth:`raw_malloc` does). Closing twice is harmless. Blocks freed
+        with :func:`cupy_memstrat.record_stream`'d streams still pending are
+        given back first (after a synchronisation).
         """
+        self._watch[0] = None
+        self._flush_pending()
         with _pinned_lock:
             _pinned.discard(self)
             self._pinned = False
