@@ -124,8 +124,14 @@ def _cmd_plot(args) -> int:
     except (OSError, ValueError) as exc:
         print(f"plot: cannot read {args.json!r}: {exc}", file=sys.stderr)
         return 2
-    if isinstance(report, dict) and isinstance(report.get("tests"), list):  # a --gpumem-json report
-        with_history = [t for t in report["tests"] if isinstance(t, dict) and t.get("history")]
+    if not isinstance(report, dict):
+        print(f"plot: {args.json} is not a report: expected a JSON object written by bench --json, "
+              f"cupy_memstrat.snapshot() or pytest --gpumem-json, got a JSON {type(report).__name__}",
+              file=sys.stderr)
+        return 2
+    if isinstance(report.get("tests"), list):  # a --gpumem-json report
+        with_history = [t for t in report["tests"] if isinstance(t, dict) and isinstance(t.get("history"), dict)
+                        and isinstance(t.get("nodeid", ""), str)]
         picked = [t for t in with_history if args.test is None or args.test in t.get("nodeid", "")]
         if len(picked) != 1:
             ids = ", ".join(t.get("nodeid", "?") for t in (picked or with_history)[:10]) or "none"
@@ -174,6 +180,18 @@ def _cmd_run(args) -> int:
             return 2
     else:
         script, rest = None, args.target
+        import importlib.util
+
+        sys.path.insert(0, os.getcwd())  # as python -m finds it
+        try:
+            found = importlib.util.find_spec(args.module) is not None
+        except (ImportError, ValueError):  # a missing parent package, or a name like ".x"
+            found = False
+        finally:
+            sys.path.pop(0)
+        if not found:
+            print(f"run: cannot run -m {args.module!r}: no such module", file=sys.stderr)
+            return 2
     try:
         strategy = use(spec.strip())
     except (ValueError, TypeError) as exc:

@@ -648,7 +648,8 @@ def get_backend() -> RealBackend:
 
     * unset, empty or ``cuda``: the real backend;
     * ``fake``: one process-wide simulated device (the fake's defaults);
-    * ``fake:devices=2,memory=1GiB``: with options; ``memory`` is one size for
+    * ``fake:devices=2,memory=1GiB``: with options (``devices`` from 1 to
+      64, ASCII digits); ``memory`` is one size for
       every device or ``memory=1GiB/2GiB`` one per device, and ``name`` sets
       the device name. For running code, and the pytest plugin, on a machine
       without a GPU (CI); arrays can be made but kernels cannot run.
@@ -686,12 +687,11 @@ def _backend_from_env():
         if not eq or not val:
             raise ValueError(f"environment variable {BACKEND_ENV}={raw!r}: expected key=value, got {part!r}; {valid}")
         if key == "devices":
-            try:
-                kwargs["devices"] = int(val)
-            except ValueError:
+            if not (val.isascii() and val.isdigit()):  # int() would also take "٣" or "1_0"
                 raise ValueError(
-                    f"environment variable {BACKEND_ENV}={raw!r}: devices: expected an int >= 1, got {val!r}"
-                ) from None
+                    f"environment variable {BACKEND_ENV}={raw!r}: devices: expected an int from 1 to 64, got {val!r}"
+                )
+            kwargs["devices"] = int(val)
         elif key == "memory":
             kwargs["memory"] = val.split("/") if "/" in val else val
         elif key == "name":

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import collections
 import json
+import operator
+import os
 import sys
 import threading
 import time
@@ -170,23 +172,52 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins:
         that ended, or None if none was running.
 
     Raises:
-        TypeError, ValueError: a bad ``max_entries`` (not an int >= 1).
+        TypeError, ValueError: a bad ``enabled`` (not True / False),
+            ``max_entries`` (not an int >= 1) or ``strategy`` (not a
+            Strategy object).
         NoStrategyError: no strategy is installed and none was given.
+        RuntimeError: called inside :func:`cupy_memstrat.using` (CuPy
+            forbids changing the process-wide allocator there).
+        Nothing changes when it raises: a recording in progress goes on.
     """
     global _active, _last
     import cupy
 
     from . import api
+    from .strategies.base import Strategy
 
-    if enabled:  # checked first: a bad call leaves a recording in progress running
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int):
+    # Everything is checked first: a bad call leaves a recording in progress as it was.
+    if not isinstance(enabled, bool):
+        if isinstance(enabled, int) and enabled in (0, 1):
+            enabled = bool(enabled)
+        elif type(enabled).__name__ == "bool_":  # numpy.bool_
+            enabled = bool(enabled)
+        else:
+            raise TypeError(f"enabled: expected True or False, got {type(enabled).__name__} {enabled!r}")
+    if enabled:
+        if isinstance(max_entries, bool) or not hasattr(max_entries, "__index__"):
             raise TypeError(f"max_entries: expected an int >= 1, got {type(max_entries).__name__} {max_entries!r}")
+        max_entries = operator.index(max_entries)
         if max_entries < 1:
             raise ValueError(f"max_entries: expected an int >= 1, got {max_entries}")
         if max_entries > sys.maxsize:
             raise ValueError(f"max_entries: expected an int >= 1 and at most {sys.maxsize}, got {max_entries}")
         if strategy is None:
             api._require_current()
+        elif not isinstance(strategy, Strategy):
+            raise TypeError(
+                f"strategy: expected a cupy_memstrat.Strategy object (or None: the installed one), got "
+                f"{type(strategy).__name__} {strategy!r}; to record a strategy by name, use() it first"
+            )
+    thread_local = getattr(cupy.cuda.memory, "_get_thread_local_allocator", lambda: None)
+    if thread_local() is not None and (enabled or _active is not None):
+        # CuPy forbids set_allocator inside using_allocator in the same thread: the recorder
+        # could be neither installed nor taken out again
+        raise RuntimeError(
+            "cupy_memstrat.record_history() swaps CuPy's process-wide allocator, which CuPy forbids inside "
+            "cupy_memstrat.using() / cupy.cuda.using_allocator() in the same thread; start and stop the "
+            "recording outside the block (nothing was changed)"
+        )
     with _lock:
         h = _active
         if h is not None:
@@ -211,9 +242,14 @@ def snapshot(path: str | None = None) -> dict:
     plot PATH -o timeline.png`` draws.
 
     Raises:
+        TypeError: ``path`` is not a str or os.PathLike (an int is refused:
+            ``open`` would take it as a file descriptor).
         RuntimeError: nothing was ever recorded in this process.
         OSError: ``path`` cannot be written.
     """
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        # (an int would be taken as a file descriptor, and closed)
+        raise TypeError(f"path: expected a file path (str or os.PathLike) or None, got {type(path).__name__} {path!r}")
     h = _active or _last
     if h is None:
         raise RuntimeError("no memory history: call cupy_memstrat.record_history() first")

@@ -71,9 +71,15 @@ def _hot_path() -> dict:
     from .strategies.base import hot_path_status
 
     try:
-        return hot_path_status()
+        status = hot_path_status()
     except ValueError as exc:  # a bad CUPY_MEMSTRAT_HOT_PATH
-        return {"setting": None, "hot_path": None, "reason": str(exc)}
+        return {"setting": None, "hot_path": None, "reason": str(exc), "strategies": {}}
+    reg = get_registry()
+    status["strategies"] = {  # which one each registered strategy runs (track_origins=False)
+        name: "c" if status["hot_path"] == "c" and getattr(reg.get(name), "has_c_hot_path", True) else "python"
+        for name in reg.names()
+    }
+    return status
 
 
 def collect(backend=None) -> dict:
@@ -156,6 +162,11 @@ def format_report(report: dict) -> str:
     hp = report.get("hot_path") or {}
     if hp.get("hot_path"):
         lines.append(f"allocation hot path: {hp['hot_path']}: {hp.get('reason')}")
+        per = hp.get("strategies") or {}
+        if per:
+            lines.append("  per strategy: " + ", ".join(f"{n} {p}" for n, p in per.items())
+                         + (" (python: no C version of that strategy's hot path yet)"
+                            if "python" in per.values() and hp["hot_path"] == "c" else ""))
     else:
         lines.append(f"allocation hot path: error: {hp.get('reason')}")
     lines.append("strategies:")

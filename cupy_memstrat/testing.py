@@ -180,6 +180,10 @@ class _FakePool:
         self.destroyed = False
 
 
+#: the most simulated devices (a node has 16 GPUs at most today; each costs tables per device)
+MAX_DEVICES = 64
+
+
 class FakeBackend:
     """Simulated CUDA devices.
 
@@ -197,7 +201,7 @@ class FakeBackend:
             each (its work, events and pool frees are per thread).
 
     Raises:
-        ValueError: ``devices`` < 1 or a bad ``memory`` value.
+        ValueError: ``devices`` outside 1..:data:`MAX_DEVICES` or a bad ``memory`` value.
     """
 
     name = "fake"
@@ -216,8 +220,8 @@ class FakeBackend:
         runtime_version: int = 13000,
         per_thread_default_stream: bool = False,
     ):
-        if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-            raise ValueError(f"devices: expected an int >= 1, got {devices!r}")
+        if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= MAX_DEVICES:
+            raise ValueError(f"devices: expected an int from 1 to {MAX_DEVICES}, got {devices!r}")
         mems = memory if isinstance(memory, (list, tuple)) else [memory] * devices
         if len(mems) != devices:
             raise ValueError(f"memory: expected {devices} values (one per device), got {len(mems)}")

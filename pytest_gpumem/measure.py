@@ -63,6 +63,7 @@ class Window:
     top_live: list = field(default_factory=list)
     check_start: int = 0  # cupy_memstrat.checks.mark() when the call began
     history: object = None  # cupy_memstrat.history.History of the call (--gpumem-history)
+    history_error: str | None = None  # why the call could not be recorded
 
 
 class Meter:

@@ -80,6 +80,36 @@ def parse_path(raw: str):
     return raw.strip()
 
 
+def parse_json_path(raw: str):
+    """A path the JSON report can be written to, checked at start-up (before any test runs):
+    not a directory, and its folder (or the nearest one that exists, where the missing ones
+    would be made) writable. Checked by making a file there and removing it again; nothing
+    that exists is changed."""
+    import os
+    import tempfile
+
+    path = raw.strip()
+    if not path:
+        raise ValueError("expected a file path, got an empty value")
+    if os.path.isdir(path):
+        raise ValueError(f"{path!r} is a directory; expected a file path such as {os.path.join(path, 'gpumem.json')!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot write {path!r}: {folder!r} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".gpumem-json-check-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"cannot write {path!r}: {exc.strerror or exc} in {folder!r}") from None
+    return path
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str  # attribute of Settings; the option's dest is "gpumem_" + name
@@ -133,7 +163,7 @@ SETTINGS = (
             "record each measured test's allocations and frees (cupy_memstrat.record_history) and put the "
             "timeline of every test that fails into --gpumem-json (draw one with python -m cupy_memstrat plot)",
             flag=True),
-    Setting("json", "--gpumem-json", "GPUMEM_JSON", "gpumem_json", parse_path, None,
+    Setting("json", "--gpumem-json", "GPUMEM_JSON", "gpumem_json", parse_json_path, None,
             "write every measured test's numbers, with machine and versions, to PATH as JSON", metavar="PATH"),
 )
 

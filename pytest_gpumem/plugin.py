@@ -271,6 +271,8 @@ class _State:
         rec["outcome"] = _outcome(reports)
         if w.history is not None and rec["outcome"] in ("failed", "error"):
             rec["history"] = w.history.as_dict()  # the timeline of a failing test (--gpumem-history)
+        if w.history_error is not None:
+            rec["history_error"] = f"not recorded: {w.history_error}"
         props = _report.user_properties(rec)
         item.user_properties.extend(props)
         for r in reports:
@@ -517,7 +519,10 @@ def pytest_runtest_call(item):
     item.stash[_WINDOW] = w
     w.check_start = _checks.mark()
     if state.settings.history:
-        w.history = cupy_memstrat.record_history(strategy=state.strategy)
+        try:
+            w.history = cupy_memstrat.record_history(strategy=state.strategy)
+        except RuntimeError as exc:  # inside cupy_memstrat.using() (the gpumem_strategy fixture): not recordable
+            w.history_error = str(exc)
     with contextlib.ExitStack() as scope:
         if state.settings.stream_policy == "fresh":
             scope.enter_context(_checks.fresh_stream(backend=state.strategy.backend))
@@ -533,7 +538,10 @@ def _finish_call(state, plan, meter, w, counter) -> None:
     if counter is not None and counter.running:
         w.faults = counter.stop()
     if w.history is not None:
-        cupy_memstrat.record_history(False)
+        try:
+            cupy_memstrat.record_history(False)
+        except RuntimeError as exc:  # the test entered using() and is still inside it
+            w.history_error = str(exc)
     meter.close(w)
     if plan.budget is not None and any(w.peak[d] > meter.limit(plan.budget, d) for d in meter.devices):
         w.top_live = meter.largest_new(w)  # while the test's arrays may still be alive
@@ -572,7 +580,10 @@ def pytest_sessionfinish(session, exitstatus):
     if path and (state.records or state.settings.measuring):
         if state.machine is None and state.meter is not None:
             state.machine = state.meter.machine()
-        _report.write_json(path, state.records, state.info())
+        try:
+            _report.write_json(path, state.records, state.info())
+        except OSError as exc:  # checked at start-up; the disk can still fill up or the folder go away
+            state.json_error = f"cannot write the JSON report {path!r}: {exc.strerror or exc}"
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -598,7 +609,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         if failed:
             tr.write_line(f"{len(failed)} test(s) failed a GPU memory check (status M / GPUMEM)")
     if state.settings.json and state.worker is None and (recs or state.settings.measuring):
-        tr.write_line(f"gpumem: JSON report written to {state.settings.json}")
+        if getattr(state, "json_error", None):
+            tr.write_line(f"gpumem: {state.json_error}", red=True)
+        else:
+            tr.write_line(f"gpumem: JSON report written to {state.settings.json}")
 
 
 # -- fixtures -----------------------------------------------------------------------------------

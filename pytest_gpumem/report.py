@@ -72,7 +72,11 @@ def write_json(path: str, records: list[dict], state_info: dict) -> None:
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):  # a failed write leaves nothing behind
+            os.unlink(tmp)

@@ -311,4 +311,4 @@ def test_plot_names_what_it_wrote_and_refuses_a_mangled_report_clearly(tmp_path,
     assert "(KeyError: 'results')" in capsys.readouterr().err
     bad.write_text(json.dumps([1, 2]))
     assert main(["plot", str(bad), "-o", str(tmp_path / "b.png")]) == 2
-    assert "plot: no figure for benchmark None" in capsys.readouterr().err
+    assert "is not a report: expected a JSON object" in capsys.readouterr().err  # not "benchmark None"

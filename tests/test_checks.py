@@ -740,3 +740,14 @@ def test_the_fake_contents_survive_threads(fake):
     assert checks.collect() == [] and checks.findings() == []
     s.trim()
     assert s.stats().n_live == 0 and fake.used_bytes(0) == 0
+
+
+def test_config_reports_the_wrapped_strategys_options_and_the_checks_as_a_spec(hot_path):
+    """Issue 16: config said track_origins False for device:track_origins=yes,check=all, and the
+    pytest JSON stored check as the string 'frozenset({...})'."""
+    import json
+
+    s = cupy_memstrat.create("device:track_origins=yes,check=all", backend=FakeBackend(memory="1GiB"))
+    assert s.config["track_origins"] is True and s.config["check"] == "streams,poison,redzone"
+    assert s.config["granule"] == 1 and s.config["on_finding"] == "raise"
+    json.dumps(s.config)  # JSON-ready

@@ -33,6 +33,20 @@ def test_info_reports_a_fake_device():
     assert "device: one cudaMalloc per allocation" in text
 
 
+def test_info_says_which_hot_path_each_strategy_runs(monkeypatch):
+    """Issue 16: info said 'allocation hot path: c' while async always runs the Python one."""
+    from cupy_memstrat.strategies import base
+
+    report = collect(FakeBackend())
+    per = report["hot_path"]["strategies"]
+    assert per["async"] == "python"
+    assert per["device"] == per["managed"] == per["pool"] == ("c" if base._c_hotpath is not None else "python")
+    if base._c_hotpath is not None:
+        assert "per strategy: async python, device c, managed c, pool c" in format_report(report)
+    monkeypatch.setenv(base.HOT_PATH_ENV, "python")
+    assert set(collect(FakeBackend())["hot_path"]["strategies"].values()) == {"python"}
+
+
 @pytest.mark.skipif(_has_gpu(), reason="a GPU is present")
 def test_info_without_gpu_says_why_and_fails():
     r = _run("info")
@@ -129,12 +143,27 @@ def test_run_a_module(tmp_path):
         (["run", "-s", "device", "missing.py"], None, "run: cannot run 'missing.py': no such file"),
         (["run", "-s", "device"], None, "run: nothing to run"),
         (["run", "-s", "device", "-m"], None, "run: -m takes a module name"),
+        (["run", "-s", "device", "-m", "nosuchmodule"], None, "run: cannot run -m 'nosuchmodule': no such module"),
+        (["run", "-s", "device", "-m", "nosuch.sub"], None, "run: cannot run -m 'nosuch.sub': no such module"),
     ],
 )
 def test_run_refuses_clearly(tmp_path, args, env, message):
     (tmp_path / "job.py").write_text(SCRIPT)
     r = _run_fake(tmp_path, *args, env=env)
     assert r.returncode == 2 and message in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize("doc, message", [
+    ({"kind": ["x"]}, "no figure for this JSON (it names no benchmark"),
+    ([1, 2], "is not a report: expected a JSON object"),
+    ({"tests": [{"nodeid": 5, "history": 1}]}, "no test in it has a timeline"),
+])
+def test_plot_refuses_mangled_reports_with_a_message(tmp_path, capsys, doc, message):
+    """Issue 16: these printed tracebacks."""
+    (tmp_path / "r.json").write_text(json.dumps(doc))
+    assert cli.main(["plot", str(tmp_path / "r.json"), "-o", str(tmp_path / "o.png")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
 
 
 def _fake_group_run(monkeypatch, seen):

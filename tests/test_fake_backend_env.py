@@ -54,8 +54,10 @@ def test_empty_or_cuda_means_the_real_backend(fresh, value):
     "value, message",
     [
         ("gpu", r"CUPY_MEMSTRAT_BACKEND='gpu': unknown backend; expected 'cuda' \(the default\), 'fake'"),
-        ("fake:devices=two", r"CUPY_MEMSTRAT_BACKEND='fake:devices=two': devices: expected an int >= 1"),
-        ("fake:devices=0", r"CUPY_MEMSTRAT_BACKEND='fake:devices=0': devices: expected an int >= 1"),
+        ("fake:devices=two", r"CUPY_MEMSTRAT_BACKEND='fake:devices=two': devices: expected an int from 1 to 64"),
+        ("fake:devices=0", r"CUPY_MEMSTRAT_BACKEND='fake:devices=0': devices: expected an int from 1 to 64"),
+        ("fake:devices=10000000", r"devices: expected an int from 1 to 64, got 10000000"),  # was 60 s and 3 GB
+        ("fake:devices=\u0663", r"devices: expected an int from 1 to 64, got '\u0663'"),  # an Arabic-Indic 3
         ("fake:colour=red", r"unknown option 'colour'; valid options: devices, memory, name"),
         ("fake:memory", r"expected key=value, got 'memory'"),
         ("fake:memory=lots", r"CUPY_MEMSTRAT_BACKEND='fake:memory=lots': memory: cannot parse 'lots'"),

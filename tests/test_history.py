@@ -154,3 +154,52 @@ def test_installing_another_strategy_ends_the_events_and_the_snapshot_says_so(fa
     _alloc(MiB)
     doc = cupy_memstrat.snapshot()
     assert doc["recording"] is False and len(doc["events"]) == 2
+
+
+# -- bad calls change nothing (issue 16) ------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    (dict(enabled="no"), TypeError, "enabled: expected True or False, got str 'no'"),
+    (dict(strategy=5), TypeError, "strategy: expected a cupy_memstrat.Strategy object .*got int 5"),
+    (dict(strategy="device"), TypeError, "strategy: expected a cupy_memstrat.Strategy object .*got str 'device'"),
+    (dict(max_entries=0), ValueError, "max_entries: expected an int >= 1, got 0"),
+    (dict(max_entries=2.5), TypeError, "max_entries: expected an int >= 1, got float 2.5"),
+])
+def test_a_bad_call_is_refused_and_the_recording_in_progress_goes_on(fake_cupy, kwargs, err, match):
+    s = cupy_memstrat.use("device")
+    h = cupy_memstrat.record_history()
+    with pytest.raises(err, match=match):
+        cupy_memstrat.record_history(**kwargs)
+    assert h.recording and cupy_memstrat.current() is s
+    x = _alloc(MiB)
+    assert [e[1] for e in h.events] == ["alloc"]
+    del x
+    assert cupy_memstrat.record_history(False) is h
+
+
+def test_max_entries_takes_numpy_integers(fake_cupy):
+    import numpy as np
+
+    cupy_memstrat.use("device")
+    assert cupy_memstrat.record_history(max_entries=np.int64(5)).max_entries == 5
+    cupy_memstrat.record_history(False)
+
+
+def test_inside_using_recording_is_refused_up_front_and_nothing_changes(fake_cupy):
+    s = cupy_memstrat.use("device")
+    h = cupy_memstrat.record_history()
+    with cupy_memstrat.using("device"):
+        with pytest.raises(RuntimeError, match="record_history.*inside cupy_memstrat.using.*nothing was changed"):
+            cupy_memstrat.record_history()
+        with pytest.raises(RuntimeError, match="nothing was changed"):
+            cupy_memstrat.record_history(False)  # the recorder could not be taken out here
+    assert h.recording and cupy_memstrat.current() is s
+    assert cupy_memstrat.record_history(False) is h and not h.recording
+
+
+def test_snapshot_refuses_an_int_path(fake_cupy):
+    cupy_memstrat.use("device")
+    cupy_memstrat.record_history()
+    with pytest.raises(TypeError, match="path: expected a file path .*got int 2"):
+        cupy_memstrat.snapshot(2)  # not a file descriptor: stderr stays open
+    cupy_memstrat.record_history(False)

@@ -42,7 +42,11 @@ def test_a_bad_hot_path_setting_is_refused_by_name(monkeypatch):
     monkeypatch.setenv(base.HOT_PATH_ENV, "fast")
     with pytest.raises(ValueError, match=r"CUPY_MEMSTRAT_HOT_PATH='fast': expected one of auto, c, python"):
         cupy_memstrat.hot_path_status()
+    with pytest.raises(ValueError, match="CUPY_MEMSTRAT_HOT_PATH"):
+        cupy_memstrat.create("device", backend=FakeBackend())  # refused before anything is made
+    monkeypatch.setenv(base.HOT_PATH_ENV, "auto")
     s = cupy_memstrat.create("device", backend=FakeBackend())
+    monkeypatch.setenv(base.HOT_PATH_ENV, "fast")  # changed after creation: the first allocation refuses
     with pytest.raises(ValueError, match="CUPY_MEMSTRAT_HOT_PATH"):
         s.raw_malloc(100)
     assert s.stats().n_allocs == 0
@@ -203,3 +207,12 @@ def test_an_int_subclass_size_is_counted_as_a_plain_int(fake):
     s.raw_free(s.raw_malloc(Odd(4096)))
     st = s.stats()
     assert st.bytes_in_use == 0 and st.n_live == 0
+
+
+def test_a_bad_hot_path_setting_is_refused_at_use_also_on_the_fake(monkeypatch, restore_cupy_allocator):
+    cupy = restore_cupy_allocator
+    before = cupy.cuda.get_allocator()
+    monkeypatch.setenv(base.HOT_PATH_ENV, "bogus")
+    with pytest.raises(ValueError, match="CUPY_MEMSTRAT_HOT_PATH='bogus': expected one of auto, c, python"):
+        cupy_memstrat.use("device", backend=FakeBackend(memory="1GiB"))
+    assert cupy.cuda.get_allocator() is before  # nothing installed

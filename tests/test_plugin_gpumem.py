@@ -576,6 +576,47 @@ def test_over():
 
 
 
+def test_history_of_a_test_inside_using_is_reported_not_recordable_never_an_internal_error(pytester, fake_env):
+    """Issue 16: --gpumem-history on a test run inside cupy_memstrat.using() (and the documented
+    gpumem_strategy fixture) aborted the whole session with an INTERNALERROR (exit 3)."""
+    pytester.makepyfile(HEAD + """
+import cupy_memstrat
+def test_inside_using():
+    with cupy_memstrat.using("device"):
+        x = alloc(MiB)
+def test_with_the_fixture(gpumem_strategy):
+    x = alloc(MiB)
+@pytest.mark.limit_gpu_memory("1KiB")
+def test_over_after():
+    x = alloc(MiB)
+""")
+    r = run(pytester, "--gpumem-history", "--gpumem-json=out.json", "-p", "no:randomly")
+    assert r.ret == 1  # one budget failure; no INTERNALERROR (3)
+    assert "INTERNALERROR" not in r.stdout.str() + r.stderr.str()
+    doc = json.loads((pytester.path / "out.json").read_text())
+    by_name = {t["nodeid"].split("::")[1]: t for t in doc["tests"]}
+    over = by_name.pop("test_over_after")
+    assert over["outcome"] == "failed" and over["history"]["events"]  # recording works again after
+    fixture_rows = [t for n, t in by_name.items() if n.startswith("test_with_the_fixture")]
+    assert fixture_rows and all("not recorded" in t["history_error"] for t in fixture_rows)
+    assert all(t["outcome"] in ("passed", "skipped") for t in by_name.values())
+
+
+@pytest.mark.parametrize("where", ["a directory", "/proc/x.json", "under a file"])
+def test_a_json_path_that_cannot_be_written_is_a_usage_error_before_any_test(pytester, fake_env, where):
+    """Issue 16: an existing directory or /proc/x.json ran every test, then printed a traceback
+    at the end (exit 1) and left PATH.tmpNNNN behind."""
+    pytester.makepyfile(HEAD + "def test_a():\n    print('RAN')\n    x = alloc(MiB)\n")
+    (pytester.path / "adir").mkdir()
+    (pytester.path / "afile").write_text("x")
+    path = {"a directory": "adir", "/proc/x.json": "/proc/x.json", "under a file": "afile/out.json"}[where]
+    r = run(pytester, "--gpumem", f"--gpumem-json={path}", "-s")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert "RAN" not in r.stdout.str() and "Traceback" not in r.stdout.str() + r.stderr.str()
+    assert "--gpumem-json" in r.stderr.str() and ("is a directory" in r.stderr.str() or "cannot write" in r.stderr.str())
+    assert not [p for p in pytester.path.rglob("*.tmp*")]
+
+
 def test_json_and_junit_carry_the_numbers(pytester, fake_env):
     pytester.makepyfile(HEAD + """
 def test_a():

@@ -267,8 +267,10 @@ def plot(report: dict, path: str) -> str:
     import os
 
     kind = (report.get("benchmark") or report.get("kind")) if isinstance(report, dict) else None
-    if kind not in _PLOTS:
-        raise ValueError(f"no figure for benchmark {kind!r}; figures exist for: {', '.join(sorted(_PLOTS))}")
+    if not isinstance(kind, str) or kind not in _PLOTS:
+        what = (f"benchmark {kind!r}" if isinstance(kind, str) else
+                "this JSON (it names no benchmark: expected a 'benchmark' or 'kind' field)")
+        raise ValueError(f"no figure for {what}; figures exist for: {', '.join(sorted(_PLOTS))}")
     if not os.path.splitext(path)[1]:
         path += ".png"
     plt = _pyplot()

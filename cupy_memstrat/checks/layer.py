@@ -188,6 +188,7 @@ class CheckedStrategy(Strategy):
 
     name = "checked"
     description = "the checking layer (streams, poison, redzone) over another strategy"
+    has_c_hot_path = False
     reserved_is_in_use = False
     options = (
         Option("check", _as_checks, frozenset(CHECKS), "checks to run: streams, poison, redzone (or all)"),
@@ -222,6 +223,11 @@ class CheckedStrategy(Strategy):
         self._policy = self.config["on_finding"]
         self._q_limit_bytes = self.config["quarantine_bytes"]
         self._q_limit_count = self.config["quarantine_count"]
+        # What the program sees as the strategy's options: the wrapped strategy's (its own
+        # track_origins among them), then the checks', "check" spelled as in a spec (JSON-ready)
+        own = {k: v for k, v in self.config.items() if k != "track_origins"}
+        own["check"] = ",".join(c for c in CHECKS if c in checks)
+        self.config = {**inner.config, **own}
         self._meta: dict[int, tuple] = {}  # ptr -> (padded, stream entry, thread id, seq)
         # thread id -> {stream key: [last seq seen, weakref to the stream, handle, non-blocking or None, device,
         # seq of the last allocation on it]};

@@ -193,6 +193,7 @@ class AsyncPoolStrategy(Strategy):
     name = "async"
     aliases = ("malloc_async",)
     block_granule = 512
+    has_c_hot_path = False  # its own Python closures (the pool call needs the stream)
     description = "stream-ordered pool (cudaMallocFromPoolAsync), own pool per device, release threshold and trim"
     reserved_is_in_use = False
     options = (

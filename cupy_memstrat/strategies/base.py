@@ -214,8 +214,8 @@ class Strategy:
             stack walk per allocation).
 
     Raises:
-        ValueError: an unknown option (the message lists the valid ones) or a
-            bad option value.
+        ValueError: an unknown option (the message lists the valid ones), a
+            bad option value, or a bad ``CUPY_MEMSTRAT_HOT_PATH``.
         NoDeviceError: no backend given and no CUDA device is available.
         CuPyNotInstalledError: no backend given and CuPy is not installed.
     """
@@ -238,6 +238,9 @@ class Strategy:
     #: pooling strategies, as CuPy's own ``MemoryPool`` rounds; 1 (the size
     #: as requested) for a strategy that hands out exactly what CUDA gives.
     block_granule: ClassVar[int] = 1
+    #: False for a strategy whose hot path exists in Python only (``async``
+    #: for now): ``info`` and :func:`hot_path_status` say so per strategy.
+    has_c_hot_path: ClassVar[bool] = True
 
     common_options: ClassVar[tuple[Option, ...]] = (
         Option(
@@ -250,6 +253,7 @@ class Strategy:
 
     def __init__(self, *, backend=None, **options):
         self.config = self.parse_options(options)
+        hot_path_status()  # a bad CUPY_MEMSTRAT_HOT_PATH is refused here, before anything is made
         if backend is None:
             backend = _cuda.get_backend()
         elif isinstance(backend, type) or not all(hasattr(backend, a) for a in _BACKEND_API):

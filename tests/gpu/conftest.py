@@ -2,13 +2,26 @@
 
 import pytest
 
+import re
+
+
+def _short_reason(exc: BaseException) -> str:
+    """One short line for the skip summary (pytest -ra prints it once per file)."""
+    text = str(exc)
+    code = re.search(r"cudaError\w+", text)
+    why = code.group(0) if code else text.split(";")[0].split(" (")[0][:80]
+    if "/dev/nvidiactl is missing" in text:
+        why += ", no NVIDIA driver on this machine"
+    return f"needs a CUDA device ({why})"
+
+
 try:
     from cupy_memstrat.cuda import get_backend
 
     get_backend()
     _NO_GPU = None
 except Exception as exc:  # CuPy missing, no driver, no device
-    _NO_GPU = f"needs a CUDA device: {exc}"
+    _NO_GPU = _short_reason(exc)
 
 
 def pytest_collection_modifyitems(config, items):
