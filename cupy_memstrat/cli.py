@@ -222,7 +222,8 @@ def _cmd_run(args) -> int:
                 if st.n_allocs:
                     print(f"cupy_memstrat: {spec.strip()} on device {d}: peak in use "
                           f"{format_size(st.peak_bytes_in_use)}, peak reserved {format_size(st.peak_bytes_reserved)}, "
-                          f"{st.n_allocs} allocations, {st.n_live} live at exit", file=sys.stderr)
+                          f"{st.n_allocs} allocation{'' if st.n_allocs == 1 else 's'}, {st.n_live} live at exit",
+                          file=sys.stderr)
         del script_globals
     if code is None or isinstance(code, int):
         return code or 0
@@ -269,7 +270,9 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m cupy_memstrat", description="GPU memory strategies for CuPy."
+        # the console script calls itself cupy-memstrat; python -m cupy_memstrat otherwise
+        prog="cupy-memstrat" if os.path.basename(sys.argv[0] or "") == "cupy-memstrat" else "python -m cupy_memstrat",
+        description="GPU memory strategies for CuPy."
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     info = sub.add_parser("info", help="devices, versions, memory and feature support")

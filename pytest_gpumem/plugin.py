@@ -64,6 +64,7 @@ class _State:
         self.records: list[dict] = []
         self.machine: dict | None = None
         self.machine_sent = False
+        self.remote_strategy = None  # under pytest-xdist: the workers' strategy, from their first record
         self.n_unmeasured = 0  # tests that asked for measuring while it was off
         self._expected_allocator = None  # CuPy's allocator as the plugin installed or adopted it
         self.allocator_changes: list[str] = []
@@ -279,6 +280,7 @@ class _State:
             r.user_properties.extend(props)
         if not self.machine_sent:
             rec["machine"] = meter.machine()
+            rec["strategy_info"] = self._strategy_info()  # the controller under xdist installs none
             self.machine_sent = True
         reports[-1].gpumem = rec
 
@@ -296,11 +298,16 @@ class _State:
             pass  # a strategy of the test's own with on_finding="raise": its findings are recorded too
         return _checks.findings(since=w.check_start)
 
+    def _strategy_info(self):
+        if self.strategy is None:
+            return None
+        return {"name": self.strategy.name,
+                "options": {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+                            for k, v in self.strategy.config.items()}}
+
     def info(self) -> dict:
         s = self.settings
-        strategy = None
-        if self.strategy is not None:
-            strategy = {"name": self.strategy.name, "options": dict(self.strategy.config)}
+        strategy = self._strategy_info() or self.remote_strategy
         return {
             "strategy": strategy,
             "strategy_spec": s.strategy,
@@ -569,6 +576,9 @@ class _Recorder:
         machine = rec.pop("machine", None)
         if machine and self.state.machine is None:
             self.state.machine = machine
+        strategy = rec.pop("strategy_info", None)
+        if strategy and self.state.remote_strategy is None:
+            self.state.remote_strategy = strategy
         self.state.records.append(rec)
 
 
@@ -598,7 +608,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     recs = state.records
     top = state.settings.top
     if recs and top:
-        name = state.info()["strategy"]["name"] if state.strategy is not None else None
+        name = (state.info()["strategy"] or {}).get("name")
         title = f"gpumem: top {min(top, len(recs))} of {len(recs)} measured tests by peak GPU memory"
         if name:
             title += f" (strategy {name})"

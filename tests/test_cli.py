@@ -33,6 +33,18 @@ def test_info_reports_a_fake_device():
     assert "device: one cudaMalloc per allocation" in text
 
 
+def test_the_console_script_calls_itself_by_its_name():
+    import shutil
+
+    exe = shutil.which("cupy-memstrat")
+    if exe is None:
+        pytest.skip("the cupy-memstrat console script is not on PATH")
+    r = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("usage: cupy-memstrat ")
+    r = subprocess.run([sys.executable, "-m", "cupy_memstrat", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.stdout.startswith("usage: python -m cupy_memstrat ")
+
+
 def test_info_says_which_hot_path_each_strategy_runs(monkeypatch):
     """Issue 16: info said 'allocation hot path: c' while async always runs the Python one."""
     from cupy_memstrat.strategies import base
@@ -122,7 +134,7 @@ def test_run_executes_a_script_under_a_strategy_with_its_arguments(tmp_path):
     assert r.returncode == 3, r.stderr  # the script's exit status
     assert "strategy managed on_alloc argv ['job.py', '3', '--flag']" in r.stdout
     assert "cupy_memstrat: managed:prefetch=on_alloc on device 0: peak in use 4.0 KiB, peak reserved 2.0 MiB, " \
-           "1 allocations" in r.stderr
+           "1 allocation, 0 live at exit" in r.stderr
     r = _run_fake(tmp_path, "run", "-q", "job.py", env={"CUPY_MEMSTRAT": "device"})
     assert r.returncode == 0 and "strategy device" in r.stdout and r.stderr == ""
 

@@ -659,10 +659,11 @@ def test_xdist_workers_measure_and_the_controller_merges(pytester, monkeypatch):
                                       "--gpumem-json=out.json", "--junitxml=junit.xml")
     r.assert_outcomes(passed=6, failed=2)
     r.stdout.fnmatch_lines(["gpumem: measuring every test on each pytest-xdist worker; leaks: fail (--gpumem-leaks)",
-                            "*gpumem: top 8 of 8 measured tests by peak GPU memory*",
+                            "*gpumem: top 8 of 8 measured tests by peak GPU memory (strategy pool)*",
                             "*6.0 MiB*::test_5 (gw*)"])
     assert "M" in r.stdout.str()
     doc = json.loads((pytester.path / "out.json").read_text())
+    assert doc["strategy"] == {"name": "pool", "options": {"track_origins": False}}  # was null under xdist
     tests = {t["nodeid"].split("::")[1]: t for t in doc["tests"]}
     assert len(tests) == 8 and {t["worker"] for t in tests.values()} <= {"gw0", "gw1"}
     assert {tests[f"test_{i}"]["peak_bytes"] for i in range(6)} == {(i + 1) << 20 for i in range(6)}
@@ -674,6 +675,20 @@ def test_xdist_workers_measure_and_the_controller_merges(pytester, monkeypatch):
 
 
 # -- a test that replaces CuPy's allocator ------------------------------------------------------
+
+
+def test_xdist_names_the_strategy_given_on_the_command_line(pytester, monkeypatch):
+    pytest.importorskip("xdist")
+    for k in list(os.environ):
+        if k.startswith("GPUMEM"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
+    pytester.makepyfile(HEAD + "def test_a():\n    x = alloc(MiB)\n")
+    r = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", "--gpumem", "--gpumem-strategy=device",
+                                      "--gpumem-json=out.json")
+    r.assert_outcomes(passed=1)
+    r.stdout.fnmatch_lines(["*measured tests by peak GPU memory (strategy device)*"])
+    assert json.loads((pytester.path / "out.json").read_text())["strategy"]["name"] == "device"
 
 
 def test_a_strategy_installed_by_a_test_is_measured_through_and_said_once(pytester, fake_env):
