@@ -64,6 +64,7 @@ class Window:
     check_start: int = 0  # cupy_memstrat.checks.mark() when the call began
     history: object = None  # cupy_memstrat.history.History of the call (--gpumem-history)
     history_error: str | None = None  # why the call could not be recorded
+    strategy_name: str | None = None  # set when measured through another strategy than the session's
 
 
 class Meter:

@@ -114,15 +114,25 @@ class _State:
         """Before a measured call: if a test or fixture replaced CuPy's
         allocator (``cupy_memstrat.use``, ``cupy.cuda.set_allocator``), measure
         through the new strategy, or, if it is not a cupy_memstrat strategy,
-        stop measuring; either way say so once."""
+        stop measuring; either way say so once.
+
+        Returns ``(meter, strategy)`` for this call: a test that runs inside
+        ``cupy_memstrat.using()`` (the ``gpumem_strategy`` fixture does that)
+        is measured through that strategy, for this test only and without a
+        warning; the session's strategy stays as it is."""
         import cupy
 
+        local = getattr(cupy.cuda.memory, "_get_thread_local_allocator", lambda: None)()
+        if local is not None:
+            new = cupy_memstrat.current()
+            if new is not None and new is not self.strategy:
+                return Meter(new), new
         if cupy.cuda.get_allocator() is self._expected_allocator:
-            return
+            return self.meter, self.strategy
         new = cupy_memstrat.current()
         if new is self.strategy:  # the same strategy, installed again
             self._expected_allocator = cupy.cuda.get_allocator()
-            return
+            return self.meter, self.strategy
         if new is not None:
             msg = (f"CuPy's allocator changed before {item.nodeid} to strategy {new.name!r} "
                    f"(cupy_memstrat.use in a test or fixture); gpumem measures through it from here on")
@@ -137,6 +147,7 @@ class _State:
             self.strategy = self.meter = None
         self.allocator_changes.append(msg)
         warnings.warn(GpuMemAllocatorWarning(msg), stacklevel=1)
+        return self.meter, self.strategy
 
     def restore(self) -> None:
         if self.installed:
@@ -157,7 +168,7 @@ class _State:
 
     # -- verdicts ------------------------------------------------------------------------
     def verdict(self, item, plan, w, reports) -> None:
-        meter = self.meter
+        meter = item.stash.get(_METER, None) or self.meter  # the test's own under using()
         n = meter.n_devices
         call = next((r for r in reports if r.when == "call"), None)
         not_passed = call is None or not call.passed or any(r.failed for r in reports) or hasattr(call, "wasxfail")
@@ -274,6 +285,8 @@ class _State:
             rec["history"] = w.history.as_dict()  # the timeline of a failing test (--gpumem-history)
         if w.history_error is not None:
             rec["history_error"] = f"not recorded: {w.history_error}"
+        if w.strategy_name is not None:
+            rec["strategy"] = w.strategy_name  # measured through the test's own strategy (using())
         props = _report.user_properties(rec)
         item.user_properties.extend(props)
         for r in reports:
@@ -354,6 +367,7 @@ def _is_xdist_controller(config) -> bool:
 _KEY = pytest.StashKey[_State]()
 _PLAN = pytest.StashKey[object]()
 _WINDOW = pytest.StashKey[object]()
+_METER = pytest.StashKey[object]()  # the meter of a test measured through its own strategy
 
 
 def _state(config) -> _State | None:
@@ -510,9 +524,11 @@ def pytest_runtest_call(item):
             except TypeError:  # a pytest without that argument
                 exc = pytest.skip.Exception(msg)
             raise exc
+    meter = strategy = None
     if state.meter is not None:
-        state.follow_allocator(item)
-    meter = state.meter
+        meter, strategy = state.follow_allocator(item)
+    if meter is not state.meter:
+        item.stash[_METER] = meter
     if meter is None:
         state.n_unmeasured += 1
         return (yield)
@@ -523,16 +539,18 @@ def pytest_runtest_call(item):
         except cupy_memstrat.FaultCountersUnavailable:
             counter = None
     w = meter.open(snapshot=True)
+    if strategy is not state.strategy:
+        w.strategy_name = strategy.name  # named on the test's row
     item.stash[_WINDOW] = w
     w.check_start = _checks.mark()
     if state.settings.history:
         try:
-            w.history = cupy_memstrat.record_history(strategy=state.strategy)
+            w.history = cupy_memstrat.record_history(strategy=strategy)
         except RuntimeError as exc:  # inside cupy_memstrat.using() (the gpumem_strategy fixture): not recordable
             w.history_error = str(exc)
     with contextlib.ExitStack() as scope:
         if state.settings.stream_policy == "fresh":
-            scope.enter_context(_checks.fresh_stream(backend=state.strategy.backend))
+            scope.enter_context(_checks.fresh_stream(backend=strategy.backend))
         if counter is not None:
             counter.start()
         try:

@@ -57,6 +57,8 @@ def table_lines(records: list[dict], top: int) -> list[str]:
                 cells += [f"{'-':>10}"] * 3
         tail = f"  [{r['verdict']}]" if r.get("verdict") else ""
         where = f" ({r['worker']})" if r.get("worker") else ""
+        if r.get("strategy"):
+            where += f" [strategy {r['strategy']}]"
         lines.append("  ".join(cells + [r["nodeid"] + where + tail]))
     return lines
 

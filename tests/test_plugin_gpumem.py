@@ -515,6 +515,28 @@ def test_chosen(gpumem_strategy):
                             "*strategy 'nope' cannot be created here: unknown strategy 'nope'*"])
 
 
+def test_a_test_under_the_fixture_is_measured_through_its_own_strategy_without_a_warning(pytester, fake_env):
+    """Issue 16: the fixture made the plugin warn (GpuMemAllocatorWarning) for its own test and the
+    plain test after it, failing both under -W error, and the title named the fixture's strategy."""
+    pytester.makepyfile(HEAD + """
+@pytest.mark.parametrize("gpumem_strategy", ["device"], indirect=True)
+def test_fixture(gpumem_strategy):
+    x = alloc(3 * MiB)
+def test_plain_after():
+    x = alloc(MiB)
+""")
+    r = run(pytester, "--gpumem", "--gpumem-json=out.json", "-W", "error")
+    r.assert_outcomes(passed=2)
+    out = r.stdout.str()
+    assert "GpuMemAllocatorWarning" not in out and "allocator changed" not in out
+    r.stdout.fnmatch_lines(["*measured tests by peak GPU memory (strategy pool)*",
+                            "*3.0 MiB*::test_fixture[[]device[]] [[]strategy device[]]*"])
+    tests = {t["nodeid"].split("::")[1]: t for t in json.loads((pytester.path / "out.json").read_text())["tests"]}
+    assert tests["test_fixture[device]"]["strategy"] == "device"
+    assert tests["test_fixture[device]"]["peak_bytes"] == 3 << 20
+    assert "strategy" not in tests["test_plain_after"] and tests["test_plain_after"]["peak_bytes"] == 1 << 20
+
+
 def test_an_installed_strategy_is_measured_through(pytester, fake_env):
     pytester.makeconftest("import cupy_memstrat\ncupy_memstrat.use('device')\n")
     pytester.makepyfile(HEAD + "@pytest.mark.limit_gpu_memory('1KiB')\ndef test_a():\n    x = alloc(MiB)\n")
