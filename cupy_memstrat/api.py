@@ -26,7 +26,7 @@ from .errors import CuPyNotInstalledError, ManagedMemoryWarning, NoStrategyError
 from .options import parse_spec
 from .registry import get_registry
 from .stats import Allocation, Stats
-from .strategies.base import Strategy
+from .strategies.base import Strategy, check_stream
 
 __all__ = [
     "create",
@@ -183,8 +183,8 @@ def use(strategy: str | Strategy, **options) -> Strategy:
     if thread_local() is not None:
         raise RuntimeError(_USE_INSIDE_USING)
     s = create(strategy, **options)
-    if s is strategy:
-        s._keep()  # installed again: not let go when its arrays are gone
+    if isinstance(strategy, Strategy):
+        strategy._keep()  # installed again (maybe inside checks): not let go when its arrays are gone
     try:
         cuda.set_allocator(s.cupy_allocator())
     except ValueError as exc:  # CuPy's own check, should the one above miss
@@ -252,8 +252,8 @@ def using(strategy: str | Strategy, **options) -> Iterator[Strategy]:
     """
     cuda = _cupy_cuda()
     s = create(strategy, **options)
-    if s is strategy:
-        s._keep()  # in use again: not let go when its arrays are gone
+    if isinstance(strategy, Strategy):
+        strategy._keep()  # in use again (maybe inside checks): not let go when its arrays are gone
     try:
         with cuda.using_allocator(s.cupy_allocator()):
             yield s
@@ -602,10 +602,7 @@ def record_stream(array, stream) -> bool:
             the H200), so that stays the caller's duty, as CUDA requires.
     """
     mem, device = _memory_of(array)
-    if isinstance(stream, (bool, int, float, str)) or not isinstance(getattr(stream, "ptr", None), int):
-        raise TypeError(
-            f"stream: expected a cupy.cuda.Stream (or ExternalStream), got {type(stream).__name__} {stream!r}"
-        )
+    check_stream(stream)
     handle = stream.ptr
     sdev = getattr(stream, "device_id", -1)
     if not isinstance(sdev, int) or isinstance(sdev, bool):
@@ -617,8 +614,8 @@ def record_stream(array, stream) -> bool:
             f"stream: {stream!r} is on device {sdev}, but the array's memory is on device {device}; "
             "record a stream of the array's device"
         )
-    if not mem.ptr:
-        return False
+    if not mem.ptr or getattr(array, "size", 1) == 0:
+        return False  # nothing allocated, or an empty view: no kernel reads it
     owner = _owner_of_block(mem.ptr, device)
     if owner is None:
         return False

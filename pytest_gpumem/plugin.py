@@ -390,8 +390,17 @@ def pytest_configure(config):
     config.pluginmanager.register(_Recorder(state), "gpumem-recorder")
     if state.controller:
         return  # the workers measure; the controller merges their reports
-    if settings.measuring or settings.strategy:
+    if settings.measuring or settings.strategy or _fake_backend_asked():
+        # (with CUPY_MEMSTRAT_BACKEND=fake, CuPy must allocate through a strategy on the simulated
+        # GPU in every test, whether or not a neighbour asks for measuring: CuPy's own allocator
+        # would call CUDA)
         state.activate()
+
+
+def _fake_backend_asked() -> bool:
+    import os
+
+    return os.environ.get("CUPY_MEMSTRAT_BACKEND", "").strip().lower().startswith("fake")
 
 
 def pytest_unconfigure(config):

@@ -537,6 +537,14 @@ def test_plain_after():
     assert "strategy" not in tests["test_plain_after"] and tests["test_plain_after"]["peak_bytes"] == 1 << 20
 
 
+def test_the_fake_backend_works_without_any_gpumem_option_or_marker(pytester, fake_env):
+    """Issue 16: CUPY_MEMSTRAT_BACKEND=fake pytest test_x.py failed with a raw CUDARuntimeError
+    unless another collected test had a marker."""
+    pytester.makepyfile(HEAD + "def test_plain():\n    assert alloc(MiB).nbytes == MiB\n")
+    r = run(pytester)
+    r.assert_outcomes(passed=1)
+
+
 def test_an_installed_strategy_is_measured_through(pytester, fake_env):
     pytester.makeconftest("import cupy_memstrat\ncupy_memstrat.use('device')\n")
     pytester.makepyfile(HEAD + "@pytest.mark.limit_gpu_memory('1KiB')\ndef test_a():\n    x = alloc(MiB)\n")

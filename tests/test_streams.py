@@ -409,3 +409,115 @@ def test_async_keeps_its_reserved_peak_after_close(fake):
     assert peak >= 64 * MiB and s.stats(0).peak_bytes_reserved == peak
     s.reset_peak(0)
     assert s.stats(0).peak_bytes_reserved == 0
+
+
+# -- from an adversarial review ----------------------------------------------------------------------
+
+def test_a_closed_strategy_installed_again_is_reachable_again(restore_cupy_allocator, hot_path):
+    """use(s) after using() had closed s left it out of reach of record_stream and of other
+    strategies' out-of-memory recovery."""
+    cupy = restore_cupy_allocator
+    fake = FakeBackend(memory="1GiB")
+    with cupy_memstrat.using("managed", backend=fake) as s:
+        del_me = cupy.empty(10)
+        del del_me
+    from cupy_memstrat.strategies import base
+
+    assert s not in base._pinned
+    cupy_memstrat.use(s)
+    x = cupy.empty(1 << 18, dtype=cupy.float32)
+    cupy_memstrat.use("device", backend=fake)
+    assert s in base._pinned  # reachable again: record_stream finds it, recovery trims it
+    B = fake.stream()
+    assert s.record_stream(x.data.mem.ptr, B) is True
+
+
+def test_using_a_strategy_object_with_checks_keeps_the_object_open(restore_cupy_allocator, fake):
+    cupy = restore_cupy_allocator
+    with cupy_memstrat.using("async", backend=fake) as s:
+        x = cupy.empty(MiB, dtype=cupy.uint8)
+    with cupy_memstrat.using(s, check="streams"):
+        pass
+    del x
+    assert s.pool_stats(0).handle != 0  # taken back by the caller: not let go
+    s.close()
+
+
+def test_flush_gives_back_only_what_was_pending_before_its_synchronisation(fake):
+    """A block another thread defers while trim() synchronises waits for its own events."""
+    s = cupy_memstrat.create("managed", backend=fake)
+    B = fake.stream()
+    p1, p2 = s.raw_malloc(MiB), s.raw_malloc(MiB)
+    for p in (p1, p2):
+        s.record_stream(p, B)
+    fake.launch(B)
+    s.raw_free(p1)
+    sync = fake.device_synchronize
+
+    def sync_then_other_thread_frees(device):
+        sync(device)
+        fake.launch(B)  # more work on B, then p2 freed, after the synchronisation
+        s.raw_free(p2)
+
+    fake.device_synchronize = sync_then_other_thread_frees
+    s.trim()
+    fake.device_synchronize = sync
+    assert [e[1] for e in s._pending] == [p2]  # still waiting for B
+    assert s.raw_malloc(MiB) not in (p2,)
+
+
+@pytest.mark.parametrize("bad, err", [(None, TypeError), ("abc", TypeError), (1.5, TypeError), (True, TypeError)])
+def test_strategy_record_stream_refuses_a_bad_pointer(fake, bad, err):
+    s = cupy_memstrat.create("managed", backend=fake)
+    with pytest.raises(err, match="ptr: expected an int pointer"):
+        s.record_stream(bad, fake.stream())
+    assert s._recorded == {}
+
+
+class _Handle:
+    def __init__(self, ptr, device_id=0):
+        self.ptr, self.device_id = ptr, device_id
+
+
+@pytest.mark.parametrize("stream, err, match", [
+    (None, TypeError, "expected a cupy.cuda.Stream"),
+    (7, TypeError, "expected a cupy.cuda.Stream"),
+    ("B", TypeError, "expected a cupy.cuda.Stream"),
+    (_Handle(True), TypeError, r"whose \.ptr is an int handle"),
+    (_Handle(-7), ValueError, "which is no cudaStream_t"),
+    (_Handle(1 << 70), ValueError, "which is no cudaStream_t"),
+])
+def test_both_record_streams_refuse_a_bad_stream(restore_cupy_allocator, fake, stream, err, match):
+    cupy = restore_cupy_allocator
+    s = cupy_memstrat.use("managed", backend=fake)
+    x = cupy.empty(1000, dtype=cupy.float32)
+    with pytest.raises(err, match=match):
+        cupy_memstrat.record_stream(x, stream)
+    with pytest.raises(err, match=match):
+        s.record_stream(x.data.mem.ptr, stream)
+    assert s._recorded == {}
+
+
+def test_strategy_record_stream_refuses_another_devices_or_a_destroyed_stream(fake2):
+    s = cupy_memstrat.create("managed", backend=fake2)
+    p = s.raw_malloc(MiB)
+    with pytest.raises(ValueError, match="is on device 1, but the block"):
+        s.record_stream(p, fake2.stream(1))
+    dead = fake2.stream(0)
+    dead.destroy()
+    with pytest.raises(ValueError, match="was destroyed"):
+        s.record_stream(p, dead)
+    assert s._recorded == {}
+
+
+def test_an_empty_view_records_nothing(restore_cupy_allocator, fake):
+    cupy = restore_cupy_allocator
+    s = cupy_memstrat.use("managed", backend=fake)
+    x = cupy.empty(10, dtype=cupy.float32)
+    assert cupy_memstrat.record_stream(x[5:5], fake.stream()) is False and s._recorded == {}
+
+
+@pytest.mark.parametrize("bad", ["512.9", "1.99", "2.5"])
+def test_device_refuses_a_fractional_granule(bad):
+    with pytest.raises(ValueError, match="granule: expected a whole number of bytes"):
+        cupy_memstrat.validate("device", granule=bad)

@@ -53,7 +53,7 @@ from ..options import Option, as_bool
 from ..sizes import format_size, parse_size
 from ..stats import Allocation, Stats, capture_origin
 
-__all__ = ["Strategy", "check_size", "hot_path_status"]
+__all__ = ["Strategy", "check_size", "check_stream", "hot_path_status"]
 
 try:
     _c_hotpath = importlib.import_module("cupy_memstrat._hotpath")
@@ -479,11 +479,19 @@ class Strategy:
         Raises:
             ValueError: ``ptr`` is not a live allocation of this strategy.
         """
+        check_stream(stream)
+        if isinstance(ptr, bool) or not isinstance(ptr, int):
+            raise TypeError(f"ptr: expected an int pointer, got {type(ptr).__name__} {ptr!r}")
         for d, live in enumerate(self._live):
             if ptr in live:
                 break
         else:
-            raise ValueError(f"{self.name}: 0x{ptr:x} is not the start of a live allocation of this strategy")
+            raise ValueError(f"{self.name}: {ptr:#x} is not the start of a live allocation of this strategy")
+        sdev = getattr(stream, "device_id", -1)
+        if isinstance(sdev, int) and not isinstance(sdev, bool) and sdev >= 0 and sdev != d:
+            raise ValueError(f"stream: {stream!r} is on device {sdev}, but the block at {ptr:#x} is on device {d}")
+        if self.backend.stream_destroyed(stream.ptr):
+            raise ValueError(f"stream: {stream!r} (handle {stream.ptr:#x}) was destroyed")
         if self.free_waits_for_all_streams:
             return False
         handle = stream.ptr
@@ -548,18 +556,19 @@ class Strategy:
             except Exception:  # noqa: BLE001
                 b.clear_last_error()
 
-    def _poll_pending(self, wait: bool = False) -> None:
+    def _poll_pending(self, wait=None) -> None:
         """Give back the pending blocks (freed with recorded streams) whose
         events are done, oldest first, stopping at the first that is not
-        (PyTorch's caching allocator does the same). ``wait``: give back every
-        one (the caller has synchronised the devices)."""
+        (PyTorch's caching allocator does the same). ``wait``: ids of entries
+        to give back without asking their events (the caller synchronised the
+        devices after they were queued)."""
         if not self._poll_lock.acquire(blocking=False):
             return  # another thread is at it (or this one, re-entered from a finaliser)
         try:
             pend, b = self._pending, self.backend
             while pend:
                 events, ptr, size, device = pend[0]
-                if not wait:
+                if not wait or id(pend[0]) not in wait:
                     done = True
                     for dev, ev in events:
                         cur = b.get_device()
@@ -581,14 +590,17 @@ class Strategy:
             self._poll_lock.release()
 
     def _flush_pending(self) -> None:
-        """Synchronise the devices with pending blocks and give them all back
-        (trim, out-of-memory recovery, close)."""
+        """Synchronise the devices with pending blocks and give back those
+        that were pending before the synchronisation (trim, out-of-memory
+        recovery, close); one another thread defers meanwhile waits for its
+        own events."""
         if not self._pending:
             return
-        devices = {p[3] for p in list(self._pending)} | {d for p in list(self._pending) for d, _ in p[0]}
+        before = list(self._pending)
+        devices = {p[3] for p in before} | {d for p in before for d, _ in p[0]}
         for d in sorted(devices):
             self.backend.device_synchronize(d)
-        self._poll_pending(wait=True)
+        self._poll_pending(wait={id(p) for p in before})
 
     def _give_back_block(self, ptr: int, size: int, device: int) -> None:
         """What a free does after the accounting: give the block to the
@@ -664,8 +676,12 @@ class Strategy:
         self._check_empty()
 
     def _keep(self) -> None:
-        """Installed again (use() / using() of this object): stay open."""
+        """Installed again (use() / using() of this object): stay open, and
+        reachable again if it was closed (record_stream, other strategies'
+        out-of-memory recovery)."""
         self._watch[0] = None
+        if not self._pinned:
+            self._pin()
 
     @staticmethod
     def _owner_of_pointer(ptr: int, device: int) -> "Strategy | None":
@@ -1015,6 +1031,25 @@ def _cupy_memory():
             "CuPy is not installed: install a CuPy wheel, e.g. pip install 'cupy-memstrat[cuda13]'"
         ) from exc
     return memory
+
+
+def check_stream(stream) -> None:
+    """A stream object: ``.ptr`` an int handle (``cudaStream_t``) from 0 to 2**64 - 1.
+
+    Raises:
+        TypeError: not a stream object (a raw handle, None, a str...).
+        ValueError: a handle outside that range.
+    """
+    if isinstance(stream, (bool, int, float, str, bytes)) or stream is None:
+        raise TypeError(
+            f"stream: expected a cupy.cuda.Stream (or ExternalStream), got {type(stream).__name__} {stream!r}"
+        )
+    handle = getattr(stream, "ptr", None)
+    if isinstance(handle, bool) or not isinstance(handle, int):
+        raise TypeError(f"stream: expected a stream object whose .ptr is an int handle, got {stream!r} "
+                        f"(.ptr = {handle!r})")
+    if not 0 <= handle < 1 << 64:
+        raise ValueError(f"stream: {stream!r} has the handle {handle}, which is no cudaStream_t")
 
 
 def _free_cupy_pool_blocks(device: int) -> None:

@@ -9,6 +9,8 @@ __all__ = ["DeviceStrategy"]
 
 
 def _as_granule(value, what: str) -> int:
+    if isinstance(value, str) and "." in value:  # "512.9" would be cut to 512 bytes
+        raise ValueError(f"{what}: expected a whole number of bytes (a power of two from 1 to 2 MiB), got {value!r}")
     n = as_size(value, what)
     if isinstance(n, str) or n < 1 or n & (n - 1) or n > 1 << 21:
         raise ValueError(f"{what}: expected a power of two of bytes from 1 to 2 MiB (512: as CuPy's pool), "
