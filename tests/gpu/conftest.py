@@ -53,18 +53,9 @@ def n_devices():
 # The "long kernels" are one block of 256 threads that waits, then walks the
 # whole array: they hold one SM, so work on other streams runs beside them at
 # once (a full grid of waiting blocks would hold every SM and serialise it).
-# SPIN clock cycles are ~50 ms on an H200.
-_KERNELS = r"""
-extern "C" __global__ void slow_copy(const float* x, float* y, int n, long long cycles) {
-    long long t0 = clock64();
-    while (clock64() - t0 < cycles) {}
-    for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = x[i];
-}
-extern "C" __global__ void slow_fill(float* x, int n, float v, long long cycles) {
-    long long t0 = clock64();
-    while (clock64() - t0 < cycles) {}
-    for (int i = threadIdx.x; i < n; i += blockDim.x) x[i] = v;
-}
+# SPIN clock cycles are ~50 ms on an H200. slow_copy and slow_fill are the ones
+# bench streams uses (cupy_memstrat.bench.streams.KERNELS).
+_FILL_N = r"""
 extern "C" __global__ void fill_n(float* x, int n, float v) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = v;
@@ -76,5 +67,7 @@ extern "C" __global__ void fill_n(float* x, int n, float v) {
 def k(cp):
     """The long kernels: ``slow_copy(x, y, n, cycles)``, ``slow_fill(x, n, v,
     cycles)`` (one block; wait, then walk the array) and ``fill_n``."""
-    m = cp.RawModule(code=_KERNELS)
+    from cupy_memstrat.bench.streams import KERNELS
+
+    m = cp.RawModule(code=KERNELS + _FILL_N)
     return {name: m.get_function(name) for name in ("slow_copy", "slow_fill", "fill_n")}
