@@ -435,3 +435,17 @@ def test_the_cache_limit_is_exact(fake):
     s = cupy_memstrat.create("async", backend=fake, cache=1)  # less than one 512-byte block
     s.raw_free(s.raw_malloc(100))
     assert s.pool_stats(0).cached_bytes == 0
+
+
+def test_close_with_a_live_block_destroys_the_pool_at_its_last_free(fake):
+    """cudaMemPoolDestroy is not called on a pool still in use (a process that did so died with
+    SIGFPE in a later cudaMallocFromPoolAsync on the H200, docs/streams.md)."""
+    s = cupy_memstrat.create("async", backend=fake)
+    p, q = s.raw_malloc(MiB), s.raw_malloc(MiB)
+    handle = s.pool_stats(0).handle
+    s.close()
+    assert s.pool_stats(0).handle == handle and not fake._pool(handle).destroyed  # still in use
+    s.raw_free(p)
+    assert s.pool_stats(0).handle == handle
+    s.raw_free(q)  # the last one: now it goes
+    assert s.pool_stats(0).handle == 0 and fake.used_bytes(0) == 0

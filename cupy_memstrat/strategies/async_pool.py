@@ -564,21 +564,30 @@ class AsyncPoolStrategy(Strategy):
 
     def close(self) -> None:
         """As :meth:`Strategy.close`; also turns the cache off, gives the
-        cached blocks back, and destroys each own pool. A pool that still has
-        live allocations is released by CUDA once the last of them is freed
-        (``cudaMemPoolDestroy``); those frees still work and are counted."""
+        cached blocks back, and destroys each own pool that has no live
+        allocation. A pool that still has some is destroyed when the last of
+        them is freed (those frees still work and are counted), not handed to
+        ``cudaMemPoolDestroy`` while in use: a process that had done so died
+        with SIGFPE inside a later ``cudaMallocFromPoolAsync`` on the H200,
+        three times in about twenty runs (docs/streams.md)."""
         super().close()
+        waiting = False
         with self._pool_lock:
             for d, pool in enumerate(self._pools):
                 self._cache_limit[d] = 0
                 self._release_cached(d)
                 if pool and self._owned[d]:
+                    if self._live[d]:
+                        waiting = True  # destroyed by the close() its last free calls
+                        continue
                     self._peak_reserved[d] = max(self._peak_reserved[d],
                                                  self._pool_attr(d, _cuda.POOL_ATTR_RESERVED_MEM_HIGH))
                     self.backend.device_synchronize(d)
                     self.backend.pool_destroy(pool)
                     self._pools[d] = 0
                     self._owned[d] = False
+        if waiting:
+            self._watch[0] = self._check_empty
 
 
 def _resolve(value, total: int, device: int, what: str, allow_max: bool = False):
