@@ -436,8 +436,8 @@ def _cuda_call(what: str, ptr: int, size: int, backend, fn, *args, stream=None, 
 def prefetch(x, to="device", *, nbytes: int | None = None, stream=None, backend=None) -> None:
     """Move managed memory to a device or to the host ahead of use
     (``cudaMemPrefetchAsync``): the pages migrate in one transfer per 2 MiB
-    block instead of one page fault per 64 KiB (FACTS.md: a 1 GiB first GPU
-    pass took 120-200 ms fault-driven, 24 ms + 1.4 ms prefetched, on an H200).
+    block instead of one page fault per 64 KiB (docs/managed.md: a 1 GiB first GPU
+    pass took 134 ms fault-driven, 23.4 ms with the move prefetched, on an H200).
 
     Asynchronous: the move is queued on ``stream`` and later work on that
     stream sees the memory in place. The host is a valid target also on
@@ -496,7 +496,7 @@ def advise(
         x: as :func:`prefetch`.
         preferred_location: ``"device"`` (CuPy's current device), ``"host"``,
             a device ordinal, or ``None`` to unset it. Alone it does not avoid
-            page faults (FACTS.md, H200); together with :func:`prefetch` it
+            page faults (docs/claims.md, H200); together with :func:`prefetch` it
             keeps pages where they were sent.
         accessed_by: a location or list of them that get a mapping to the
             range (``cudaMemAdviseSetAccessedBy``).

@@ -267,7 +267,7 @@ class RealBackend:
     def mem_advise(self, ptr: int, size: int, advice: int, location: int) -> None:
         """``cudaMemAdvise`` with a ``cudaMemLocation`` (through cuda.bindings:
         CuPy 14's ``memAdvise`` takes an int device and on CUDA 13 cannot name
-        the host, FACTS.md)."""
+        the host: it always builds a device location)."""
         cudart = _bindings_runtime()
         loc = self._location(cudart, location)
         advise = getattr(cudart, "cudaMemAdvise_v2", None)  # CUDA 12 bindings

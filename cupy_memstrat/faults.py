@@ -24,7 +24,7 @@ Sources, best first (``source=None`` takes the first that opens):
     NVIDIA's open-gpu-kernel-modules, ``kernel-open/nvidia-uvm/``
     (``uvm_ioctl.h``, ``uvm_linux_ioctl.h``, ``uvm_types.h``, ``uvm_tools.c``,
     ``uvm_api.h``; tags 515.43.04 to 595.45.04); verified on the H200
-    machine (shared/FACTS.md, "Counting page faults").
+    machine (docs/faults.md).
 ``"cupti"``
     CUPTI's unified-memory activity records, through ``cupti-python``
     (``pip install 'cupy-memstrat[cupti]'``). Lower bounds only
@@ -35,7 +35,7 @@ Sources, best first (``source=None`` takes the first that opens):
     fault-driven kernels run ~2x slower), and each read costs a flush
     (11-15 ms). Only one CUPTI
     user per process (R580 driver): a profiler attached to the process
-    makes it unavailable. FACTS.md.
+    makes it unavailable. docs/faults.md.
 ``"fake"``
     Chosen when the ``backend`` passed has ``uvm_counters()``
     (:class:`cupy_memstrat.testing.FakeBackend`): the simulator's counters,
@@ -374,7 +374,7 @@ def open_driver_counters(
     opener=os.open,
 ) -> DriverCounters:
     """Open the UVM driver's counters for this process (the steps of
-    FACTS.md, "Counting page faults", checked against uvm_tools.c).
+    docs/faults.md, checked against uvm_tools.c).
 
     1. open ``tools_path`` read-write;
     2. ``init_cuda()`` (so that CUDA has opened ``uvm_path``);
@@ -530,7 +530,7 @@ class CuptiCounters:
             elif ck == self._cpu:
                 c += 1  # value is the faulting instruction's address: count, never sum
             elif ck == self._gpu:
-                g += 1  # one record per fault group (FACTS.md)
+                g += 1  # one record per fault group (docs/faults.md)
         with self._lock:
             t = self._totals
             t[0] += g
@@ -606,7 +606,7 @@ def _import_cupti():
 def open_cupti_counters(*, init_cuda=None, cupti=None) -> CuptiCounters:
     """Set CUPTI up for unified-memory counters: import ``cupti.cupti``,
     initialise CUDA (CUPTI refuses the activity kind before the driver is
-    initialised: ``ERROR_NOT_READY``, FACTS.md), register the buffer
+    initialised: ``ERROR_NOT_READY``, docs/faults.md), register the buffer
     callbacks, configure the four counters (HtoD, DtoH, CPU page faults, GPU
     page faults; process scope, all devices), and check that the activity
     kind can be enabled. ``cupti`` is a seam for tests.
@@ -784,7 +784,7 @@ class FaultCounts:
         bytes_dtoh: bytes migrated device -> host (faults, prefetches, evictions).
         source: ``"driver"``, ``"cupti"`` or ``"fake"``.
         exact: ``True`` for driver and fake counts; ``False`` for CUPTI,
-            whose counts are lower bounds (it drops records, FACTS.md).
+            whose counts are lower bounds (it drops records, docs/faults.md).
     """
 
     gpu_faults: int
@@ -857,7 +857,7 @@ class FaultCounter:
 
     Costs (CPU time beyond the device synchronisations): driver and fake
     sources, a few microseconds per start/stop; CUPTI, a flush per start and
-    stop (11-15 ms each, FACTS.md). A counter object is not thread-safe; use
+    stop (11-15 ms each, docs/faults.md). A counter object is not thread-safe; use
     one per thread.
     """
 

@@ -1,7 +1,8 @@
 """A fake CUDA backend for machines without a GPU.
 
 :class:`FakeBackend` simulates the CUDA behaviour that cupy_memstrat relies on,
-as measured on the H200 machine (``shared/FACTS.md``) or documented by CUDA.
+as measured on the H200 machine (docs/claims.md, docs/async.md, docs/managed.md) or
+documented by CUDA.
 It is a simulator, not a mock: it keeps per-device capacities, a current
 device, live allocations and CUDA's sticky last error, and it fails the way
 CUDA fails. Third-party strategy authors can test against it too::
@@ -16,7 +17,7 @@ What it simulates (``cudaMalloc`` path):
   (CUDA's documented minimum for ``cudaMalloc``) and unique per device.
 * A request beyond the device's free memory fails with
   ``cudaErrorMemoryAllocation`` *and* leaves it as the last error until
-  ``clear_last_error()`` (FACTS.md: sticky OOM error).
+  ``clear_last_error()`` (measured on the H200: a sticky OOM error).
 * ``free`` of an unknown or already-freed pointer fails with
   ``cudaErrorInvalidValue`` (and sets the last error); ``free(0)`` is a no-op.
 * ``free`` finds the owning device from the pointer, whatever device is current.
@@ -29,7 +30,7 @@ Streams (CuPy's current stream, per thread and device):
 * Work on a destroyed handle fails with ``cudaErrorInvalidResourceHandle``
   (real CUDA gives undefined behaviour: the fake makes it visible).
 
-Stream-ordered pools (``cudaMallocFromPoolAsync`` path, FACTS.md):
+Stream-ordered pools (``cudaMallocFromPoolAsync`` path, docs/async.md):
 
 * Each device has a default pool (also its current pool until
   :meth:`FakeBackend.device_set_pool`); :meth:`FakeBackend.pool_create` makes
@@ -46,7 +47,7 @@ Stream-ordered pools (``cudaMallocFromPoolAsync`` path, FACTS.md):
 * Attributes: release threshold, reserved and used current/high; a high can
   be reset by setting it to 0.
 
-Managed memory (``cudaMallocManaged`` path, FACTS.md):
+Managed memory (``cudaMallocManaged`` path, docs/managed.md):
 
 * ``malloc_managed`` returns 2 MiB-aligned pointers (as measured on the H200)
   and takes no device memory until pages are populated there.
@@ -64,7 +65,7 @@ Managed memory (``cudaMallocManaged`` path, FACTS.md):
   to the host, as the driver does.
 * ``mem_advise`` validates its arguments and records the advice per range
   (:meth:`FakeBackend.advice`); it does not change the fault simulation
-  (FACTS.md: a preferred location alone does not avoid faults).
+  (docs/claims.md: a preferred location alone does not avoid faults).
 * :meth:`FakeBackend.uvm_counters` gives the cumulative counters that the
   driver's ``/dev/nvidia-uvm-tools`` interface reports.
 
@@ -97,7 +98,7 @@ from .sizes import parse_size
 __all__ = ["FakeBackend", "FakeCUDAError", "FakeStream"]
 
 _ALIGN = 256
-_POOL_GRANULE = 32 << 20  # a pool reserves device memory in 32 MiB steps (FACTS.md)
+_POOL_GRANULE = 32 << 20  # a pool reserves device memory in 32 MiB steps (docs/claims.md)
 _UINT64_MAX = (1 << 64) - 1
 
 
@@ -106,7 +107,7 @@ def _round_up(n: int, step: int) -> int:
 _DEVICE_STRIDE = 1 << 40  # each fake device's addresses live in their own TiB
 _MANAGED_BASE = 1 << 46  # managed memory lives in its own range, 2 MiB aligned
 _MANAGED_ALIGN = 2 << 20
-_PAGE = 64 << 10  # the driver migrates managed memory in 64 KiB pages (FACTS.md)
+_PAGE = 64 << 10  # the driver migrates managed memory in 64 KiB pages (docs/claims.md)
 _UNPOPULATED, _HOST_RES = -2, -1  # page residency codes; >= 0: a device
 
 

@@ -49,7 +49,7 @@ def require_real_gpu():
 def python_floor_allocator(cupy):
     """A ``PythonFunctionAllocator`` over the least a Python allocator can do:
     a free list per 512-byte size and a pointer -> size dict, no statistics
-    (the baseline FACTS.md measured). Blocks come from ``cudaMalloc``. The
+    (the baseline docs/benchmarks.md measures). Blocks come from ``cudaMalloc``. The
     floor under which no Python-level strategy can go."""
     rt = cupy.cuda.runtime
     free_lists: dict[int, list[int]] = {}

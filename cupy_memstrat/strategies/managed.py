@@ -18,7 +18,7 @@ from .base import _FOLD_AT, _SIZE_T_LIMIT, Strategy, _c_accounting, _warn, _warn
 __all__ = ["ManagedStrategy", "ManagedStats", "CHUNK_BYTES"]
 
 #: A chunk: the unit in which the strategy takes managed memory from CUDA,
-#: the size of the driver's VA blocks (FACTS.md: cudaMallocManaged returned
+#: the size of the driver's VA blocks (docs/claims.md: cudaMallocManaged returned
 #: 2 MiB-aligned pointers; ranges off a 2 MiB boundary were ~35% slower).
 CHUNK_BYTES = 2 << 20
 _CHUNK_MASK = -CHUNK_BYTES
@@ -140,7 +140,7 @@ class ManagedStrategy(Strategy):
     :func:`cupy_memstrat.trim`) returns unused chunks to CUDA. ``Stats``:
     in use counts bytes as requested; reserved counts whole chunks.
 
-    Note that chunking alone does not reduce page faults (FACTS.md: 512 separate
+    Note that chunking alone does not reduce page faults (docs/managed.md: 512 separate
     2 MiB allocations faulted as much as one 1 GiB allocation); advice and
     prefetch do.
 
@@ -148,7 +148,7 @@ class ManagedStrategy(Strategy):
         preferred_location: ``"device"`` (the device current when the chunk
             is made), ``"host"``, a device ordinal, or ``None`` (default):
             ``cudaMemAdviseSetPreferredLocation`` on each new chunk. Alone it
-            does not avoid faults on the H200 (FACTS.md); with prefetch it keeps
+            does not avoid faults on the H200 (docs/claims.md); with prefetch it keeps
             pages where they were sent.
         accessed_by: devices (``"device"``, ordinals) and/or ``"host"`` that
             get a mapping to each chunk (``cudaMemAdviseSetAccessedBy``): a

@@ -5,7 +5,7 @@ CUPTI as a lower bound of the driver.
 Managed memory comes from CuPy directly (``cupy.cuda.malloc_managed``), the
 host side is a NumPy view of the same pointer, and prefetches go through
 ``cuda.bindings`` because CuPy 14's wrapper cannot target the host on CUDA 13
-(FACTS.md). Never more than 64 MiB of managed memory at a time.
+(docs/faults.md). Never more than 64 MiB of managed memory at a time.
 """
 
 import ctypes
