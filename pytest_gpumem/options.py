@@ -188,6 +188,7 @@ class Settings:
 
     values: dict = field(default_factory=dict)
     sources: dict = field(default_factory=dict)
+    texts: dict = field(default_factory=dict)  # each given value as the user wrote it
 
     def __getattr__(self, name):
         try:
@@ -197,6 +198,11 @@ class Settings:
 
     def source(self, name: str) -> str | None:
         return self.sources.get(name)
+
+    def text(self, name: str) -> str | None:
+        """The value of ``name`` as the user wrote it (``"200MB"``), or None
+        for a default."""
+        return self.texts.get(name)
 
     @property
     def measuring(self) -> bool:
@@ -243,7 +249,7 @@ def resolve(config, environ=None) -> Settings:
             out.values[s.name] = s.parse(raw)
         except (ValueError, TypeError) as exc:
             raise pytest.UsageError(f"{label}: {exc}") from None
-        out.sources[s.name] = src
+        out.sources[s.name], out.texts[s.name] = src, raw.strip()
     return out
 
 
@@ -266,6 +272,7 @@ class Plan:
     """What the plugin does for one test."""
 
     budget: Any = None  # None, bytes, or "N%"
+    budget_text: str | None = None  # the size as the user wrote it ("200MB"), or None
     budget_source: str | None = None
     leaks: str = "off"  # off | warn | fail
     leak_limit: int = 0
@@ -319,38 +326,43 @@ def plan_for(item, settings: Settings) -> Plan | None:
     """The plan for ``item``, or None if nothing is measured for it.
 
     Raises:
-        pytest.UsageError: a marker with a bad value (names the marker and the test).
+        pytest.UsageError: a marker with a bad value (names the marker and the
+        test); every bad marker of the test is named, one per line.
     """
     if item.get_closest_marker("gpumem_skip") is not None:
         return None
     plan = Plan(
         budget=settings.budget,
+        budget_text=settings.text("budget"),
         budget_source=settings.source("budget"),
         leaks=settings.leaks,
         leak_source=settings.source("leaks"),
         faults=settings.faults,
     )
     marked = False
+    errors = []
     m = item.get_closest_marker("limit_gpu_memory")
     if m is not None:
         marked = True
         try:
-            plan.budget = _marker_size(_one_arg(m, "size"), "size", percent=True)
+            size = _one_arg(m, "size")
+            plan.budget = _marker_size(size, "size", percent=True)
+            plan.budget_text = size.strip() if isinstance(size, str) else None
+            plan.budget_source = "limit_gpu_memory marker"
         except (ValueError, TypeError) as exc:
-            raise _marker_error(m, item, exc) from None
-        plan.budget_source = "limit_gpu_memory marker"
+            errors.append(_marker_error(m, item, exc))
     m = item.get_closest_marker("limit_gpu_leaks")
     if m is not None:
         marked = True
         try:
             limit = _marker_size(_one_arg(m, "size", "0B"), "size", percent=False)
+            if limit is None:
+                plan.leaks, plan.leak_limit = "off", 0
+            else:
+                plan.leaks, plan.leak_limit = "fail", limit
+            plan.leak_source = "limit_gpu_leaks marker"
         except (ValueError, TypeError) as exc:
-            raise _marker_error(m, item, exc) from None
-        if limit is None:
-            plan.leaks, plan.leak_limit = "off", 0
-        else:
-            plan.leaks, plan.leak_limit = "fail", limit
-        plan.leak_source = "limit_gpu_leaks marker"
+            errors.append(_marker_error(m, item, exc))
     m = item.get_closest_marker("limit_page_faults")
     if m is not None:
         marked = True
@@ -365,11 +377,13 @@ def plan_for(item, settings: Settings) -> Plan | None:
                 "cpu": _count(m.kwargs.get("cpu"), "cpu"),
                 "migrated": _marker_size(m.kwargs.get("migrated"), "migrated", percent=False),
             }
+            plan.fault_limits = {k: v for k, v in limits.items() if v is not None}
+            plan.faults = True
+            plan.fault_source = "limit_page_faults marker"
         except (ValueError, TypeError) as exc:
-            raise _marker_error(m, item, exc) from None
-        plan.fault_limits = {k: v for k, v in limits.items() if v is not None}
-        plan.faults = True
-        plan.fault_source = "limit_page_faults marker"
+            errors.append(_marker_error(m, item, exc))
+    if errors:
+        raise pytest.UsageError("\n".join(str(e) for e in errors))
     if not (marked or settings.measuring):
         return None
     return plan

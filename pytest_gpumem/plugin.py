@@ -39,6 +39,31 @@ __all__ = ["GpuMemLeakWarning", "GpuMemAllocatorWarning"]
 fmt = cupy_memstrat.format_size
 
 
+def _size_words(value, text) -> str:
+    """A size for a message: as the user wrote it where its unit differs from
+    the one shown (``200MB (190.7 MiB)``), else formatted (``64.0 MiB``)."""
+    if isinstance(value, str):  # "N%"
+        return value
+    shown = fmt(value)
+    if text and text.lower().rstrip("s").lstrip("0123456789._ ") != shown.split(" ")[-1].lower():
+        return f"{text} ({shown})"
+    return shown
+
+
+def _warn_at_test(item, warning: Warning) -> None:
+    """Warn, attributed to the test function's first line (so that pytest's
+    warnings summary points at the test, not at this plugin)."""
+    path, lineno = str(item.path), 0
+    fn = getattr(item, "function", None)
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        path, lineno = code.co_filename, code.co_firstlineno
+    elif item.location and item.location[1] is not None:
+        lineno = item.location[1] + 1
+    module = getattr(getattr(item, "module", None), "__name__", None) or item.path.stem
+    warnings.warn_explicit(warning, type(warning), path, lineno, module=module)
+
+
 class GpuMemLeakWarning(pytest.PytestWarning):
     """A test left GPU memory allocated (``--gpumem-leaks=warn``)."""
 
@@ -146,7 +171,7 @@ class _State:
             self.why_off = msg
             self.strategy = self.meter = None
         self.allocator_changes.append(msg)
-        warnings.warn(GpuMemAllocatorWarning(msg), stacklevel=1)
+        _warn_at_test(item, GpuMemAllocatorWarning(msg))
         return self.meter, self.strategy
 
     def restore(self) -> None:
@@ -189,6 +214,7 @@ class _State:
             "leaks": [],
             "faults": w.faults.as_dict() if w.faults is not None else None,
             "fault_limits": plan.fault_limits,
+            "limits": _limits(plan),
             "verdict": None,
             "worker": self.worker,
             "duration": getattr(call, "duration", None),
@@ -201,7 +227,8 @@ class _State:
             if over:
                 d = max(over, key=lambda d: w.peak[d] - limits[d])
                 share = f" = {plan.budget} of device {d}'s {fmt(meter.totals[d])}" if isinstance(plan.budget, str) else ""
-                problems.append(("budget", f"peak {fmt(w.peak[d])}{on(d)} > budget {fmt(limits[d])}{share} "
+                words = _size_words(limits[d], None if share else plan.budget_text)
+                problems.append(("budget", f"peak {fmt(w.peak[d])}{on(d)} > budget {words}{share} "
                                            f"({plan.budget_source})"))
                 counts = (f"during the call: {w.n_allocs} allocation{'' if w.n_allocs == 1 else 's'}, "
                           f"{w.n_frees} free{'' if w.n_frees == 1 else 's'}; in use when it began: "
@@ -235,7 +262,7 @@ class _State:
                 else:
                     rec["verdict"] = "leak warning"
                     try:
-                        warnings.warn(GpuMemLeakWarning(f"{item.nodeid}: {msg}\n{listing}"), stacklevel=1)
+                        _warn_at_test(item, GpuMemLeakWarning(f"{item.nodeid}: {msg}\n{listing}"))
                     except Warning:  # -W error: the warning is an error: fail the test
                         problems.append(("leaks", msg))
                         details.append(listing)
@@ -324,12 +351,28 @@ class _State:
         return {
             "strategy": strategy,
             "strategy_spec": s.strategy,
-            "settings": {k: s.values[k] for k in ("measure", "budget", "leaks", "faults", "faults_missing")}
-            | {"check": sorted(s.check), "stream_policy": s.stream_policy, "history": s.history},
+            "settings": {k: s.values[k] for k in ("budget", "leaks", "faults", "faults_missing")}
+            | {"measure": s.measuring, "check": sorted(s.check), "stream_policy": s.stream_policy,
+               "history": s.history},
+            "setting_sources": {k: v for k, v in s.sources.items() if v is not None},
+            "setting_texts": dict(s.texts),
             "packages": _package_versions(),
             "machine": self.machine,
             "measuring_off": self.why_off,
         }
+
+
+def _limits(plan) -> dict:
+    """Each limit that applied to a test, with where it came from (JSON)."""
+    out = {}
+    if plan.budget is not None:
+        out["budget"] = {"value": plan.budget if isinstance(plan.budget, str) else int(plan.budget),
+                         "as_given": plan.budget_text, "source": plan.budget_source}
+    if plan.leaks != "off":
+        out["leaks"] = {"mode": plan.leaks, "limit_bytes": plan.leak_limit, "source": plan.leak_source}
+    if plan.fault_limits:
+        out["page_faults"] = dict(plan.fault_limits, source=plan.fault_source)
+    return out
 
 
 def _package_versions() -> dict:
@@ -416,8 +459,7 @@ def _settings_summary(state) -> str:
     s = state.settings
     parts = []
     if s.budget is not None:
-        b = s.budget if isinstance(s.budget, str) else fmt(s.budget)
-        parts.append(f"budget {b} ({s.source('budget')})")
+        parts.append(f"budget {_size_words(s.budget, s.text('budget'))} ({s.source('budget')})")
     if s.leaks != "off":
         parts.append(f"leaks: {s.leaks} ({s.source('leaks')})")
     if s.faults:
@@ -439,6 +481,8 @@ def pytest_report_header(config):
     extra = _settings_summary(state)
     if state.controller:
         what = "measuring every test" if s.measuring else f"strategy {s.strategy!r}"
+        if s.measuring and s.strategy:
+            what += f" through strategy {s.strategy!r}"
         return f"gpumem: {what} on each pytest-xdist worker" + (f"; {extra}" if extra else "")
     if state.strategy is None:
         if s.measuring:
@@ -469,13 +513,22 @@ def pytest_collection_modifyitems(session, config, items):
     if state is None:
         return
     wanted = False
+    errors = []
     for item in items:
-        plan = plan_for(item, state.settings)  # a bad marker: UsageError here, before any test runs
+        try:
+            plan = plan_for(item, state.settings)  # a bad marker: UsageError, before any test runs
+        except pytest.UsageError as exc:
+            errors.append(str(exc))
+            continue
         if plan is not None:
             item.stash[_PLAN] = plan
             wanted = True
         elif "gpumem" in getattr(item, "fixturenames", ()):
             wanted = True
+    if errors:  # every bad marker of the run, one per line
+        lines = "\n".join(errors).splitlines()
+        head = f"{len(lines)} bad gpumem markers:\n" if len(lines) > 1 else ""
+        raise pytest.UsageError(head + "\n".join(lines))
     if wanted and not state.controller:
         state.activate()
 
@@ -631,7 +684,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for msg in state.allocator_changes:
         tr.write_line(f"gpumem: {msg}")
     if state.why_off and state.n_unmeasured and not state.settings.measuring:
-        tr.write_line(f"gpumem: {state.n_unmeasured} test(s) asked for GPU measurement, which is off: {state.why_off}")
+        n = state.n_unmeasured
+        tr.write_line(f"gpumem: {n} test{'' if n == 1 else 's'} asked for GPU measurement, which is off: "
+                      f"{state.why_off}")
     recs = state.records
     top = state.settings.top
     if recs and top:
@@ -644,7 +699,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             tr.write_line(line)
         failed = [r for r in recs if r.get("verdict") and r["verdict"] != "leak warning"]
         if failed:
-            tr.write_line(f"{len(failed)} test(s) failed a GPU memory check (status M / GPUMEM)")
+            n = len(failed)
+            tr.write_line(f"{n} test{'' if n == 1 else 's'} failed a GPU memory check (status M / GPUMEM)")
     if state.settings.json and state.worker is None and (recs or state.settings.measuring):
         if getattr(state, "json_error", None):
             tr.write_line(f"gpumem: {state.json_error}", red=True)

@@ -256,6 +256,20 @@ def test_invalid_free_warning_points_at_the_caller_and_can_be_an_error(dev):
             dev.raw_free(0xBAD)
 
 
+@pytest.mark.parametrize("spec", ["device", "managed", "async", "pool", "device:check=all", "managed:check=streams"])
+def test_every_strategys_invalid_free_warning_names_the_users_line(fake, spec):
+    s = cupy_memstrat.create(spec, backend=fake)
+    p = s.raw_malloc(1000, 0)
+    s.raw_free(p, 0)
+    with pytest.warns(InvalidFreeWarning) as rec:
+        s.raw_free(p, 0)  # double free, through the hot path CuPy calls
+    with pytest.warns(InvalidFreeWarning) as rec2:
+        s.raw_free(1.5)  # not a pointer: refused before the hot path
+    assert [(w.filename, w.lineno) for w in rec] == [(__file__, rec[0].lineno)]
+    assert rec[0].filename == __file__ and rec2[0].filename == __file__, (rec[0], rec2[0])
+    s.close()
+
+
 def test_close_twice_is_harmless_and_the_strategy_still_works(dev):
     dev.close()
     dev.close()

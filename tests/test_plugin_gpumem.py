@@ -262,6 +262,30 @@ def test_bad_markers_are_usage_errors_at_collection(pytester, fake_env, marker, 
     assert "BODY RAN" not in r.stdout.str()
 
 
+def test_every_bad_marker_of_the_run_is_reported_at_once(pytester, fake_env):
+    pytester.makepyfile("""
+import pytest
+@pytest.mark.limit_gpu_memory('lots')
+@pytest.mark.limit_gpu_leaks(limit=1)
+def test_a():
+    raise AssertionError('BODY RAN')
+def test_fine():
+    pass
+@pytest.mark.limit_page_faults(gpu=-1)
+def test_b():
+    pass
+""")
+    r = run(pytester)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines([
+        "ERROR: 3 bad gpumem markers:",
+        "marker limit_gpu_memory('lots') on *::test_a: size: cannot parse 'lots'*",
+        "marker limit_gpu_leaks(limit=1) on *::test_a: unknown argument 'limit'; expected size",
+        "marker limit_page_faults(gpu=-1) on *::test_b: gpu: expected a whole number >= 0 or None, got -1",
+    ])
+    assert "BODY RAN" not in r.stdout.str()
+
+
 def test_bad_markers_are_usage_errors_also_without_gpu(pytester, monkeypatch):
     if _gpu_present():
         pytest.skip("a GPU is present")
@@ -348,6 +372,10 @@ def test_leaks_warn(pytester, fake_env):
     r = run(pytester, "--gpumem-leaks=warn")
     r.assert_outcomes(failed=1, passed=6, warnings=2)
     r.stdout.fnmatch_lines(["*GpuMemLeakWarning: *::test_leaks: leaked 3 allocations, 4.0 MiB > limit 0 B*"])
+    # pytest's warnings summary names the test's own line, not the plugin's
+    line = (pytester.path / "test_leaks_warn.py").read_text().splitlines().index("def test_leaks():") + 1
+    r.stdout.fnmatch_lines([f"*test_leaks_warn.py:{line}: GpuMemLeakWarning: *::test_leaks: leaked 3 allocations*"])
+    assert "plugin.py" not in r.stdout.str()
     r = run(pytester, "--gpumem-leaks=warn", "-W", "error::pytest_gpumem.plugin.GpuMemLeakWarning")
     r.assert_outcomes(failed=3, passed=4)
 
@@ -453,7 +481,12 @@ def test_without_gpu_the_session_runs_unmeasured_and_says_so_once(pytester, monk
                             "SKIPPED*gpumem: GPU measurement is off: no CUDA device*"])
     r = pytester.runpytest_subprocess()  # markers only: no header, one line at the end
     r.assert_outcomes(passed=1, skipped=1)
-    r.stdout.fnmatch_lines(["gpumem: 1 test(s) asked for GPU measurement, which is off: no CUDA device*"])
+    r.stdout.fnmatch_lines(["gpumem: 1 test asked for GPU measurement, which is off: no CUDA device*"])
+    pytester.makepyfile(test_more="import pytest\n@pytest.mark.limit_gpu_leaks\ndef test_c():\n    pass\n"
+                        "@pytest.mark.limit_page_faults(gpu=0)\ndef test_d():\n    pass\n")
+    r = pytester.runpytest_subprocess()
+    r.assert_outcomes(passed=2, skipped=2)  # test_d: no page-fault counters without a GPU
+    r.stdout.fnmatch_lines(["gpumem: 2 tests asked for GPU measurement, which is off: no CUDA device*"])
 
 
 # -- fixtures ---------------------------------------------------------------------------------------------
@@ -647,6 +680,45 @@ def test_a_json_path_that_cannot_be_written_is_a_usage_error_before_any_test(pyt
     assert not [p for p in pytester.path.rglob("*.tmp*")]
 
 
+def test_the_json_carries_each_limit_that_applied_and_where_it_came_from(pytester, fake_env):
+    pytester.makepyfile(HEAD + """
+@pytest.mark.limit_gpu_leaks("2MiB")
+def test_leak_limit():
+    pass
+@pytest.mark.limit_gpu_memory("10%")
+@pytest.mark.limit_page_faults(gpu=0, migrated="1MiB")
+def test_share():
+    pass
+def test_plain():
+    pass
+""")
+    r = run(pytester, "--gpumem-budget=200MB", "--gpumem-json=out.json")
+    r.assert_outcomes(passed=3)
+    doc = json.loads((pytester.path / "out.json").read_text())
+    assert doc["settings"]["measure"] is True  # a budget measures every test
+    assert doc["setting_sources"]["budget"] == "--gpumem-budget" and doc["setting_texts"]["budget"] == "200MB"
+    tests = {t["nodeid"].split("::")[1]: t for t in doc["tests"]}
+    assert tests["test_leak_limit"]["limits"] == {
+        "budget": {"value": 200_000_000, "as_given": "200MB", "source": "--gpumem-budget"},
+        "leaks": {"mode": "fail", "limit_bytes": 2 << 20, "source": "limit_gpu_leaks marker"}}
+    assert tests["test_share"]["limits"]["budget"] == {"value": "10%", "as_given": "10%",
+                                                       "source": "limit_gpu_memory marker"}
+    assert tests["test_share"]["limits"]["page_faults"] == {"gpu": 0, "migrated": 1 << 20,
+                                                            "source": "limit_page_faults marker"}
+    assert tests["test_plain"]["limits"] == {"budget": {"value": 200_000_000, "as_given": "200MB",
+                                                        "source": "--gpumem-budget"}}
+
+
+def test_a_budget_is_echoed_in_the_users_unit(pytester, fake_env):
+    pytester.makepyfile(HEAD + "def test_over():\n    x = alloc(300 * 10**6)\n")
+    r = run(pytester, "--gpumem-budget=200MB")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["gpumem: measuring every test*; budget 200MB (190.7 MiB) (--gpumem-budget)",
+                            "peak 286.1 MiB > budget 200MB (190.7 MiB) (--gpumem-budget)"])
+    r = run(pytester, "--gpumem-budget=256MiB")  # the unit shown already: not repeated
+    r.stdout.fnmatch_lines(["peak 286.1 MiB > budget 256.0 MiB (--gpumem-budget)"])
+
+
 def test_json_and_junit_carry_the_numbers(pytester, fake_env):
     pytester.makepyfile(HEAD + """
 def test_a():
@@ -735,6 +807,9 @@ def test_2_leaks():
         "*leaked 1 allocation, 1.0 MiB > limit 0 B (--gpumem-leaks)*",
         "gpumem: CuPy's allocator changed before *test_2_leaks to strategy 'device' *",
     ])
+    line = (pytester.path / "test_a_strategy_installed_by_a_test_is_measured_through_and_said_once.py").read_text()
+    line = line.splitlines().index("def test_2_leaks():") + 1  # the warning names the test it was found at
+    r.stdout.fnmatch_lines([f"*.py:{line}: GpuMemAllocatorWarning: CuPy's allocator changed before *test_2_leaks*"])
 
 
 def test_a_foreign_allocator_installed_by_a_test_stops_measuring_loudly(pytester, fake_env):

@@ -57,10 +57,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from .._userwarn import warn_at_user
 from ..errors import MemstratError
 from ..stats import Origin
 
@@ -441,4 +441,4 @@ def __getattr__(name):
 
 
 def _warn(finding: Finding) -> None:
-    warnings.warn(str(finding), CheckWarning, stacklevel=3)
+    warn_at_user(str(finding), CheckWarning)  # the user's line, past the checking layer

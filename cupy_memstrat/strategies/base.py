@@ -41,7 +41,6 @@ import operator
 import os
 import sys
 import threading
-import warnings
 import weakref
 from typing import ClassVar
 
@@ -51,6 +50,7 @@ from .. import cuda as _cuda
 from ..errors import InvalidFreeWarning, _out_of_memory_class
 from ..options import Option, as_bool
 from ..sizes import format_size, parse_size
+from .._userwarn import warn_at_user
 from ..stats import Allocation, Stats, capture_origin
 
 __all__ = ["Strategy", "check_size", "check_stream", "hot_path_status"]
@@ -1088,21 +1088,15 @@ def _cupy_pool_hint(device: int) -> str:
     )
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../cupy_memstrat/
-
 
 def _warn_at_caller(message: str, category) -> None:
     """Warn, attributed to the first frame outside cupy_memstrat (the user's
     line, however deep the call went through use() / create())."""
-    if sys.is_finalizing():
-        return
-    level, f = 2, sys._getframe(1)
-    while f is not None and _PACKAGE_DIR and f.f_code.co_filename.startswith(_PACKAGE_DIR):
-        f, level = f.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level)
+    warn_at_user(message, category)
 
 
 def _warn(message: str, category, stacklevel: int) -> None:
-    if sys.is_finalizing():  # interpreter shutdown: warnings may be half gone
-        return
-    warnings.warn(message, category, stacklevel=stacklevel)
+    """Warn, attributed to the user's line: the first frame outside
+    cupy_memstrat (``stacklevel`` is no longer used: the frames between
+    differ with the hot path)."""
+    warn_at_user(message, category)

@@ -7,6 +7,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+MiB = 1 << 20
+
 HEAD = """
 import ctypes
 import numpy as np
@@ -146,3 +148,101 @@ def test_page_fault_budgets_on_a_managed_migration(inner):
     if f["exact"]:
         assert f["bytes_htod"] >= 60 * 2**20  # the 64 MiB came over (exact driver counters)
     assert tests["test_prefetched_stays_under_budget"]["faults"]["gpu_faults"] == 0
+
+
+ROBUST = HEAD + """
+@pytest.mark.limit_gpu_leaks("2MiB")
+def test_inside_using():
+    with cupy_memstrat.using("device"):
+        x = cupy.ones(4 * MiB, dtype=cupy.uint8)
+        assert int(x.sum()) == 4 * MiB
+def test_with_the_fixture(gpumem_strategy):
+    x = cupy.arange(1 << 20, dtype=cupy.float32)
+    assert float(x[-1]) == (1 << 20) - 1
+@pytest.mark.limit_gpu_memory("16MiB")
+def test_over_after():
+    x = cupy.zeros(32 * MiB, dtype=cupy.uint8)
+    x += 1
+def test_leaks_a_little():
+    KEEP.append(cupy.zeros(MiB, dtype=cupy.uint8))
+"""
+
+
+def test_robust_paths_with_real_cupy(inner):
+    """Issue 16's plugin paths with real CuPy: history inside using() and
+    under the gpumem_strategy fixture (never an INTERNALERROR), each fixture
+    strategy measured through itself and named on its row without a warning
+    (-W error), every limit and its source in the JSON, the user's unit,
+    leak warnings at the test's line."""
+    inner.makepyfile(ROBUST)
+    r = inner.runpytest_subprocess("-p", "no:cacheprovider", "-W", "error::pytest.PytestWarning",
+                                   "--gpumem-history", "--gpumem-budget=200MB", "--gpumem-json=out.json",
+                                   "--gpumem-top=20", "-v")
+    assert r.ret == 1, r.stdout.str()  # test_over_after fails its budget; nothing else, no INTERNALERROR
+    assert "INTERNALERROR" not in r.stdout.str() + r.stderr.str()
+    outcomes = r.parseoutcomes()
+    assert outcomes["failed"] == 1 and outcomes["passed"] >= 6, outcomes  # one per registered strategy
+    r.stdout.fnmatch_lines(["*budget 200MB (190.7 MiB) (--gpumem-budget)*"])
+    r.stdout.fnmatch_lines(["peak 32.0 MiB > budget 16.0 MiB (limit_gpu_memory marker)"])
+    out = r.stdout.str()
+    for name in ("device", "managed", "async"):
+        assert f"[strategy {name}]" in out, out
+    assert "GpuMemAllocatorWarning" not in out
+    doc = json.loads((inner.path / "out.json").read_text())
+    assert doc["strategy"]["name"] == "pool" and doc["settings"]["measure"] is True
+    tests = {t["nodeid"].split("::")[1]: t for t in doc["tests"]}
+    t = tests["test_inside_using"]  # its using() block allocates from a strategy of its own (docs/pytest.md)
+    assert t["outcome"] == "passed" and "history" not in t
+    assert t["limits"]["leaks"] == {"mode": "fail", "limit_bytes": 2 * MiB, "source": "limit_gpu_leaks marker"}
+    assert t["limits"]["budget"]["as_given"] == "200MB"
+    assert tests["test_over_after"]["history"]["events"], tests["test_over_after"]  # recorded: it failed
+    fixture_rows = [v for k, v in tests.items() if k.startswith("test_with_the_fixture")]
+    assert {v["strategy"] for v in fixture_rows if "strategy" in v} >= {"device", "managed", "async"}
+    assert all(v["peak_bytes"] >= 4 * MiB for v in fixture_rows if v.get("strategy") != "pool")
+
+    r = inner.runpytest_subprocess("-p", "no:cacheprovider", "--gpumem-leaks=warn", "-k", "leaks_a_little")
+    line = ROBUST.lstrip("\n").splitlines().index("def test_leaks_a_little():") + 1
+    r.stdout.fnmatch_lines([f"*test_robust_paths_with_real_cupy.py:{line}: GpuMemLeakWarning: *leaked 1 allocation*"])
+
+
+def test_usage_errors_come_before_any_test_with_real_cupy(inner):
+    """A JSON path that cannot be written and every bad marker: exit 4 before
+    a test runs, no traceback, nothing left behind."""
+    inner.makepyfile(HEAD + """
+@pytest.mark.limit_gpu_memory("lots")
+def test_a():
+    raise AssertionError("BODY RAN")
+@pytest.mark.limit_page_faults(gpu=-1)
+def test_b():
+    raise AssertionError("BODY RAN")
+""")
+    (inner.path / "adir").mkdir()
+    r = inner.runpytest_subprocess("-p", "no:cacheprovider", "--gpumem-json=adir")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["*--gpumem-json='adir': 'adir' is a directory*"])
+    r = inner.runpytest_subprocess("-p", "no:cacheprovider", "--gpumem")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["ERROR: 2 bad gpumem markers:", "marker limit_gpu_memory('lots')*",
+                            "marker limit_page_faults(gpu=-1)*"])
+    assert "BODY RAN" not in r.stdout.str() and "Traceback" not in r.stderr.str()
+    assert sorted(p.name for p in inner.path.iterdir() if p.name.startswith("adir") or ".tmp" in p.name) == ["adir"]
+
+
+def test_xdist_workers_name_the_strategy_with_real_cupy(inner):
+    pytest.importorskip("xdist")
+    inner.makepyfile(HEAD + """
+def test_a():
+    assert int(cupy.ones(MiB, dtype=cupy.uint8).sum()) == MiB
+def test_b():
+    assert int(cupy.ones(2 * MiB, dtype=cupy.uint8).sum()) == 2 * MiB
+""")
+    r = inner.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--gpumem",
+                                   "--gpumem-strategy=device:track_origins=yes,check=all", "--gpumem-json=out.json")
+    r.assert_outcomes(passed=2)
+    r.stdout.fnmatch_lines(["gpumem: measuring every test through strategy *device* on each pytest-xdist worker*",
+                            "*gpumem: top 2 of 2 measured tests by peak GPU memory (strategy device)*"])
+    doc = json.loads((inner.path / "out.json").read_text())
+    assert doc["strategy"]["name"] == "device"
+    assert doc["strategy"]["options"]["track_origins"] is True
+    assert doc["strategy"]["options"]["check"] == "streams,poison,redzone"
+    assert {t["worker"] for t in doc["tests"]} <= {"gw0", "gw1"}
