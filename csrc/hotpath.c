@@ -31,7 +31,21 @@
  *            (cupy_backends/cuda/stream.pxd) when the backend gives it as a
  *            capsule, else from a callable stream_ptr(device).
  *
- * Both modes: while blocks freed with record_stream() wait (pending is not
+ *   ordered  stream-ordered pool allocations (async): pool_malloc(size, pool, stream)
+ *            (cudaMallocFromPoolAsync) on the current stream of the device, freed
+ *            with free_async(ptr, stream) (cudaFreeAsync) on the stream the block
+ *            was allocated on; stream_of[ptr] remembers it: None for the legacy
+ *            default stream, the thread's ident for the per-thread default
+ *            stream (handle 2), else a weak reference to CuPy's Stream object, so
+ *            a block of a destroyed stream is never freed on a handle CUDA may
+ *            have given to another stream (free_off_path synchronises instead).
+ *            On the legacy default stream, blocks of up to cache_limits[device]
+ *            bytes per 512-byte class are kept in caches[device][class] and
+ *            reused without a CUDA call. pools[device] is 0 until ensure_pool
+ *            (device) makes the pool; recover_pool(size, device, stream, pool,
+ *            exc, class size or 0) recovers from a failed allocation.
+ *
+ * All modes: while blocks freed with record_stream() wait (pending is not
  * empty), malloc first calls poll(); a free of a block in recorded calls
  * defer(ptr, size, device) instead of giving the block back; when watch[0] is
  * not None and the device has no live block left after a free, watch[0]() is
@@ -79,6 +93,18 @@ typedef struct {
     PyObject *pending;        /* list of blocks waiting for recorded streams */
     PyObject *poll;           /* poll() */
     PyObject *watch;          /* [callable or None] */
+    PyObject *pool_malloc;    /* ordered: pool_malloc(size, pool, stream) -> ptr */
+    PyObject *free_async;     /* ordered: free_async(ptr, stream) */
+    PyObject *pools;          /* ordered: list (device) of pool handles, 0 until made */
+    PyObject *ensure_pool;    /* ordered: ensure_pool(device) -> pool handle */
+    PyObject *current_stream; /* ordered: current_stream(device) -> CuPy's Stream object */
+    PyObject *get_device;     /* ordered: get_device() -> the current device */
+    PyObject *caches;         /* ordered: list (device) of dicts class size -> list of ptrs */
+    PyObject *cache_limits;   /* ordered: list (device) of ints: bytes kept per class */
+    PyObject *stream_of;      /* ordered: dict ptr -> None | thread ident | weakref to the stream */
+    PyObject *free_off_path;  /* ordered: free_off_path(ptr, size, device, stream or None, stacklevel) */
+    PyObject *recover_pool;   /* ordered: recover_pool(size, device, stream, pool, exc, class size or 0) -> ptr */
+    int ordered;
     intptr_t (*stream_fn)(int);
     unsigned long long chunk_mask;
     /* classes mode, a cache of the last lookup (not for the per-thread default
@@ -93,7 +119,8 @@ typedef struct {
 
 #define FIELDS(X) X(events) X(live) X(fold) X(unknown_free) X(failed) X(error) X(allocate) \
     X(deallocate) X(dealloc_failed) X(arenas) X(owner) X(arena_of) X(stream_ptr) X(capsule) X(miss) X(large_hit) \
-    X(recorded) X(defer) X(pending) X(poll) X(watch)
+    X(recorded) X(defer) X(pending) X(poll) X(watch) X(pool_malloc) X(free_async) X(pools) X(ensure_pool) \
+    X(current_stream) X(get_device) X(caches) X(cache_limits) X(stream_of) X(free_off_path) X(recover_pool)
 
 static int
 Accounting_traverse(Accounting *self, visitproc visit, void *arg)
@@ -149,20 +176,27 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
     static char *kwlist[] = {"events", "live", "fold", "fold_at", "unknown_free", "failed", "error",
                              "allocate", "deallocate", "dealloc_failed",
                              "arenas", "owner", "arena_of", "chunk_bytes", "stream_ptr", "capsule", "small_max",
-                             "miss", "large_hit", "recorded", "defer", "pending", "poll", "watch", NULL};
+                             "miss", "large_hit", "recorded", "defer", "pending", "poll", "watch",
+                             "pool_malloc", "free_async", "pools", "ensure_pool", "current_stream", "get_device",
+                             "caches", "cache_limits", "stream_of", "free_off_path", "recover_pool", NULL};
     PyObject *events, *live, *fold, *unknown_free, *failed, *error;
     PyObject *allocate = Py_None, *deallocate = Py_None, *dealloc_failed = Py_None;
     PyObject *arenas = Py_None, *owner = Py_None, *arena_of = Py_None, *stream_ptr = Py_None, *capsule = Py_None;
     unsigned long long chunk_bytes = 0;
     PyObject *miss = Py_None, *large_hit = Py_None;
     PyObject *recorded = NULL, *defer = NULL, *pending = NULL, *poll = NULL, *watch = NULL;
+    PyObject *pool_malloc = Py_None, *free_async = Py_None, *pools = Py_None, *ensure_pool = Py_None;
+    PyObject *current_stream = Py_None, *get_device = Py_None, *caches = Py_None, *cache_limits = Py_None;
+    PyObject *stream_of = Py_None, *free_off_path = Py_None, *recover_pool = Py_None;
     Py_ssize_t fold_at;
     Py_ssize_t small_max = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOnOOO|$OOOOOOKOOnOOOOOOO", kwlist, &events, &live, &fold,
-                                     &fold_at, &unknown_free, &failed, &error, &allocate, &deallocate,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOnOOO|$OOOOOOKOOnOOOOOOOOOOOOOOOOOO", kwlist, &events, &live,
+                                     &fold, &fold_at, &unknown_free, &failed, &error, &allocate, &deallocate,
                                      &dealloc_failed, &arenas, &owner, &arena_of, &chunk_bytes, &stream_ptr,
                                      &capsule, &small_max, &miss, &large_hit, &recorded, &defer, &pending, &poll,
-                                     &watch))
+                                     &watch, &pool_malloc, &free_async, &pools, &ensure_pool, &current_stream,
+                                     &get_device, &caches, &cache_limits, &stream_of, &free_off_path,
+                                     &recover_pool))
         return -1;
     if (!PyList_CheckExact(events)) {
         PyErr_SetString(PyExc_TypeError, "Accounting: events must be a list");
@@ -189,8 +223,40 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     intptr_t (*stream_fn)(int) = NULL;
-    int hooks = allocate != Py_None;
-    if (hooks) {
+    int hooks = allocate != Py_None, ordered = pool_malloc != Py_None;
+    if (hooks && ordered) {
+        PyErr_SetString(PyExc_TypeError, "Accounting: give allocate (hooks) or pool_malloc (ordered), not both");
+        return -1;
+    }
+    if (ordered) {
+        if (check_per_device(pools, "pools", n, &PyLong_Type) < 0 ||
+            check_per_device(caches, "caches", n, &PyDict_Type) < 0 ||
+            check_per_device(cache_limits, "cache_limits", n, &PyLong_Type) < 0)
+            return -1;
+        if (!PyDict_CheckExact(stream_of)) {
+            PyErr_SetString(PyExc_TypeError, "Accounting: stream_of must be a dict");
+            return -1;
+        }
+        if (!PyCallable_Check(pool_malloc) || !PyCallable_Check(free_async) || !PyCallable_Check(ensure_pool) ||
+            !PyCallable_Check(current_stream) || !PyCallable_Check(get_device) ||
+            !PyCallable_Check(free_off_path) || !PyCallable_Check(recover_pool)) {
+            PyErr_SetString(PyExc_TypeError,
+                            "Accounting: pool_malloc, free_async, ensure_pool, current_stream, get_device, "
+                            "free_off_path and recover_pool must be callables");
+            return -1;
+        }
+        if (capsule != Py_None) {
+            const char *cname = PyCapsule_CheckExact(capsule) ? PyCapsule_GetName(capsule) : NULL;
+            if (cname == NULL || strcmp(cname, "intptr_t (int)") != 0) {
+                PyErr_Clear();
+                PyErr_SetString(PyExc_TypeError, "Accounting: capsule must hold a C function intptr_t (int)");
+                return -1;
+            }
+            stream_fn = (intptr_t (*)(int))PyCapsule_GetPointer(capsule, cname);
+            if (stream_fn == NULL)
+                return -1;
+        }
+    } else if (hooks) {
         if (!PyCallable_Check(allocate) || !PyCallable_Check(deallocate) || !PyCallable_Check(dealloc_failed)) {
             PyErr_SetString(PyExc_TypeError, "Accounting: allocate, deallocate and dealloc_failed must be callables");
             return -1;
@@ -233,6 +299,7 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     self->n_devices = n;
+    self->ordered = ordered;
     self->fold_at = fold_at;
     self->small_max = (unsigned long long)small_max;
     self->stream_fn = stream_fn;
@@ -262,12 +329,13 @@ device_index(Accounting *self, PyObject *device)
     return d < self->n_devices ? d : -1;
 }
 
-/* allocate() raised the backend's error: failed(size, device, exc) recovers (CuPy's
- * order: give back, collect, retry) and returns the pointer, or raises the error to
- * show (an OutOfMemoryError naming the request, or exc itself), with exc as the
- * exception being handled, as in the Python version's except block. */
+/* An allocation raised the backend's error: handler(*before, exc, *after) recovers
+ * (CuPy's order: give back, collect, retry) and returns the pointer, or raises the
+ * error to show (an OutOfMemoryError naming the request, or exc itself), with exc as
+ * the exception being handled, as in the Python version's except block. */
 static PyObject *
-allocation_failed(Accounting *self, PyObject *size, PyObject *device)
+call_on_failure(PyObject *handler, PyObject *const *before, Py_ssize_t nbefore, PyObject *const *after,
+                Py_ssize_t nafter)
 {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
@@ -280,7 +348,14 @@ allocation_failed(Accounting *self, PyObject *size, PyObject *device)
     Py_XINCREF(value);
     Py_XINCREF(tb);
     PyErr_SetExcInfo(type, value, tb);
-    PyObject *r = PyObject_CallFunctionObjArgs(self->failed, size, device, value ? value : Py_None, NULL);
+    PyObject *args[8];
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < nbefore && n < 7; i++)
+        args[n++] = before[i];
+    args[n++] = value ? value : Py_None;
+    for (Py_ssize_t i = 0; i < nafter && n < 8; i++)
+        args[n++] = after[i];
+    PyObject *r = PyObject_Vectorcall(handler, args, (size_t)n, NULL);
     PyErr_SetExcInfo(otype, ovalue, otb);
     Py_XDECREF(type);
     Py_XDECREF(value);
@@ -291,6 +366,14 @@ allocation_failed(Accounting *self, PyObject *size, PyObject *device)
         return NULL;
     }
     return r;
+}
+
+/* allocate() raised the backend's error: failed(size, device, exc). */
+static PyObject *
+allocation_failed(Accounting *self, PyObject *size, PyObject *device)
+{
+    PyObject *before[2] = {size, device};
+    return call_on_failure(self->failed, before, 2, NULL, 0);
 }
 
 /* Pop the last item of a list (a new reference), or NULL if it is empty (no error set). */
@@ -509,6 +592,301 @@ arena_pop(Accounting *self, Py_ssize_t d, PyObject *key, intptr_t h, PyObject *s
     return ptr;
 }
 
+/* -- ordered mode (async) ------------------------------------------------------------ */
+
+static PyObject *S_ptr;  /* "ptr", interned */
+
+/* A CuPy Stream's handle (its .ptr); -1 with an error set on failure. */
+static intptr_t
+stream_obj_handle(PyObject *stream)
+{
+    PyObject *r = PyObject_GetAttr(stream, S_ptr);
+    if (r == NULL)
+        return -1;
+    intptr_t h = (intptr_t)PyLong_AsSsize_t(r);
+    Py_DECREF(r);
+    return h;
+}
+
+/* pools[d], made on first use by ensure_pool(device): a new reference. */
+static PyObject *
+device_pool(Accounting *self, Py_ssize_t d, PyObject *device)
+{
+    PyObject *pool = table_item(self->pools, d, &PyLong_Type, "pools");
+    if (pool == NULL)
+        return NULL;
+    int none = PyObject_Not(pool);
+    if (none == 0)
+        return pool;
+    Py_DECREF(pool);
+    if (none < 0)
+        return NULL;
+    return PyObject_CallOneArg(self->ensure_pool, device);
+}
+
+/* cache_limits[d] in bytes; -1 with an error set on failure. */
+static int
+cache_limit(Accounting *self, Py_ssize_t d, unsigned long long *limit)
+{
+    PyObject *v = table_item(self->cache_limits, d, &PyLong_Type, "cache_limits");
+    if (v == NULL)
+        return -1;
+    *limit = PyLong_AsUnsignedLongLong(v);
+    Py_DECREF(v);
+    if (*limit == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -1;
+        PyErr_Clear();  /* negative: nothing is kept */
+        *limit = 0;
+    }
+    return 0;
+}
+
+/* pool_malloc(size, pool, stream); on the backend's error, recover_pool(size, device,
+ * stream, pool, exc, cls) (cls: the class size the cache path asked for, or 0). */
+static PyObject *
+pool_alloc(Accounting *self, PyObject *size, PyObject *alloc_size, PyObject *device, PyObject *pool,
+           PyObject *stream, PyObject *cls)
+{
+    PyObject *args[3] = {alloc_size, pool, stream};
+    PyObject *ptr = PyObject_Vectorcall(self->pool_malloc, args, 3, NULL);
+    if (ptr != NULL || !PyErr_ExceptionMatches(self->error))
+        return ptr;
+    PyObject *before[4] = {size, device, stream, pool};
+    PyObject *after[1] = {cls};
+    return call_on_failure(self->recover_pool, before, 4, after, 1);
+}
+
+/* An allocation on the current stream of device d: from the cache (legacy default
+ * stream, blocks up to the cache limit), else from the device's pool. Sets
+ * stream_of[ptr]. A new reference, or NULL with an error set. */
+static PyObject *
+ordered_malloc(Accounting *self, Py_ssize_t d, PyObject *device, PyObject *size)
+{
+    unsigned long long n;
+    int fits = size_value(size, &n);
+    if (fits < 0)
+        return NULL;
+    PyObject *stream = NULL, *ptr = NULL, *r = NULL, *pool = NULL, *hobj = NULL, *cls = NULL;
+    intptr_t h;
+    if (self->stream_fn != NULL) {
+        h = self->stream_fn((int)d);
+        if (h == -1 && PyErr_Occurred())
+            return NULL;
+    } else {
+        stream = PyObject_CallOneArg(self->current_stream, device);
+        if (stream == NULL)
+            return NULL;
+        h = stream_obj_handle(stream);
+        if (h == -1 && PyErr_Occurred())
+            goto fail;
+    }
+    unsigned long long limit = 0;
+    if (h == 0 && cache_limit(self, d, &limit) < 0)
+        goto fail;
+    if (h == 0 && fits && n <= limit) {
+        /* the legacy default stream: its size class, from the cache if it can */
+        cls = PyLong_FromUnsignedLongLong((n + 511) & ~511ULL);
+        if (cls == NULL)
+            goto fail;
+        PyObject *cache = table_item(self->caches, d, &PyDict_Type, "caches");
+        if (cache == NULL)
+            goto fail;
+        PyObject *lst = PyDict_GetItemWithError(cache, cls);  /* borrowed */
+        if (lst != NULL && PyList_CheckExact(lst))
+            ptr = list_pop(lst);
+        Py_DECREF(cache);
+        if (ptr == NULL && PyErr_Occurred())
+            goto fail;
+        if (ptr == NULL) {
+            pool = device_pool(self, d, device);
+            hobj = pool == NULL ? NULL : PyLong_FromLong(0);
+            if (hobj == NULL)
+                goto fail;
+            ptr = pool_alloc(self, size, cls, device, pool, hobj, cls);
+            if (ptr == NULL)
+                goto fail;
+        }
+        r = Py_NewRef(Py_None);
+    } else {
+        pool = device_pool(self, d, device);
+        hobj = pool == NULL ? NULL : PyLong_FromSsize_t((Py_ssize_t)h);
+        if (hobj == NULL)
+            goto fail;
+        PyObject *zero = PyLong_FromLong(0);
+        if (zero == NULL)
+            goto fail;
+        ptr = pool_alloc(self, size, size, device, pool, hobj, zero);
+        Py_DECREF(zero);
+        if (ptr == NULL)
+            goto fail;
+        if (h == 0) {
+            r = Py_NewRef(Py_None);
+        } else if (h == 2) {  /* cudaStreamPerThread is another stream in each thread: remember the thread */
+            r = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+        } else {
+            if (stream == NULL)
+                stream = PyObject_CallOneArg(self->current_stream, device);
+            r = stream == NULL ? NULL : PyWeakref_NewRef(stream, NULL);
+        }
+        if (r == NULL) {  /* the block cannot be remembered: back to the pool on its stream */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyObject *fa[2] = {ptr, hobj};
+            PyObject *x = PyObject_Vectorcall(self->free_async, fa, 2, NULL);
+            Py_XDECREF(x);
+            PyErr_Clear();
+            PyErr_Restore(type, value, tb);
+            Py_CLEAR(ptr);
+            goto fail;
+        }
+    }
+    if (account_malloc(self, d, device, ptr, size) < 0 || PyDict_SetItem(self->stream_of, ptr, r) < 0)
+        Py_CLEAR(ptr);
+fail:
+    Py_XDECREF(stream);
+    Py_XDECREF(r);
+    Py_XDECREF(pool);
+    Py_XDECREF(hobj);
+    Py_XDECREF(cls);
+    return ptr;
+}
+
+/* free_off_path(ptr, size, device, stream or None, stacklevel): frees the hot path
+ * does not do (another device's default stream; a destroyed stream: synchronise). */
+static int
+off_path(Accounting *self, PyObject *ptr, PyObject *size, Py_ssize_t d, PyObject *stream, Py_ssize_t stacklevel)
+{
+    PyObject *device = PyLong_FromSsize_t(d), *level = PyLong_FromSsize_t(stacklevel), *r = NULL;
+    if (device != NULL && level != NULL) {
+        PyObject *args[5] = {ptr, size, device, stream, level};
+        r = PyObject_Vectorcall(self->free_off_path, args, 5, NULL);
+    }
+    Py_XDECREF(device);
+    Py_XDECREF(level);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* The freed block returns to the pool in the order of the stream it was allocated
+ * on, or to the cache (legacy default stream, if there is room). */
+static int
+ordered_give_back(Accounting *self, PyObject *ptr, PyObject *size, Py_ssize_t d, Py_ssize_t stacklevel)
+{
+    PyObject *r = PyDict_GetItemWithError(self->stream_of, ptr);  /* borrowed */
+    if (r == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        return off_path(self, ptr, size, d, Py_None, stacklevel);  /* its stream is unknown: wait for all */
+    }
+    Py_INCREF(r);
+    if (PyDict_DelItem(self->stream_of, ptr) < 0) {
+        Py_DECREF(r);
+        return -1;
+    }
+    intptr_t h;
+    if (r == Py_None) {  /* a default-stream block: cache it if there is room */
+        Py_DECREF(r);
+        unsigned long long n, limit;
+        int fits = size_value(size, &n);
+        if (fits < 0 || cache_limit(self, d, &limit) < 0)
+            return -1;
+        unsigned long long cls = (n + 511) & ~511ULL;
+        if (fits && n <= limit) {
+            PyObject *cache = table_item(self->caches, d, &PyDict_Type, "caches");
+            PyObject *k = cache == NULL ? NULL : PyLong_FromUnsignedLongLong(cls);
+            if (k == NULL) {
+                Py_XDECREF(cache);
+                return -1;
+            }
+            PyObject *lst = PyDict_GetItemWithError(cache, k);  /* borrowed */
+            int rc = 0;
+            if (lst == NULL && !PyErr_Occurred()) {
+                PyObject *fresh = PyList_New(0);
+                lst = fresh == NULL ? NULL : PyDict_SetDefault(cache, k, fresh);
+                Py_XDECREF(fresh);
+            }
+            if (lst != NULL && PyList_CheckExact(lst) &&
+                ((unsigned long long)PyList_GET_SIZE(lst) + 1) * cls <= limit) {
+                rc = PyList_Append(lst, ptr);
+                Py_DECREF(k);
+                Py_DECREF(cache);
+                return rc;
+            }
+            Py_DECREF(k);
+            Py_DECREF(cache);
+            if (PyErr_Occurred())
+                return -1;
+        }
+        h = 0;
+    } else if (PyLong_CheckExact(r)) {  /* the per-thread default stream of thread r */
+        unsigned long ident = PyLong_AsUnsignedLong(r);
+        Py_DECREF(r);
+        if (ident == (unsigned long)-1 && PyErr_Occurred())
+            return -1;
+        if (ident != PyThread_get_thread_ident())  /* another thread's stream cannot be named from here */
+            return off_path(self, ptr, size, d, Py_None, stacklevel);
+        h = 2;
+    } else {
+        PyObject *stream;
+#if PY_VERSION_HEX >= 0x030D0000
+        if (PyWeakref_GetRef(r, &stream) < 0) {
+            Py_DECREF(r);
+            return -1;
+        }
+#else
+        stream = PyWeakref_GetObject(r);  /* borrowed; Py_None once dead */
+        if (stream == NULL) {
+            Py_DECREF(r);
+            return -1;
+        }
+        stream = stream == Py_None ? NULL : Py_NewRef(stream);
+#endif
+        Py_DECREF(r);
+        if (stream == NULL)  /* destroyed */
+            return off_path(self, ptr, size, d, Py_None, stacklevel);
+        h = stream_obj_handle(stream);
+        Py_DECREF(stream);
+        if (h == -1 && PyErr_Occurred())
+            return -1;
+    }
+    /* handles 0-2 name the *current* device's default stream */
+    int here = h > 2;
+    if (!here) {
+        PyObject *cur = PyObject_CallNoArgs(self->get_device);
+        if (cur == NULL)
+            return -1;
+        Py_ssize_t c = PyLong_AsSsize_t(cur);
+        Py_DECREF(cur);
+        if (c == -1 && PyErr_Occurred())
+            return -1;
+        here = c == d;
+    }
+    PyObject *hobj = PyLong_FromSsize_t((Py_ssize_t)h);
+    if (hobj == NULL)
+        return -1;
+    if (here) {
+        PyObject *args[2] = {ptr, hobj};
+        PyObject *x = PyObject_Vectorcall(self->free_async, args, 2, NULL);
+        if (x != NULL) {
+            Py_DECREF(x);
+            Py_DECREF(hobj);
+            return 0;
+        }
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+            Py_DECREF(hobj);
+            return -1;
+        }
+        PyErr_Clear();  /* CUDA refused the handle: treat it as destroyed */
+        Py_SETREF(hobj, Py_NewRef(Py_None));
+    }
+    int rc = off_path(self, ptr, size, d, hobj, stacklevel);
+    Py_DECREF(hobj);
+    return rc;
+}
+
 static PyObject *
 Accounting_malloc(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -526,6 +904,8 @@ Accounting_malloc(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
     if (poll_pending(self) < 0)
         return NULL;
     PyObject *ptr = NULL, *key = NULL;
+    if (self->ordered)
+        return ordered_malloc(self, d, device, size);
     if (self->allocate != Py_None) {
         ptr = PyObject_CallOneArg(self->allocate, size);
         if (ptr == NULL) {
@@ -794,6 +1174,8 @@ Accounting_free(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     if (deferred) {
+    } else if (self->ordered) {
+        rc = ordered_give_back(self, ptr, size, d, stacklevel + 1);
     } else if (self->allocate != Py_None) {
         PyObject *r = PyObject_CallOneArg(self->deallocate, ptr);
         if (r == NULL && PyErr_ExceptionMatches(PyExc_Exception)) {
@@ -830,7 +1212,39 @@ Accounting_forget(Accounting *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+static PyObject *
+Accounting_give_back(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!self->ordered) {
+        PyErr_SetString(PyExc_TypeError, "give_back() is for the ordered mode");
+        return NULL;
+    }
+    if (nargs < 3 || nargs > 4) {
+        PyErr_Format(PyExc_TypeError, "give_back(ptr, size, device, stacklevel=1) takes 3 or 4 arguments, got %zd",
+                     nargs);
+        return NULL;
+    }
+    Py_ssize_t d = device_index(self, args[2]);
+    if (d < 0) {
+        PyErr_Format(PyExc_ValueError, "give_back: device %R is not a device ordinal in range(%zd)", args[2],
+                     self->n_devices);
+        return NULL;
+    }
+    Py_ssize_t stacklevel = 1;
+    if (nargs == 4) {
+        stacklevel = PyLong_AsSsize_t(args[3]);
+        if (stacklevel == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    if (ordered_give_back(self, args[0], args[1], d, stacklevel) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Accounting_methods[] = {
+    {"give_back", (PyCFunction)(void (*)(void))Accounting_give_back, METH_FASTCALL,
+     "give_back(ptr, size, device, stacklevel=1): ordered mode: return a block whose accounting is done "
+     "to its stream's pool (or the cache)."},
     {"forget", (PyCFunction)Accounting_forget, METH_NOARGS,
      "forget(): drop the cached owner of the last freed block's chunk (call when a chunk goes back to CUDA)."},
     {"malloc", (PyCFunction)(void (*)(void))Accounting_malloc, METH_FASTCALL,
@@ -1020,6 +1434,9 @@ PyMODINIT_FUNC
 PyInit__hotpath(void)
 {
     if (PyType_Ready(&AccountingType) < 0 || PyType_Ready(&GcSafeMallocType) < 0)
+        return NULL;
+    S_ptr = PyUnicode_InternFromString("ptr");
+    if (S_ptr == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&hotpath_module);
     if (m == NULL)

@@ -46,15 +46,20 @@ def test_the_console_script_calls_itself_by_its_name():
 
 
 def test_info_says_which_hot_path_each_strategy_runs(monkeypatch):
-    """Issue 16: info said 'allocation hot path: c' while async always runs the Python one."""
+    """Issue 16: info said 'allocation hot path: c' while async ran the Python one (issue 18 gave
+    async a C path: each strategy's report must match what an instance of it runs)."""
+    import cupy_memstrat
     from cupy_memstrat.strategies import base
 
     report = collect(FakeBackend())
     per = report["hot_path"]["strategies"]
-    assert per["async"] == "python"
-    assert per["device"] == per["managed"] == per["pool"] == ("c" if base._c_hotpath is not None else "python")
+    for name in ("async", "device", "managed", "pool"):
+        s = cupy_memstrat.create(name, backend=FakeBackend())
+        s.raw_free(s.raw_malloc(512))  # builds its hot path
+        assert per[name] == s.hot_path == ("c" if base._c_hotpath is not None else "python"), name
+        s.close()
     if base._c_hotpath is not None:
-        assert "per strategy: async python, device c, managed c, pool c" in format_report(report)
+        assert "per strategy: async c, device c, managed c, pool c" in format_report(report)
     monkeypatch.setenv(base.HOT_PATH_ENV, "python")
     assert set(collect(FakeBackend())["hot_path"]["strategies"].values()) == {"python"}
 

@@ -10,7 +10,7 @@ from .. import cuda as _cuda
 from ..options import Option, as_bool, as_size
 from ..sizes import format_size, parse_size
 from ..stats import Stats, capture_origin
-from .base import _FOLD_AT, Strategy, _warn
+from .base import _FOLD_AT, Strategy, _c_accounting, _warn
 
 __all__ = ["AsyncPoolStrategy", "PoolStats"]
 
@@ -193,7 +193,7 @@ class AsyncPoolStrategy(Strategy):
     name = "async"
     aliases = ("malloc_async",)
     block_granule = 512
-    has_c_hot_path = False  # its own Python closures (the pool call needs the stream)
+    has_c_hot_path = True  # csrc/hotpath.c's ordered mode
     description = "stream-ordered pool (cudaMallocFromPoolAsync), own pool per device, release threshold and trim"
     reserved_is_in_use = False
     options = (
@@ -290,7 +290,7 @@ class AsyncPoolStrategy(Strategy):
             self._pools[device] = pool
             return pool
 
-    def _recover_pool(self, size: int, device: int, stream, pool: int, exc: BaseException, alloc_size: int = 0) -> int:
+    def _recover_pool(self, size: int, device: int, sptr: int, pool: int, exc: BaseException, alloc_size: int = 0) -> int:
         """A pool allocation failed: recover in CuPy's order
         (:meth:`Strategy._recover`: this strategy's trim, which gives the
         cached blocks back, synchronises the device and trims the pool to 0,
@@ -298,7 +298,7 @@ class AsyncPoolStrategy(Strategy):
         twice) and retry, or raise."""
         b = self.backend
         ptr = self._recover(
-            size, device, exc, lambda: b.malloc_from_pool_async(alloc_size or size, pool, stream.ptr),
+            size, device, exc, lambda: b.malloc_from_pool_async(alloc_size or size, pool, sptr),
             detail=lambda: self._oom_detail(size, device),
         )
         with self._fold_lock:
@@ -328,11 +328,28 @@ class AsyncPoolStrategy(Strategy):
 
     # -- the hot path ----------------------------------------------------------------
     def _build_hot_path(self):
-        # The base class's closures with the pool inlined: the allocation needs
-        # the current stream, which a plain allocate(size) hook does not get,
-        # and an extra Python frame per call is measurable next to a ~1.9 us
-        # cudaMallocFromPoolAsync + cudaFreeAsync pair (bench async, H200). Same accounting as the base.
+        # The allocation needs the current stream, which a plain allocate(size)
+        # hook does not get: the C hot path's ordered mode (csrc/hotpath.c)
+        # does the same as the Python closures below, in the same order, and
+        # makes its CUDA calls through the backend's functions passed to it.
+        # The Python closures are the base class's with the pool inlined (an
+        # extra Python frame per call is measurable next to a ~1.6 us
+        # cudaMallocFromPoolAsync + cudaFreeAsync pair, bench async, H200).
         b = self.backend
+        Accounting = _c_accounting(self._track_origins)
+        if Accounting is not None:
+            acc = Accounting(
+                self._events, self._live, self._fold, _FOLD_AT, self._unknown_free, self._recover, self._Error,
+                capsule=b.current_stream_ptr_capsule(), recorded=self._recorded, defer=self._defer,
+                pending=self._pending, poll=self._poll_pending, watch=self._watch,
+                pool_malloc=b.malloc_from_pool_async, free_async=b.free_async, pools=self._pools,
+                ensure_pool=self._ensure_pool, current_stream=b.current_stream, get_device=b.get_device,
+                caches=self._cache, cache_limits=self._cache_limit, stream_of=self._stream_of,
+                free_off_path=self._free_off_path, recover_pool=self._recover_pool,
+            )
+            self._give_back_fn = acc.give_back
+            self._malloc, self._free, self.hot_path = acc.malloc, acc.free, "c"
+            return acc.malloc, acc.free
         current_stream, pool_malloc, free_async = b.current_stream, b.malloc_from_pool_async, b.free_async
         get_device, Error = b.get_device, self._Error
         events, live, stream_of, pools = self._events, self._live, self._stream_of, self._pools
@@ -363,14 +380,14 @@ class AsyncPoolStrategy(Strategy):
                     try:
                         ptr = pool_malloc(cls, pool, 0)
                     except Error as exc:
-                        ptr = recover(size, device, stream, pool, exc, cls)
+                        ptr = recover(size, device, 0, pool, exc, cls)
                 r = None
             else:
                 pool = pools[device] or ensure_pool(device)
                 try:
                     ptr = pool_malloc(size, pool, sptr)
                 except Error as exc:
-                    ptr = recover(size, device, stream, pool, exc)
+                    ptr = recover(size, device, sptr, pool, exc)
                 # cudaStreamPerThread (2) is another stream in each thread: remember the thread
                 r = ref(stream) if sptr != 2 else get_ident()
             ev = events[device]
