@@ -66,6 +66,24 @@ def _raw_floor(cupy, rounds: int, target_s: float, say) -> dict:
     return {label: {str(k): _alloc._summary(v) for k, v in row.items()} for label, row in times.items()}
 
 
+def _python_pool_floor(cupy):
+    """A ``PythonFunctionAllocator`` whose functions only call
+    ``cudaMallocFromPoolAsync`` / ``cudaFreeAsync`` on the legacy default
+    stream (the device's default pool, no statistics, no stream tracking):
+    the least any allocator CuPy calls through Python functions can cost."""
+    rt = cupy.cuda.runtime
+    pool = rt.deviceGetDefaultMemPool(cupy.cuda.Device().id)
+    malloc_async, free_async = rt.mallocFromPoolAsync, rt.freeAsync
+
+    def malloc(size, device):
+        return malloc_async(size, pool, 0)
+
+    def free(ptr, device):
+        free_async(ptr, 0)
+
+    return cupy.cuda.PythonFunctionAllocator(malloc, free)
+
+
 def _loop_paths(cupy):
     from ..api import create
 
@@ -189,18 +207,31 @@ def run(*, rounds: int = 7, target_s: float = 0.03, progress=None) -> dict:
     _alloc.require_real_gpu()
     import cupy
 
+    from ..api import create
+
     say = progress or (lambda msg: None)
     prev = cupy.cuda.get_allocator()
     try:
-        lat = _alloc.run(rounds=rounds, target_s=target_s, progress=say, strategies=["async"])
+        no_cache = create("async", cache=0)  # every allocation a cudaMallocFromPoolAsync
+        floor = _python_pool_floor(cupy)
+        extra = [("async:cache=0", lambda m=no_cache.cupy_allocator(): cupy.cuda.set_allocator(m)),
+                 ("python-pool-floor", lambda: cupy.cuda.set_allocator(floor.malloc))]
+        lat = _alloc.run(rounds=rounds, target_s=target_s, progress=say, strategies=["async"], extra_paths=extra)
         res = lat["results_us"]
         lat["ratios"] = {
-            f"async/{other}": {k: res["async"][k]["median_us"] / res[other][k]["median_us"] for k in res["async"]}
-            for other in ("cupy-async", "rmm-async", "no-pool")
+            f"{mine}/{other}": {k: res[mine][k]["median_us"] / res[other][k]["median_us"] for k in res[mine]}
+            for mine, others in (("async", ("cupy-async", "rmm-async", "no-pool")),
+                                 ("async:cache=0", ("python-pool-floor", "cupy-async")))
+            for other in others
             if other in res
         }
         cupy.cuda.set_allocator(prev)
+        no_cache.close()
         raw = _raw_floor(cupy, rounds, target_s, say)
+        own = raw["own-pool"]
+        lat["ratios"]["async:cache=0/raw-floor"] = {
+            k: res["async:cache=0"][k]["median_us"] / own[k]["median_us"] for k in own if k in res["async:cache=0"]
+        }
         loop = _sync_loop(cupy, rounds, target_s * 3, say)
         lr = loop["results_us"]
         loop["threshold_0_over_default"] = (
