@@ -322,13 +322,63 @@ def _count(value, what: str):
     return value
 
 
+def _budget_of(m):
+    size = _one_arg(m, "size")
+    return _marker_size(size, "size", percent=True), (size.strip() if isinstance(size, str) else None)
+
+
+def _leak_limit_of(m):
+    return _marker_size(_one_arg(m, "size", "0B"), "size", percent=False)
+
+
+def _fault_limits_of(m):
+    """The limits of a limit_page_faults marker; every bad argument named at once."""
+    problems, limits = [], {}
+    if m.args:
+        problems.append("takes keyword arguments only: gpu=, cpu=, migrated=")
+    for k in sorted(set(m.kwargs) - {"gpu", "cpu", "migrated"}):
+        problems.append(f"unknown argument {k!r}; expected gpu, cpu, migrated")
+    for key, parse in (("gpu", lambda v: _count(v, "gpu")), ("cpu", lambda v: _count(v, "cpu")),
+                       ("migrated", lambda v: _marker_size(v, "migrated", percent=False))):
+        try:
+            limits[key] = parse(m.kwargs.get(key))
+        except Exception as exc:  # noqa: BLE001 - any bad value (an __index__ that raises) is the user's
+            problems.append(str(exc))
+    if problems:
+        raise ValueError("; ".join(problems))
+    return {k: v for k, v in limits.items() if v is not None}
+
+
+_MARKER_PARSERS = {"limit_gpu_memory": _budget_of, "limit_gpu_leaks": _leak_limit_of,
+                   "limit_page_faults": _fault_limits_of}
+
+
+def marker_errors(item) -> list[str]:
+    """Every bad gpumem marker on ``item``, one message each: all of them, the
+    class's and module's too, also where a closer marker or ``gpumem_skip``
+    means it would not apply."""
+    errors = []
+    for name, parse in _MARKER_PARSERS.items():
+        for m in item.iter_markers(name):
+            try:
+                parse(m)
+            except Exception as exc:  # noqa: BLE001 - a bad value, whatever it raises, is a usage error
+                errors.append(str(_marker_error(m, item, exc)))
+    return errors
+
+
 def plan_for(item, settings: Settings) -> Plan | None:
-    """The plan for ``item``, or None if nothing is measured for it.
+    """The plan for ``item``, or None if nothing is measured for it. The
+    closest marker of each kind applies (a function's over its class's over
+    its module's).
 
     Raises:
-        pytest.UsageError: a marker with a bad value (names the marker and the
-        test); every bad marker of the test is named, one per line.
+        pytest.UsageError: a bad marker (names the marker and the test); every
+        bad marker of the test is named, one per line (:func:`marker_errors`).
     """
+    errors = marker_errors(item)
+    if errors:
+        raise pytest.UsageError("\n".join(errors))
     if item.get_closest_marker("gpumem_skip") is not None:
         return None
     plan = Plan(
@@ -340,50 +390,26 @@ def plan_for(item, settings: Settings) -> Plan | None:
         faults=settings.faults,
     )
     marked = False
-    errors = []
     m = item.get_closest_marker("limit_gpu_memory")
     if m is not None:
         marked = True
-        try:
-            size = _one_arg(m, "size")
-            plan.budget = _marker_size(size, "size", percent=True)
-            plan.budget_text = size.strip() if isinstance(size, str) else None
-            plan.budget_source = "limit_gpu_memory marker"
-        except (ValueError, TypeError) as exc:
-            errors.append(_marker_error(m, item, exc))
+        plan.budget, plan.budget_text = _budget_of(m)
+        plan.budget_source = "limit_gpu_memory marker"
     m = item.get_closest_marker("limit_gpu_leaks")
     if m is not None:
         marked = True
-        try:
-            limit = _marker_size(_one_arg(m, "size", "0B"), "size", percent=False)
-            if limit is None:
-                plan.leaks, plan.leak_limit = "off", 0
-            else:
-                plan.leaks, plan.leak_limit = "fail", limit
-            plan.leak_source = "limit_gpu_leaks marker"
-        except (ValueError, TypeError) as exc:
-            errors.append(_marker_error(m, item, exc))
+        limit = _leak_limit_of(m)
+        if limit is None:
+            plan.leaks, plan.leak_limit = "off", 0
+        else:
+            plan.leaks, plan.leak_limit = "fail", limit
+        plan.leak_source = "limit_gpu_leaks marker"
     m = item.get_closest_marker("limit_page_faults")
     if m is not None:
         marked = True
-        try:
-            if m.args:
-                raise ValueError("takes keyword arguments only: gpu=, cpu=, migrated=")
-            extra = sorted(set(m.kwargs) - {"gpu", "cpu", "migrated"})
-            if extra:
-                raise ValueError(f"unknown argument {extra[0]!r}; expected gpu, cpu, migrated")
-            limits = {
-                "gpu": _count(m.kwargs.get("gpu"), "gpu"),
-                "cpu": _count(m.kwargs.get("cpu"), "cpu"),
-                "migrated": _marker_size(m.kwargs.get("migrated"), "migrated", percent=False),
-            }
-            plan.fault_limits = {k: v for k, v in limits.items() if v is not None}
-            plan.faults = True
-            plan.fault_source = "limit_page_faults marker"
-        except (ValueError, TypeError) as exc:
-            errors.append(_marker_error(m, item, exc))
-    if errors:
-        raise pytest.UsageError("\n".join(str(e) for e in errors))
+        plan.fault_limits = _fault_limits_of(m)
+        plan.faults = True
+        plan.fault_source = "limit_page_faults marker"
     if not (marked or settings.measuring):
         return None
     return plan

@@ -93,6 +93,9 @@ class _State:
         self.n_unmeasured = 0  # tests that asked for measuring while it was off
         self._expected_allocator = None  # CuPy's allocator as the plugin installed or adopted it
         self.allocator_changes: list[str] = []
+        self.usage_error: str | None = None  # a pytest-xdist worker's usage error: its tests error with it
+        self.initial_strategy = None  # the session's strategy as first installed (the table's title)
+        self.n_histories = 0  # timelines recorded for failing tests (--gpumem-history)
 
     # -- the strategy ----------------------------------------------------------------
     def activate(self) -> None:
@@ -128,12 +131,21 @@ class _State:
                 self.strategy = cupy_memstrat.use(current if current is not None else (spec or "pool"), **extra)
                 self.previous, self.installed = previous, True
             self.meter = Meter(self.strategy)
+            self.initial_strategy = self.strategy
             self._expected_allocator = cupy.cuda.get_allocator()
         except (cupy_memstrat.NoDeviceError, cupy_memstrat.CuPyNotInstalledError, RuntimeError) as exc:
             self.why_off = str(exc)
             self.strategy = self.meter = None
         except ValueError as exc:  # e.g. a bad CUPY_MEMSTRAT_BACKEND, an option the device refuses
-            raise pytest.UsageError(str(exc)) from None
+            where = self.settings.source("strategy")
+            msg = f"{where}={spec!r}: {exc}" if spec and where and not str(exc).startswith(where) else str(exc)
+            self.strategy = self.meter = None
+            if self.worker is not None:
+                # A pytest-xdist worker that raised here would crash, be replaced and crash again:
+                # each of its tests errors with the message instead (docs/pytest.md)
+                self.usage_error, self.why_off = msg, msg
+                return
+            raise pytest.UsageError(msg) from None
 
     def follow_allocator(self, item) -> None:
         """Before a measured call: if a test or fixture replaced CuPy's
@@ -164,14 +176,20 @@ class _State:
             self.strategy, self.meter = new, Meter(new)
             self._expected_allocator = cupy.cuda.get_allocator()
         else:
-            msg = (f"CuPy's allocator changed before {item.nodeid} to {cupy.cuda.get_allocator()!r}, "
+            msg = (f"CuPy's allocator changed before {item.nodeid} to {_describe_allocator(cupy)}, "
                    "which is not a cupy_memstrat strategy: gpumem cannot measure through it, and the "
                    "tests from here on are not measured (install strategies with cupy_memstrat.use, or "
                    "restore CuPy's allocator at the end of the test)")
             self.why_off = msg
             self.strategy = self.meter = None
         self.allocator_changes.append(msg)
-        _warn_at_test(item, GpuMemAllocatorWarning(msg))
+        try:
+            _warn_at_test(item, GpuMemAllocatorWarning(msg))
+            as_error = False
+        except Warning:  # -W error: the warning is an error
+            as_error = True
+        if as_error:  # fail the test cleanly: no plugin traceback, no chained warning
+            pytest.fail(f"gpumem: {msg} (GpuMemAllocatorWarning, an error under -W)", pytrace=False)
         return self.meter, self.strategy
 
     def restore(self) -> None:
@@ -193,7 +211,7 @@ class _State:
 
     # -- verdicts ------------------------------------------------------------------------
     def verdict(self, item, plan, w, reports) -> None:
-        meter = item.stash.get(_METER, None) or self.meter  # the test's own under using()
+        meter = item.stash[_METER]  # the one its call was measured through
         n = meter.n_devices
         call = next((r for r in reports if r.when == "call"), None)
         not_passed = call is None or not call.passed or any(r.failed for r in reports) or hasattr(call, "wasxfail")
@@ -264,7 +282,7 @@ class _State:
                     try:
                         _warn_at_test(item, GpuMemLeakWarning(f"{item.nodeid}: {msg}\n{listing}"))
                     except Warning:  # -W error: the warning is an error: fail the test
-                        problems.append(("leaks", msg))
+                        problems.append(("leaks", msg + " (GpuMemLeakWarning, an error under -W)"))
                         details.append(listing)
         elif plan.leaks != "off":
             rec["leak_check"] = "skipped: the test did not pass"
@@ -308,9 +326,11 @@ class _State:
                 call.sections.append(("gpumem", "\n\n".join(details)))
             call.gpumem_failed = rec["verdict"]
         rec["outcome"] = _outcome(reports)
-        if w.history is not None and rec["outcome"] in ("failed", "error"):
+        failing = rec["outcome"] in ("failed", "error")
+        if w.history is not None and failing:
             rec["history"] = w.history.as_dict()  # the timeline of a failing test (--gpumem-history)
-        if w.history_error is not None:
+            self.n_histories += 1
+        if w.history_error is not None and failing:
             rec["history_error"] = f"not recorded: {w.history_error}"
         if w.strategy_name is not None:
             rec["strategy"] = w.strategy_name  # measured through the test's own strategy (using())
@@ -339,11 +359,12 @@ class _State:
         return _checks.findings(since=w.check_start)
 
     def _strategy_info(self):
-        if self.strategy is None:
+        s = self.initial_strategy or self.strategy  # the session's; a test's other one is on its row
+        if s is None:
             return None
-        return {"name": self.strategy.name,
+        return {"name": s.name,
                 "options": {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
-                            for k, v in self.strategy.config.items()}}
+                            for k, v in s.config.items()}}
 
     def info(self) -> dict:
         s = self.settings
@@ -360,6 +381,17 @@ class _State:
             "machine": self.machine,
             "measuring_off": self.why_off,
         }
+
+
+def _describe_allocator(cupy) -> str:
+    """CuPy's current allocator in words a user recognises."""
+    a = cupy.cuda.get_allocator()
+    owner = getattr(a, "__self__", None)
+    if owner is cupy.get_default_memory_pool():
+        return "CuPy's default memory pool (cupy.get_default_memory_pool().malloc)"
+    if getattr(a, "__name__", "") == "_malloc" and getattr(owner, "__name__", None) == "cupy.cuda.memory":
+        return "plain cudaMalloc, no pool (cupy.cuda.set_allocator(None))"
+    return repr(a)
 
 
 def _limits(plan) -> dict:
@@ -410,7 +442,8 @@ def _is_xdist_controller(config) -> bool:
 _KEY = pytest.StashKey[_State]()
 _PLAN = pytest.StashKey[object]()
 _WINDOW = pytest.StashKey[object]()
-_METER = pytest.StashKey[object]()  # the meter of a test measured through its own strategy
+_METER = pytest.StashKey[object]()  # the meter a test's call was measured through
+_BAD = pytest.StashKey[str]()  # a bad marker's message (pytest-xdist workers: the test errors with it)
 
 
 def _state(config) -> _State | None:
@@ -519,12 +552,17 @@ def pytest_collection_modifyitems(session, config, items):
             plan = plan_for(item, state.settings)  # a bad marker: UsageError, before any test runs
         except pytest.UsageError as exc:
             errors.append(str(exc))
+            item.stash[_BAD] = str(exc)
             continue
         if plan is not None:
             item.stash[_PLAN] = plan
             wanted = True
         elif "gpumem" in getattr(item, "fixturenames", ()):
             wanted = True
+    if errors and state.worker is not None:
+        # A pytest-xdist worker cannot stop the session with a usage error (the controller
+        # reports an INTERNALERROR): each test with a bad marker errors at setup with it
+        errors = []
     if errors:  # every bad marker of the run, one per line
         lines = "\n".join(errors).splitlines()
         head = f"{len(lines)} bad gpumem markers:\n" if len(lines) > 1 else ""
@@ -547,6 +585,16 @@ def pytest_generate_tests(metafunc):
 
 
 # -- running a test --------------------------------------------------------------------------
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    state = _state(item.config)
+    if state is None:
+        return
+    bad = item.stash.get(_BAD, None) or state.usage_error  # under pytest-xdist, see above
+    if bad is not None:
+        pytest.fail(f"gpumem usage error: {bad}", pytrace=False)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -589,11 +637,10 @@ def pytest_runtest_call(item):
     meter = strategy = None
     if state.meter is not None:
         meter, strategy = state.follow_allocator(item)
-    if meter is not state.meter:
-        item.stash[_METER] = meter
     if meter is None:
         state.n_unmeasured += 1
         return (yield)
+    item.stash[_METER] = meter
     counter = None
     if plan.faults:
         try:
@@ -601,15 +648,16 @@ def pytest_runtest_call(item):
         except cupy_memstrat.FaultCountersUnavailable:
             counter = None
     w = meter.open(snapshot=True)
-    if strategy is not state.strategy:
-        w.strategy_name = strategy.name  # named on the test's row
+    if strategy is not state.initial_strategy:
+        w.strategy_name = strategy.name  # named on the test's row (the title names the session's)
     item.stash[_WINDOW] = w
     w.check_start = _checks.mark()
     if state.settings.history:
         try:
             w.history = cupy_memstrat.record_history(strategy=strategy)
-        except RuntimeError as exc:  # inside cupy_memstrat.using() (the gpumem_strategy fixture): not recordable
-            w.history_error = str(exc)
+        except RuntimeError:  # inside cupy_memstrat.using() (the gpumem_strategy fixture): not recordable
+            w.history_error = ("the test runs inside cupy_memstrat.using() (as under the gpumem_strategy "
+                               "fixture), whose per-thread allocator a recording cannot wrap; it is measured")
     with contextlib.ExitStack() as scope:
         if state.settings.stream_policy == "fresh":
             scope.enter_context(_checks.fresh_stream(backend=strategy.backend))
@@ -625,10 +673,13 @@ def _finish_call(state, plan, meter, w, counter) -> None:
     if counter is not None and counter.running:
         w.faults = counter.stop()
     if w.history is not None:
+        if not w.history.recording:
+            w.history_error = ("the recording ended during the call: the test installed another allocator "
+                               "(cupy_memstrat.use() or cupy.cuda.set_allocator); its timeline stops there")
         try:
             cupy_memstrat.record_history(False)
-        except RuntimeError as exc:  # the test entered using() and is still inside it
-            w.history_error = str(exc)
+        except RuntimeError:  # the test entered using() and is still inside it
+            w.history_error = "the test's call left a cupy_memstrat.using() block open; the recording goes on"
     meter.close(w)
     if plan.budget is not None and any(w.peak[d] > meter.limit(plan.budget, d) for d in meter.devices):
         w.top_live = meter.largest_new(w)  # while the test's arrays may still be alive
@@ -701,6 +752,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         if failed:
             n = len(failed)
             tr.write_line(f"{n} test{'' if n == 1 else 's'} failed a GPU memory check (status M / GPUMEM)")
+    if state.settings.history and not state.settings.json and state.worker is None:
+        n = sum(1 for r in recs if "history" in r) or state.n_histories
+        if n:
+            tr.write_line(f"gpumem: --gpumem-history recorded the timeline of {n} failing "
+                          f"test{'' if n == 1 else 's'}; they go into --gpumem-json=PATH (none given), "
+                          "drawn by python -m cupy_memstrat plot")
     if state.settings.json and state.worker is None and (recs or state.settings.measuring):
         if getattr(state, "json_error", None):
             tr.write_line(f"gpumem: {state.json_error}", red=True)
@@ -723,7 +780,14 @@ def gpumem(request):
     if state is None or state.meter is None:
         why = state.why_off if state is not None else "the gpumem plugin is not configured"
         pytest.skip(f"gpumem: GPU measurement is off: {why}")
-    fx = GpuMem(state.meter, count_faults=state.settings.faults)
+    meter = state.meter
+    if "gpumem_strategy" in request.fixturenames:
+        # the test runs under a strategy of its own: measure through that one, whichever
+        # fixture pytest sets up first
+        own = request.getfixturevalue("gpumem_strategy")
+        if own is not state.strategy:
+            meter = Meter(own)
+    fx = GpuMem(meter, count_faults=state.settings.faults)
     yield fx
     fx._close()
 
@@ -734,7 +798,14 @@ def gpumem_strategy(request):
     parametrised over every registered strategy unless the test parametrises
     ``gpumem_strategy`` itself (``indirect=True``). A strategy that cannot be
     created here skips with the reason. Yields the strategy."""
-    name = getattr(request, "param", None) or "pool"
+    name = getattr(request, "param", "pool")
+    if not isinstance(name, str) or not name.strip():
+        pytest.fail(f"gpumem_strategy: expected a strategy name such as 'device' or 'async:cache=0', got "
+                    f"{name!r} (parametrize it with names, indirect=True)", pytrace=False)
+    try:
+        cupy_memstrat.validate(name)  # a typo is the test's error, not a skip
+    except (cupy_memstrat.MemstratError, ValueError, TypeError) as exc:
+        pytest.fail(f"gpumem_strategy: {exc}", pytrace=False)
     try:
         cm = cupy_memstrat.using(name)
         s = cm.__enter__()

@@ -537,15 +537,18 @@ def test_each(gpumem_strategy):
     assert cupy_memstrat.current() is gpumem_strategy
     x = alloc(MiB)
     assert gpumem_strategy.stats().bytes_in_use >= MiB
-@pytest.mark.parametrize("gpumem_strategy", ["device", "nope"], indirect=True)
+@pytest.mark.parametrize("gpumem_strategy", ["device", "nope", 5, ""], indirect=True)
 def test_chosen(gpumem_strategy):
     assert gpumem_strategy.name == "device"
 """)
     r = run(pytester, "-v", "-rs")
-    r.assert_outcomes(passed=5, skipped=1)
+    r.assert_outcomes(passed=5, errors=3)  # a typo is an error, never a silent skip or a run under 'pool'
     r.stdout.fnmatch_lines(["*::test_each[[]async[]] PASSED*", "*::test_each[[]device[]] PASSED*",
-                            "*::test_each[[]managed[]] PASSED*", "*::test_each[[]pool[]] PASSED*",
-                            "*strategy 'nope' cannot be created here: unknown strategy 'nope'*"])
+                            "*::test_each[[]managed[]] PASSED*", "*::test_each[[]pool[]] PASSED*"])
+    out = r.stdout.str()
+    assert "gpumem_strategy: unknown strategy 'nope'" in out
+    assert "gpumem_strategy: expected a strategy name such as 'device' or 'async:cache=0', got 5" in out
+    assert "got ''" in out and "Traceback" not in out
 
 
 def test_a_test_under_the_fixture_is_measured_through_its_own_strategy_without_a_warning(pytester, fake_env):
@@ -649,20 +652,25 @@ def test_inside_using():
         x = alloc(MiB)
 def test_with_the_fixture(gpumem_strategy):
     x = alloc(MiB)
+    assert gpumem_strategy.name != "managed"  # one failing row: its JSON says why it has no timeline
 @pytest.mark.limit_gpu_memory("1KiB")
 def test_over_after():
     x = alloc(MiB)
 """)
     r = run(pytester, "--gpumem-history", "--gpumem-json=out.json", "-p", "no:randomly")
-    assert r.ret == 1  # one budget failure; no INTERNALERROR (3)
+    assert r.ret == 1  # a budget failure and an assertion; no INTERNALERROR (3)
     assert "INTERNALERROR" not in r.stdout.str() + r.stderr.str()
     doc = json.loads((pytester.path / "out.json").read_text())
     by_name = {t["nodeid"].split("::")[1]: t for t in doc["tests"]}
     over = by_name.pop("test_over_after")
     assert over["outcome"] == "failed" and over["history"]["events"]  # recording works again after
-    fixture_rows = [t for n, t in by_name.items() if n.startswith("test_with_the_fixture")]
-    assert fixture_rows and all("not recorded" in t["history_error"] for t in fixture_rows)
-    assert all(t["outcome"] in ("passed", "skipped") for t in by_name.values())
+    fixture_rows = {n: t for n, t in by_name.items() if n.startswith("test_with_the_fixture")}
+    failed = fixture_rows.pop("test_with_the_fixture[managed]")
+    assert failed["outcome"] == "failed" and "history" not in failed
+    assert failed["history_error"].startswith("not recorded: the test runs inside cupy_memstrat.using() (as "
+                                              "under the gpumem_strategy fixture)")
+    assert fixture_rows and all("history_error" not in t for t in fixture_rows.values())  # passed: no noise
+    assert all(t["outcome"] in ("passed", "skipped") for t in fixture_rows.values())
 
 
 @pytest.mark.parametrize("where", ["a directory", "/proc/x.json", "under a file"])
@@ -774,6 +782,135 @@ def test_xdist_workers_measure_and_the_controller_merges(pytester, monkeypatch):
     root = ET.parse(pytester.path / "junit.xml").getroot()
     props = [p.get("name") for p in root.iter("property")]
     assert props.count("gpumem_peak_bytes") == 8
+
+
+@pytest.mark.parametrize("bad", ["marker", "strategy"])
+def test_xdist_usage_errors_error_each_test_instead_of_crashing_the_workers(pytester, monkeypatch, bad):
+    """From an adversarial trial: under -n 2 a bad marker was an INTERNALERROR (exit 3), and a strategy
+    option only a device can check (accessed_by=7) crashed every worker over and over (exit 5)."""
+    pytest.importorskip("xdist")
+    for k in list(os.environ):
+        if k.startswith("GPUMEM"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
+    marker = '@pytest.mark.limit_gpu_memory("lots")\n' if bad == "marker" else ""
+    pytester.makepyfile(HEAD + marker + "def test_a():\n    raise AssertionError('BODY RAN')\n"
+                        "def test_b():\n    x = alloc(MiB)\n")
+    args = ["--gpumem-strategy=managed:accessed_by=7"] if bad == "strategy" else ["--gpumem"]
+    r = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", *args)
+    out = r.stdout.str() + r.stderr.str()
+    assert "INTERNALERROR" not in out and "node down" not in out and "Traceback" not in out, out
+    assert "BODY RAN" not in out
+    if bad == "marker":
+        r.assert_outcomes(passed=1, errors=1)
+        r.stdout.fnmatch_lines(["*gpumem usage error: marker limit_gpu_memory('lots') on *::test_a: size: "
+                                "cannot parse 'lots'*"])
+    else:
+        r.assert_outcomes(errors=2)
+        r.stdout.fnmatch_lines(["*gpumem usage error: --gpumem-strategy='managed:accessed_by=7': *device 7*"])
+
+
+def test_bad_markers_are_found_wherever_they_are_and_every_bad_argument_is_named(pytester, fake_env):
+    """From an adversarial trial: a bad marker next to gpumem_skip, a bad class marker under a good
+    function marker, and all but the first bad argument of a marker went unreported; an __index__
+    that raised was an INTERNALERROR."""
+    pytester.makepyfile("""
+import pytest
+class Big:
+    def __index__(self):
+        raise OverflowError("boom")
+@pytest.mark.gpumem_skip
+@pytest.mark.limit_gpu_memory("skipped_but_bad")
+def test_skip():
+    pass
+@pytest.mark.limit_gpu_memory("bad_class")
+class TestC:
+    @pytest.mark.limit_gpu_memory("5GiB")
+    def test_m(self):
+        pass
+@pytest.mark.limit_page_faults(gpu=-1, bogus=2)
+def test_two_in_one():
+    pass
+@pytest.mark.limit_gpu_memory(Big())
+def test_index_raises():
+    pass
+""")
+    r = run(pytester)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    err = r.stderr.str()
+    assert "INTERNALERROR" not in r.stdout.str() + err
+    assert "limit_gpu_memory('skipped_but_bad') on *::test_skip".replace("*", "") not in err  # nodeid has a path
+    r.stderr.fnmatch_lines(["ERROR: 4 bad gpumem markers:",
+                            "*limit_gpu_memory('skipped_but_bad') on *::test_skip: size: cannot parse*",
+                            "*limit_gpu_memory('bad_class') on *::TestC::test_m: size: cannot parse*",
+                            "*limit_page_faults(gpu=-1, bogus=2) on *::test_two_in_one: unknown argument 'bogus'"
+                            "*; gpu: expected a whole number >= 0 or None, got -1",
+                            "*limit_gpu_memory(<*Big object*>) on *::test_index_raises: boom"])
+
+
+def test_the_gpumem_fixture_measures_through_the_tests_own_strategy(pytester, fake_env):
+    """From a new user's trial: with gpumem_strategy, gpumem.measure() read 0 (it measured the
+    session's strategy), whichever fixture came first."""
+    pytester.makepyfile(HEAD + """
+@pytest.mark.parametrize("gpumem_strategy", ["device", "managed"], indirect=True)
+def test_first(gpumem, gpumem_strategy):
+    with gpumem.measure() as m:
+        x = alloc(MiB)
+    assert gpumem.strategy is gpumem_strategy
+    assert m.peak >= MiB and m.allocated == 1
+@pytest.mark.parametrize("gpumem_strategy", ["async"], indirect=True)
+def test_second(gpumem_strategy, gpumem):
+    with gpumem.measure() as m:
+        x = alloc(MiB)
+    assert m.peak >= MiB
+""")
+    r = run(pytester)
+    r.assert_outcomes(passed=3)
+
+
+def test_an_allocator_change_under_w_error_fails_cleanly(pytester, fake_env):
+    """From a new user's trial: with -W error the GpuMemAllocatorWarning raised inside the plugin,
+    a traceback of plugin frames."""
+    pytester.makepyfile(HEAD + """
+import cupy_memstrat
+def test_1_switches():
+    cupy_memstrat.use("device")
+def test_2_after():
+    pass
+def test_3_none():
+    cupy.cuda.set_allocator(None)
+def test_4_after_none():
+    pass
+""")
+    r = run(pytester, "--gpumem", "-W", "error", "-p", "no:randomly")
+    r.assert_outcomes(passed=2, failed=2)
+    out = r.stdout.str()
+    assert "plugin.py" not in out and "Traceback" not in out
+    r.stdout.fnmatch_lines(["*gpumem: CuPy's allocator changed before *::test_2_after to strategy 'device'*"
+                            "(GpuMemAllocatorWarning, an error under -W)"])
+    r.stdout.fnmatch_lines(["*changed before *::test_4_after_none to plain cudaMalloc, no pool "
+                            "(cupy.cuda.set_allocator(None)), which is not a cupy_memstrat strategy*"])
+
+
+def test_history_without_json_says_where_the_timelines_go(pytester, fake_env):
+    pytester.makepyfile(HEAD + """
+import cupy_memstrat
+def test_leak():
+    KEEP.append(alloc(MiB))
+def test_use_in_body():
+    cupy_memstrat.use("device")
+    x = alloc(MiB)
+    assert False
+""")
+    r = run(pytester, "--gpumem-history", "--gpumem-leaks=fail", "-p", "no:randomly")
+    r.assert_outcomes(failed=2)
+    r.stdout.fnmatch_lines(["gpumem: --gpumem-history recorded the timeline of 2 failing tests; they go into "
+                            "--gpumem-json=PATH (none given)*"])
+    r = run(pytester, "--gpumem-history", "--gpumem-leaks=fail", "-p", "no:randomly", "--gpumem-json=out.json")
+    tests = {t["nodeid"].split("::")[1]: t for t in json.loads((pytester.path / "out.json").read_text())["tests"]}
+    assert tests["test_leak"]["history"]["events"]
+    assert tests["test_use_in_body"]["history_error"].startswith("not recorded: the recording ended during the "
+                                                                 "call: the test installed another allocator")
 
 
 # -- a test that replaces CuPy's allocator ------------------------------------------------------
