@@ -960,8 +960,8 @@ def test_2_after():
     r = run(pytester, "--gpumem-leaks=fail", "-W", "default")
     r.assert_outcomes(passed=2)
     r.stdout.fnmatch_lines([
-        "*GpuMemAllocatorWarning: CuPy's allocator changed before *test_2_after to <built-in function _malloc>, "
-        "which is not a cupy_memstrat strategy*",
+        "*GpuMemAllocatorWarning: CuPy's allocator changed before *test_2_after to plain cudaMalloc, no pool "
+        "(cupy.cuda.set_allocator(None)), which is not a cupy_memstrat strategy*",
         "gpumem: CuPy's allocator changed before *test_2_after to *the tests from here on are not measured*",
     ])
 
