@@ -118,6 +118,11 @@ def _cmd_bench(args) -> int:
 def _cmd_plot(args) -> int:
     from .bench.plot import plot
 
+    out = args.output.strip()
+    if not out or os.path.isdir(out) or out.endswith(os.sep):
+        print(f"plot: -o {args.output!r}: expected an image file path such as 'figure.png'"
+              + (f" ({out!r} is a directory)" if out and os.path.isdir(out) else ""), file=sys.stderr)
+        return 2
     try:
         with open(args.json) as f:
             report = json.load(f)
@@ -136,11 +141,12 @@ def _cmd_plot(args) -> int:
         if len(picked) != 1:
             ids = ", ".join(t.get("nodeid", "?") for t in (picked or with_history)[:10]) or "none"
             what = "no test in it has a timeline (run pytest with --gpumem-history)" if not with_history else (
-                f"--test {args.test!r} matches {len(picked)} of the tests with a timeline ({ids})" if args.test
+                f"--test {args.test!r} matches {len(picked)} of the tests with a timeline ({ids}; only tests that "
+                "failed get one)" if args.test
                 else f"{len(with_history)} tests have a timeline ({ids}): pick one with --test NODEID")
             print(f"plot: {args.json} is a pytest_gpumem report; {what}", file=sys.stderr)
             return 2
-        report = picked[0]["history"]
+        report = dict(picked[0]["history"], title=picked[0].get("nodeid"))  # the figure names the test
     try:
         written = plot(report, args.output)
     except (ValueError, RuntimeError, OSError) as exc:
@@ -176,21 +182,28 @@ def _cmd_run(args) -> int:
             return 2
         script, rest = args.target[0], args.target[1:]
         if not os.path.isfile(script):
-            print(f"run: cannot run {script!r}: no such file", file=sys.stderr)
+            why = "a directory, not a script" if os.path.isdir(script) else "no such file"
+            print(f"run: cannot run {script!r}: {why}", file=sys.stderr)
             return 2
     else:
         script, rest = None, args.target
         import importlib.util
 
         sys.path.insert(0, os.getcwd())  # as python -m finds it
+        why = None
         try:
-            found = importlib.util.find_spec(args.module) is not None
+            found = importlib.util.find_spec(args.module)
+            if found is None:
+                why = "no such module"
+            elif found.submodule_search_locations is not None and \
+                    importlib.util.find_spec(args.module + ".__main__") is None:
+                why = "it is a package without a __main__ module (python -m cannot run it either)"
         except (ImportError, ValueError):  # a missing parent package, or a name like ".x"
-            found = False
+            why = "no such module"
         finally:
             sys.path.pop(0)
-        if not found:
-            print(f"run: cannot run -m {args.module!r}: no such module", file=sys.stderr)
+        if why is not None:
+            print(f"run: cannot run -m {args.module!r}: {why}", file=sys.stderr)
             return 2
     try:
         strategy = use(spec.strip())
@@ -214,6 +227,9 @@ def _cmd_run(args) -> int:
         code = 0
     except SystemExit as exc:
         code = exc.code
+    except BaseException as exc:  # noqa: BLE001 - the script's error, shown as Python would show it
+        _print_user_traceback(exc)
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
         if not args.quiet:
@@ -258,11 +274,30 @@ def _writable(path: str) -> str | None:
     return None
 
 
+def _print_user_traceback(exc: BaseException) -> None:
+    """The traceback of an exception the script raised, as ``python script.py``
+    prints it: without the frames of this package and of runpy before the
+    script's first one."""
+    import traceback
+
+    ours = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.abspath(_runpy_file()), "<frozen runpy>")
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(ours):
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+
+
+def _runpy_file() -> str:
+    import runpy
+
+    return runpy.__file__
+
+
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    t = text.strip()
+    if not (t.isascii() and t.isdigit()):  # int() would take "1_0" and other scripts' digits
+        raise argparse.ArgumentTypeError(f"expected a positive integer (ASCII digits), got {text!r}")
+    value = int(t)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value

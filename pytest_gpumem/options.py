@@ -61,13 +61,10 @@ def parse_strategy(raw: str):
 
 
 def parse_top(raw: str):
-    try:
-        n = int(raw.strip())
-    except ValueError:
-        raise ValueError("expected a whole number of tests >= 0") from None
-    if n < 0:
-        raise ValueError("expected a whole number of tests >= 0")
-    return n
+    t = raw.strip()
+    if not (t.isascii() and t.isdigit()):  # int() would take "1_0", "-1" and other scripts' digits
+        raise ValueError("expected a whole number of tests >= 0 (ASCII digits)")
+    return int(t)
 
 
 def parse_check(raw: str):
@@ -93,7 +90,10 @@ def parse_json_path(raw: str):
         raise ValueError("expected a file path, got an empty value")
     if os.path.isdir(path):
         raise ValueError(f"{path!r} is a directory; expected a file path such as {os.path.join(path, 'gpumem.json')!r}")
-    folder = os.path.dirname(os.path.abspath(path))
+    real = os.path.realpath(path)  # a symbolic link: the file it names is written (report.write_json)
+    if os.path.exists(real) and not os.path.isfile(real):
+        raise ValueError(f"{path!r} is not a regular file (a FIFO, a device or a socket); expected a file path")
+    folder = os.path.dirname(real)
     while not os.path.exists(folder):
         parent = os.path.dirname(folder)
         if parent == folder:

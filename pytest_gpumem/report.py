@@ -71,7 +71,8 @@ def write_json(path: str, records: list[dict], state_info: dict) -> None:
         **state_info,
         "tests": records,
     }
-    d = os.path.dirname(os.path.abspath(path))
+    path = os.path.realpath(path)  # through a symbolic link to the file it names, never replacing the link
+    d = os.path.dirname(path)
     os.makedirs(d, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     try:

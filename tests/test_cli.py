@@ -1,3 +1,4 @@
+import importlib.util
 import json
 import subprocess
 import sys
@@ -162,12 +163,37 @@ def test_run_a_module(tmp_path):
         (["run", "-s", "device", "-m"], None, "run: -m takes a module name"),
         (["run", "-s", "device", "-m", "nosuchmodule"], None, "run: cannot run -m 'nosuchmodule': no such module"),
         (["run", "-s", "device", "-m", "nosuch.sub"], None, "run: cannot run -m 'nosuch.sub': no such module"),
+        (["run", "-s", "device", "-m", "pkg"], None, "run: cannot run -m 'pkg': it is a package without a __main__"),
+        (["run", "-s", "device", "pkg"], None, "run: cannot run 'pkg': a directory, not a script"),
+        (["bench", "--rounds", "\u0661", "alloc"], None, "--rounds: expected a positive integer (ASCII digits)"),
+        (["bench", "--rounds", "1_0", "alloc"], None, "--rounds: expected a positive integer (ASCII digits)"),
     ],
 )
 def test_run_refuses_clearly(tmp_path, args, env, message):
     (tmp_path / "job.py").write_text(SCRIPT)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
     r = _run_fake(tmp_path, *args, env=env)
     assert r.returncode == 2 and message in r.stderr and r.stdout == ""
+
+
+def test_run_shows_the_scripts_traceback_without_ours(tmp_path):
+    (tmp_path / "bad.py").write_text("def f():\n    raise ValueError('boom')\nf()\n")
+    r = _run_fake(tmp_path, "run", "-s", "device", "-q", "bad.py")
+    assert r.returncode == 1
+    assert r.stderr.splitlines()[:2] == ["Traceback (most recent call last):", '  File "bad.py", line 3, in <module>']
+    assert r.stderr.rstrip().endswith("ValueError: boom") and "cupy_memstrat" not in r.stderr and "runpy" not in r.stderr
+
+
+def test_plot_refuses_a_folder_or_an_empty_output_and_says_when_nothing_is_drawn(tmp_path, capsys):
+    (tmp_path / "r.json").write_text(json.dumps({"kind": "memory-history", "version": 1, "events": []}))
+    for out in (str(tmp_path), "", str(tmp_path) + "/"):
+        assert cli.main(["plot", str(tmp_path / "r.json"), "-o", out]) == 2
+        assert "expected an image file path such as 'figure.png'" in capsys.readouterr().err
+    assert not (tmp_path.parent / (tmp_path.name + ".png")).exists()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert cli.main(["plot", str(tmp_path / "r.json"), "-o", str(tmp_path / "o.png")]) == 2
+        assert "nothing to draw: the snapshot holds no allocation or free event" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("doc, message", [

@@ -727,6 +727,22 @@ def test_a_budget_is_echoed_in_the_users_unit(pytester, fake_env):
     r.stdout.fnmatch_lines(["peak 286.1 MiB > budget 256.0 MiB (--gpumem-budget)"])
 
 
+def test_the_json_goes_through_a_symlink_and_never_replaces_a_fifo(pytester, fake_env):
+    """From an adversarial trial: the report replaced a symbolic link, a FIFO and /dev/full with a file."""
+    pytester.makepyfile(HEAD + "def test_a():\n    x = alloc(MiB)\n")
+    (pytester.path / "real.json").write_text("{}")
+    os.symlink("real.json", pytester.path / "link.json")
+    r = run(pytester, "--gpumem", "--gpumem-json=link.json")
+    r.assert_outcomes(passed=1)
+    assert os.path.islink(pytester.path / "link.json")
+    assert json.loads((pytester.path / "real.json").read_text())["tests"][0]["peak_bytes"] == 1 << 20
+    os.mkfifo(pytester.path / "fifo")
+    r = run(pytester, "--gpumem", "--gpumem-json=fifo")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["*--gpumem-json='fifo': 'fifo' is not a regular file (a FIFO, a device or a socket)*"])
+    assert not os.path.isfile(pytester.path / "fifo")
+
+
 def test_json_and_junit_carry_the_numbers(pytester, fake_env):
     pytester.makepyfile(HEAD + """
 def test_a():

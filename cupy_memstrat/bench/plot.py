@@ -175,7 +175,8 @@ def _timeline(doc: dict, plt, top: int = 8):
     events = doc.get("events") or []
     devices = sorted({e["device"] for e in events})
     if not devices:
-        raise ValueError("the snapshot has no events to draw")
+        raise _NothingToDraw("nothing to draw: the snapshot holds no allocation or free event (record while the "
+                             "code allocates)")
     fig, axes = plt.subplots(len(devices), 1, figsize=(10, 3.6 * len(devices)), squeeze=False)
     for ax, d in zip(axes[:, 0], devices):
         evs = [e for e in events if e["device"] == d]
@@ -205,11 +206,14 @@ def _timeline(doc: dict, plt, top: int = 8):
         ax.stackplot(t, [[v / 2**20 for v in y] for y in ys], labels=labels, step="post")
         ax.set_xlabel("event (allocations and frees in order)")
         ax.set_ylabel("live MiB")
-        ax.set_title(f"device {d}: {len(evs)} events over {evs[-1]['t'] - evs[0]['t']:.3g} s", fontsize=9)
+        n = "1 event" if len(evs) == 1 else f"{len(evs)} events"
+        ax.set_title(f"device {d}: {n} over {evs[-1]['t'] - evs[0]['t']:.3g} s", fontsize=9)
         ax.legend(loc="upper left", fontsize=7, framealpha=0.8)
     s = doc.get("strategy") or {}
     dropped = f", {doc['dropped']} oldest events dropped" if doc.get("dropped") else ""
-    fig.suptitle(f"GPU memory over time, strategy {s.get('name')!r}{dropped}", fontsize=10)
+    title = f"{doc['title']}\n" if isinstance(doc.get("title"), str) else ""  # the test, from a pytest report
+    one = "1 event" if len(events) == 1 else f"{len(events)} events"
+    fig.suptitle(f"{title}GPU memory over time, strategy {s.get('name')!r}, {one}{dropped}", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -251,6 +255,10 @@ _PLOTS = {"alloc": _alloc, "async": _async, "managed": _managed, "workloads": _w
           "memory-history": _timeline}
 
 
+class _NothingToDraw(ValueError):
+    """A well-formed report without anything in it to draw."""
+
+
 def plot(report: dict, path: str) -> str:
     """Draw the figure for a benchmark report (the JSON of ``bench ... --json``),
     or the memory timeline of a ``cupy_memstrat.snapshot()``, into ``path``
@@ -276,6 +284,9 @@ def plot(report: dict, path: str) -> str:
     plt = _pyplot()
     try:
         fig = _PLOTS[kind](report, plt)
+    except _NothingToDraw as exc:
+        plt.close("all")
+        raise ValueError(str(exc)) from None
     except (KeyError, IndexError, TypeError, AttributeError, StopIteration, ValueError, ArithmeticError) as exc:
         plt.close("all")
         raise ValueError(f"this {kind} report cannot be drawn: it lacks or mangles what the figure needs "
