@@ -461,20 +461,24 @@ def prefetch(x, to="device", *, nbytes: int | None = None, stream=None, backend=
         TypeError: ``x`` or ``nbytes`` of the wrong type.
     """
     backend = backend or _cuda.get_backend()
+    if stream is None:
+        handle = None
+    elif isinstance(stream, int) and not isinstance(stream, bool):
+        if not 0 <= stream < 1 << 64:
+            raise ValueError(f"stream: a raw handle is a cudaStream_t from 0 (the default stream) to 2**64 - 1, "
+                             f"got {stream}")
+        handle = stream
+    elif isinstance(stream, (bool, float, str, bytes)) or not hasattr(stream, "ptr"):
+        raise TypeError(f"stream: expected a cupy.cuda.Stream, a raw handle or None, got {stream!r}")
+    else:
+        check_stream(stream)  # its .ptr an int handle in range
+        handle = stream.ptr
     ptr, size = _managed_range(x, nbytes, backend, "prefetch")
     loc = _location(to, "prefetch: to", backend)
     if not size:
         return
-    if stream is None:
+    if handle is None:
         handle = backend.current_stream(backend.get_device()).ptr
-    elif isinstance(stream, int) and not isinstance(stream, bool):
-        if stream < 0:
-            raise ValueError(f"stream: a raw handle is >= 0 (0 is the default stream), got {stream}")
-        handle = stream
-    elif hasattr(stream, "ptr"):
-        handle = stream.ptr
-    else:
-        raise TypeError(f"stream: expected a cupy.cuda.Stream, a raw handle or None, got {stream!r}")
     _cuda_call("prefetch", ptr, size, backend, backend.mem_prefetch, ptr, size, loc, handle, stream=handle, location=loc)
 
 

@@ -686,6 +686,8 @@ def _backend_from_env():
         key, eq, val = (x.strip() for x in part.partition("="))
         if not eq or not val:
             raise ValueError(f"environment variable {BACKEND_ENV}={raw!r}: expected key=value, got {part!r}; {valid}")
+        if key in kwargs:
+            raise ValueError(f"environment variable {BACKEND_ENV}={raw!r}: option {key!r} is given twice")
         if key == "devices":
             if not (val.isascii() and val.isdigit()):  # int() would also take "٣" or "1_0"
                 raise ValueError(

@@ -172,7 +172,7 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins:
         that ended, or None if none was running.
 
     Raises:
-        TypeError, ValueError: a bad ``enabled`` (not True / False),
+        TypeError, ValueError: a bad ``enabled`` or ``origins`` (not True / False),
             ``max_entries`` (not an int >= 1) or ``strategy`` (not a
             Strategy object).
         NoStrategyError: no strategy is installed and none was given.
@@ -194,6 +194,9 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins:
             enabled = bool(enabled)
         else:
             raise TypeError(f"enabled: expected True or False, got {type(enabled).__name__} {enabled!r}")
+    if not isinstance(origins, bool) and type(origins).__name__ != "bool_":
+        raise TypeError(f"origins: expected True or False, got {type(origins).__name__} {origins!r}")
+    origins = bool(origins)
     if enabled:
         if isinstance(max_entries, bool) or not hasattr(max_entries, "__index__"):
             raise TypeError(f"max_entries: expected an int >= 1, got {type(max_entries).__name__} {max_entries!r}")

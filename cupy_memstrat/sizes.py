@@ -47,11 +47,13 @@ def parse_size(value, *, total: int | None = None, what: str = "size") -> int:
 
     Raises:
         TypeError: ``value`` is neither an int nor a str (``bool`` and
-            ``float`` are refused: say ``"1.5GB"``).
+            ``float`` are refused: say ``"1.5GB"``), or ``total`` is not an int.
         ValueError: the string cannot be parsed, the unit is unknown, the
             number is negative, or a percentage is given without ``total`` or
             is above 100%.
     """
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int)):
+        raise TypeError(f"total: expected an int number of bytes or None, got {type(total).__name__} {total!r}")
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         if hasattr(value, "__index__") and not isinstance(value, bool):
             value = value.__index__()
@@ -106,7 +108,13 @@ def parse_size(value, *, total: int | None = None, what: str = "size") -> int:
 
 
 def format_size(nbytes: int) -> str:
-    """Format a byte count in IEC units with one decimal: ``812.0 MiB``, ``512 B``."""
+    """Format a byte count in IEC units with one decimal: ``812.0 MiB``, ``512 B``.
+
+    Raises:
+        TypeError: ``nbytes`` is not an int (``bool`` included: ``True`` is no size).
+    """
+    if isinstance(nbytes, bool):
+        raise TypeError(f"nbytes: expected an int number of bytes, got bool {nbytes!r}")
     n = operator.index(nbytes)
     sign = "-" if n < 0 else ""
     n = abs(n)

@@ -56,7 +56,8 @@ class Stats:
             f"{self.strategy} on device {self.device}: "
             f"in use {format_size(self.bytes_in_use)} (peak {format_size(self.peak_bytes_in_use)}), "
             f"reserved {format_size(self.bytes_reserved)} (peak {format_size(self.peak_bytes_reserved)}), "
-            f"{self.n_live} live, {self.n_allocs} allocs, {self.n_frees} frees, "
+            f"{self.n_live} live, {self.n_allocs} alloc{'' if self.n_allocs == 1 else 's'}, "
+            f"{self.n_frees} free{'' if self.n_frees == 1 else 's'}, "
             f"{self.n_failed} failed"
             + (f", {self.n_invalid_frees} invalid frees" if self.n_invalid_frees else "")
             + (f", {self.n_oom_recoveries} recovered from out of memory" if self.n_oom_recoveries else "")

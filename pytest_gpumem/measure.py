@@ -276,6 +276,7 @@ class GpuMem:
         """Fail (``AssertionError``) if allocations made since the fixture was
         set up are still live, after ``gc.collect()`` and clearing CuPy's
         caches, totalling more than ``limit`` (bytes or a size string)."""
+        __tracebackhide__ = True  # the failure points at the test's line, not at this plugin
         limit = cupy_memstrat.parse_size(limit, what="limit")
         leaked = self._meter.leaks(self._window)
         total = sum(a.size for a in leaked)

@@ -259,6 +259,8 @@ class _State:
                                    "gpumem.measure() blocks narrow the peak down)")
         if plan.leaks != "off" and not not_passed:
             leaked = meter.leaks(w)
+            if w.history is not None and not any(a.origin for a in leaked):
+                leaked = _origins_from_history(leaked, w.history)  # --gpumem-history knows where
             total = sum(a.size for a in leaked)
             rec["leaked_bytes"], rec["leaked_count"] = total, len(leaked)
             rec["leaks"] = [
@@ -272,8 +274,11 @@ class _State:
                 listing = ("allocations made by the test and still live after its teardown and gc.collect(), "
                            "largest first:\n" + describe(leaked))
                 if not any(a.origin for a in leaked):
-                    listing += ("\n  (where each was allocated: run with "
-                                "--gpumem-strategy=pool:track_origins=true)")
+                    if w.strategy_name is not None:  # the test's own strategy (gpumem_strategy, using())
+                        how = f"create the test's strategy with track_origins=True ({w.strategy_name}:track_origins=true)"
+                    else:
+                        how = f"run with --gpumem-strategy={meter.strategy.name}:track_origins=true"
+                    listing += f"\n  (where each was allocated: {how}, or with --gpumem-history and --gpumem-json)"
                 if plan.leaks == "fail":
                     problems.append(("leaks", msg))
                     details.append(listing)
@@ -381,6 +386,18 @@ class _State:
             "machine": self.machine,
             "measuring_off": self.why_off,
         }
+
+
+def _origins_from_history(leaked, history) -> list:
+    """The leaked allocations with the origins a recording holds for them."""
+    import dataclasses
+
+    where = {}
+    for _t, action, ptr, _size, device, _stream, origin in list(history.events):
+        if action == "alloc" and origin is not None:
+            where[(ptr, device)] = origin
+    return [dataclasses.replace(a, origin=where[(a.ptr, a.device)]) if (a.ptr, a.device) in where else a
+            for a in leaked]
 
 
 def _describe_allocator(cupy) -> str:

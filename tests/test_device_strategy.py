@@ -330,3 +330,8 @@ def test_sizes_beyond_size_t_are_a_value_error_and_lose_nothing(dev):
 def test_a_size_just_below_size_t_is_an_out_of_memory_error(dev):
     with pytest.raises(cupy_memstrat.OutOfMemoryError, match="out of memory allocating 16.0 EiB"):
         dev.raw_malloc(2**64 - 1, 0)
+
+
+def test_stats_read_as_english(dev):
+    dev.raw_free(dev.raw_malloc(4096, 0), 0)
+    assert "0 live, 1 alloc, 1 free, 0 failed" in str(dev.stats(0))

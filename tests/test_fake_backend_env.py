@@ -62,6 +62,7 @@ def test_empty_or_cuda_means_the_real_backend(fresh, value):
         ("fake:memory", r"expected key=value, got 'memory'"),
         ("fake:memory=lots", r"CUPY_MEMSTRAT_BACKEND='fake:memory=lots': memory: cannot parse 'lots'"),
         ("fake:devices=3,memory=1GiB/2GiB", r"memory: expected 3 values"),
+        ("fake:devices=2,devices=3", r"option 'devices' is given twice"),  # the last one won
     ],
 )
 def test_bad_values_name_the_variable(fresh, value, message):

@@ -80,6 +80,9 @@ def test_bad_input_is_refused_and_nothing_changes(fake_cupy):
                           (True, TypeError, "got bool True")):
         with pytest.raises(exc, match=msg):
             cupy_memstrat.record_history(max_entries=bad)
+    for bad in ("no", [], None, 1):  # "no" meant True
+        with pytest.raises(TypeError, match="origins: expected True or False, got"):
+            cupy_memstrat.record_history(origins=bad)
     assert cupy.cuda.get_allocator() is allocator and cupy_memstrat.current() is s
     assert cupy_memstrat.record_history(False) is None  # nothing was running
 

@@ -516,7 +516,11 @@ def test_prefetch_and_advise_refuse_memory_that_is_not_managed(fake):
         (dict(nbytes="1MiB"), TypeError, "nbytes: expected an int"),
         (dict(nbytes=64 * MiB), ValueError, "CUDA refused the range"),
         (dict(stream="fast"), TypeError, "stream: expected"),
-        (dict(stream=-1), ValueError, "stream: a raw handle is >= 0"),
+        (dict(stream=-1), ValueError, "stream: a raw handle is a cudaStream_t from 0"),
+        (dict(stream=2**64), ValueError, "stream: a raw handle is a cudaStream_t from 0"),
+        (dict(stream=type("S", (), {"ptr": -1})()), ValueError, "which is no cudaStream_t"),
+        (dict(stream=type("Q", (), {"ptr": "x"})()), TypeError, "whose .ptr is an int handle"),
+        (dict(stream=1.5), TypeError, "stream: expected"),
     ],
 )
 def test_prefetch_bad_input(fake, managed_ptr, kwargs, exc, match):
@@ -524,6 +528,11 @@ def test_prefetch_bad_input(fake, managed_ptr, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         cupy_memstrat.prefetch(managed_ptr, backend=fake, **kwargs)
     assert fake.n_prefetch_calls == 0 or exc is ValueError
+
+
+def test_prefetch_refuses_a_bad_stream_also_for_an_empty_range(fake, managed_ptr):
+    with pytest.raises(TypeError, match="stream: expected"):
+        cupy_memstrat.prefetch(managed_ptr, nbytes=0, stream="bogus", backend=fake)
 
 
 def test_prefetch_bad_targets(fake, s):

@@ -340,7 +340,8 @@ def test_leaks_fail_the_test_listing_each_leaked_allocation(pytester, fake_env):
         "     3.0 MiB  device 0  0x*",
         "     1.0 MiB  device 0  0x*",
         "     1.0 KiB  device 0  0x*",
-        "  (where each was allocated: run with --gpumem-strategy=pool:track_origins=true)",
+        "  (where each was allocated: run with --gpumem-strategy=pool:track_origins=true, or with --gpumem-history "
+        "and --gpumem-json)",
     ])
     r.stdout.fnmatch_lines(["*_ test_traceback_keeps_arrays _*", "leaked 1 allocation, 2.0 MiB > limit 0 B*"])
     out = r.stdout.str()
@@ -922,6 +923,9 @@ def test_use_in_body():
     r.assert_outcomes(failed=2)
     r.stdout.fnmatch_lines(["gpumem: --gpumem-history recorded the timeline of 2 failing tests; they go into "
                             "--gpumem-json=PATH (none given)*"])
+    r.stdout.fnmatch_lines(["*leaked 1 allocation*", "*allocations made by the test*",
+                            "     1.0 MiB  device 0  0x*  *.py:* in alloc"])  # the recording knew where
+    assert "(where each was allocated" not in r.stdout.str()
     r = run(pytester, "--gpumem-history", "--gpumem-leaks=fail", "-p", "no:randomly", "--gpumem-json=out.json")
     tests = {t["nodeid"].split("::")[1]: t for t in json.loads((pytester.path / "out.json").read_text())["tests"]}
     assert tests["test_leak"]["history"]["events"]

@@ -83,3 +83,14 @@ def test_a_negative_string_or_a_huge_int_says_so():
         parse_size("-1")
     with pytest.raises(ValueError, match="larger than 16 EiB"):
         parse_size(2**70)
+
+
+@pytest.mark.parametrize("total", ["100", 1.5, float("nan"), True])
+def test_a_percentages_total_must_be_an_int(total):
+    with pytest.raises(TypeError, match="total: expected an int number of bytes or None"):
+        parse_size("50%", total=total)
+
+
+def test_format_size_refuses_a_bool():
+    with pytest.raises(TypeError, match="got bool True"):
+        format_size(True)
