@@ -104,6 +104,10 @@ typedef struct {
     PyObject *stream_of;      /* ordered: dict ptr -> None | thread ident | weakref to the stream */
     PyObject *free_off_path;  /* ordered: free_off_path(ptr, size, device, stream or None, stacklevel) */
     PyObject *recover_pool;   /* ordered: recover_pool(size, device, stream, pool, exc, class size or 0) -> ptr */
+    PyObject *stream_caches;  /* ordered: list (device) of dicts weakref to a stream -> class size -> ptrs */
+    PyObject *new_stream_cache; /* ordered: new_stream_cache(device, stream) -> that stream's new dict */
+    PyObject *dead;           /* ordered: list of streams that died with a cache (reap() handles them) */
+    PyObject *reap;           /* ordered: reap() */
     int ordered;
     intptr_t (*stream_fn)(int);
     unsigned long long chunk_mask;
@@ -120,7 +124,8 @@ typedef struct {
 #define FIELDS(X) X(events) X(live) X(fold) X(unknown_free) X(failed) X(error) X(allocate) \
     X(deallocate) X(dealloc_failed) X(arenas) X(owner) X(arena_of) X(stream_ptr) X(capsule) X(miss) X(large_hit) \
     X(recorded) X(defer) X(pending) X(poll) X(watch) X(pool_malloc) X(free_async) X(pools) X(ensure_pool) \
-    X(current_stream) X(get_device) X(caches) X(cache_limits) X(stream_of) X(free_off_path) X(recover_pool)
+    X(current_stream) X(get_device) X(caches) X(cache_limits) X(stream_of) X(free_off_path) X(recover_pool) \
+    X(stream_caches) X(new_stream_cache) X(dead) X(reap)
 
 static int
 Accounting_traverse(Accounting *self, visitproc visit, void *arg)
@@ -178,7 +183,8 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
                              "arenas", "owner", "arena_of", "chunk_bytes", "stream_ptr", "capsule", "small_max",
                              "miss", "large_hit", "recorded", "defer", "pending", "poll", "watch",
                              "pool_malloc", "free_async", "pools", "ensure_pool", "current_stream", "get_device",
-                             "caches", "cache_limits", "stream_of", "free_off_path", "recover_pool", NULL};
+                             "caches", "cache_limits", "stream_of", "free_off_path", "recover_pool",
+                             "stream_caches", "new_stream_cache", "dead", "reap", NULL};
     PyObject *events, *live, *fold, *unknown_free, *failed, *error;
     PyObject *allocate = Py_None, *deallocate = Py_None, *dealloc_failed = Py_None;
     PyObject *arenas = Py_None, *owner = Py_None, *arena_of = Py_None, *stream_ptr = Py_None, *capsule = Py_None;
@@ -188,15 +194,16 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
     PyObject *pool_malloc = Py_None, *free_async = Py_None, *pools = Py_None, *ensure_pool = Py_None;
     PyObject *current_stream = Py_None, *get_device = Py_None, *caches = Py_None, *cache_limits = Py_None;
     PyObject *stream_of = Py_None, *free_off_path = Py_None, *recover_pool = Py_None;
+    PyObject *stream_caches = Py_None, *new_stream_cache = Py_None, *dead = Py_None, *reap = Py_None;
     Py_ssize_t fold_at;
     Py_ssize_t small_max = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOnOOO|$OOOOOOKOOnOOOOOOOOOOOOOOOOOO", kwlist, &events, &live,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOnOOO|$OOOOOOKOOnOOOOOOOOOOOOOOOOOOOOOO", kwlist, &events, &live,
                                      &fold, &fold_at, &unknown_free, &failed, &error, &allocate, &deallocate,
                                      &dealloc_failed, &arenas, &owner, &arena_of, &chunk_bytes, &stream_ptr,
                                      &capsule, &small_max, &miss, &large_hit, &recorded, &defer, &pending, &poll,
                                      &watch, &pool_malloc, &free_async, &pools, &ensure_pool, &current_stream,
                                      &get_device, &caches, &cache_limits, &stream_of, &free_off_path,
-                                     &recover_pool))
+                                     &recover_pool, &stream_caches, &new_stream_cache, &dead, &reap))
         return -1;
     if (!PyList_CheckExact(events)) {
         PyErr_SetString(PyExc_TypeError, "Accounting: events must be a list");
@@ -235,6 +242,12 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
             return -1;
         if (!PyDict_CheckExact(stream_of)) {
             PyErr_SetString(PyExc_TypeError, "Accounting: stream_of must be a dict");
+            return -1;
+        }
+        if (check_per_device(stream_caches, "stream_caches", n, &PyDict_Type) < 0)
+            return -1;
+        if (!PyList_CheckExact(dead) || !PyCallable_Check(new_stream_cache) || !PyCallable_Check(reap)) {
+            PyErr_SetString(PyExc_TypeError, "Accounting: dead must be a list, new_stream_cache and reap callables");
             return -1;
         }
         if (!PyCallable_Check(pool_malloc) || !PyCallable_Check(free_async) || !PyCallable_Check(ensure_pool) ||
@@ -663,6 +676,12 @@ pool_alloc(Accounting *self, PyObject *size, PyObject *alloc_size, PyObject *dev
 static PyObject *
 ordered_malloc(Accounting *self, Py_ssize_t d, PyObject *device, PyObject *size)
 {
+    if (PyList_GET_SIZE(self->dead)) {  /* streams that died with blocks cached */
+        PyObject *x = PyObject_CallNoArgs(self->reap);
+        if (x == NULL)
+            return NULL;
+        Py_DECREF(x);
+    }
     unsigned long long n;
     int fits = size_value(size, &n);
     if (fits < 0)
@@ -682,9 +701,38 @@ ordered_malloc(Accounting *self, Py_ssize_t d, PyObject *device, PyObject *size)
             goto fail;
     }
     unsigned long long limit = 0;
-    if (h == 0 && cache_limit(self, d, &limit) < 0)
+    if (h != 2 && cache_limit(self, d, &limit) < 0)
         goto fail;
-    if (h == 0 && fits && n <= limit) {
+    if (h > 2 && fits && n <= limit) {
+        /* a stream of its own: its size class, from that stream's cache if it can */
+        if (stream == NULL && (stream = PyObject_CallOneArg(self->current_stream, device)) == NULL)
+            goto fail;
+        r = PyWeakref_NewRef(stream, NULL);
+        cls = r == NULL ? NULL : PyLong_FromUnsignedLongLong((n + 511) & ~511ULL);
+        if (cls == NULL)
+            goto fail;
+        PyObject *per_device = table_item(self->stream_caches, d, &PyDict_Type, "stream_caches");
+        if (per_device == NULL)
+            goto fail;
+        PyObject *sc = PyDict_GetItemWithError(per_device, r);  /* borrowed */
+        if (sc != NULL && PyDict_CheckExact(sc)) {
+            PyObject *lst = PyDict_GetItemWithError(sc, cls);  /* borrowed */
+            if (lst != NULL && PyList_CheckExact(lst))
+                ptr = list_pop(lst);
+        }
+        Py_DECREF(per_device);
+        if (ptr == NULL && PyErr_Occurred())
+            goto fail;
+        if (ptr == NULL) {
+            pool = device_pool(self, d, device);
+            hobj = pool == NULL ? NULL : PyLong_FromSsize_t((Py_ssize_t)h);
+            if (hobj == NULL)
+                goto fail;
+            ptr = pool_alloc(self, size, cls, device, pool, hobj, cls);
+            if (ptr == NULL)
+                goto fail;
+        }
+    } else if (h == 0 && fits && n <= limit) {
         /* the legacy default stream: its size class, from the cache if it can */
         cls = PyLong_FromUnsignedLongLong((n + 511) & ~511ULL);
         if (cls == NULL)
@@ -770,6 +818,62 @@ off_path(Accounting *self, PyObject *ptr, PyObject *size, Py_ssize_t d, PyObject
     return 0;
 }
 
+/* A block of stream `stream` (weak reference r) into that stream's cache, if it fits
+ * and there is room: 1 (cached), 0 (not cached), -1 (an error). */
+static int
+stream_cache_put(Accounting *self, PyObject *ptr, PyObject *size, Py_ssize_t d, PyObject *r, PyObject *stream)
+{
+    unsigned long long n, limit;
+    int fits = size_value(size, &n);
+    if (fits < 0 || cache_limit(self, d, &limit) < 0)
+        return -1;
+    if (!fits || n > limit)
+        return 0;
+    unsigned long long cls = (n + 511) & ~511ULL;
+    PyObject *per_device = table_item(self->stream_caches, d, &PyDict_Type, "stream_caches");
+    if (per_device == NULL)
+        return -1;
+    PyObject *sc = PyDict_GetItemWithError(per_device, r);  /* borrowed */
+    Py_XINCREF(sc);
+    Py_DECREF(per_device);
+    if (sc == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        PyObject *dev = PyLong_FromSsize_t(d);
+        if (dev == NULL)
+            return -1;
+        PyObject *args[2] = {dev, stream};
+        sc = PyObject_Vectorcall(self->new_stream_cache, args, 2, NULL);
+        Py_DECREF(dev);
+        if (sc == NULL)
+            return -1;
+    }
+    if (!PyDict_CheckExact(sc)) {
+        Py_DECREF(sc);
+        PyErr_SetString(PyExc_RuntimeError, "cupy_memstrat: a stream's cache is not a dict any more");
+        return -1;
+    }
+    PyObject *k = PyLong_FromUnsignedLongLong(cls);
+    if (k == NULL) {
+        Py_DECREF(sc);
+        return -1;
+    }
+    PyObject *lst = PyDict_GetItemWithError(sc, k);  /* borrowed */
+    if (lst == NULL && !PyErr_Occurred()) {
+        PyObject *fresh = PyList_New(0);
+        lst = fresh == NULL ? NULL : PyDict_SetDefault(sc, k, fresh);
+        Py_XDECREF(fresh);
+    }
+    int rc = 0;
+    if (lst != NULL && PyList_CheckExact(lst) && ((unsigned long long)PyList_GET_SIZE(lst) + 1) * cls <= limit)
+        rc = PyList_Append(lst, ptr) < 0 ? -1 : 1;
+    else if (PyErr_Occurred())
+        rc = -1;
+    Py_DECREF(k);
+    Py_DECREF(sc);
+    return rc;
+}
+
 /* The freed block returns to the pool in the order of the stream it was allocated
  * on, or to the cache (legacy default stream, if there is room). */
 static int
@@ -844,13 +948,21 @@ ordered_give_back(Accounting *self, PyObject *ptr, PyObject *size, Py_ssize_t d,
         }
         stream = stream == Py_None ? NULL : Py_NewRef(stream);
 #endif
-        Py_DECREF(r);
-        if (stream == NULL)  /* destroyed */
+        if (stream == NULL) {  /* destroyed */
+            Py_DECREF(r);
             return off_path(self, ptr, size, d, Py_None, stacklevel);
+        }
         h = stream_obj_handle(stream);
-        Py_DECREF(stream);
-        if (h == -1 && PyErr_Occurred())
+        if (h == -1 && PyErr_Occurred()) {
+            Py_DECREF(stream);
+            Py_DECREF(r);
             return -1;
+        }
+        int cached = h > 2 ? stream_cache_put(self, ptr, size, d, r, stream) : 0;
+        Py_DECREF(stream);
+        Py_DECREF(r);
+        if (cached != 0)
+            return cached < 0 ? -1 : 0;
     }
     /* handles 0-2 name the *current* device's default stream */
     int here = h > 2;

@@ -112,7 +112,8 @@ def test_a_block_is_freed_on_the_stream_it_was_allocated_on(fake, s):
     assert st.n_live == 0 and st.bytes_in_use == 0
 
 
-def test_after_a_sync_another_stream_reuses_the_block(fake, s):
+def test_after_a_sync_another_stream_reuses_the_block(fake):
+    s = cupy_memstrat.create("async", backend=fake, cache=0)  # the CUDA pool's own reuse
     a, b = fake.stream(), fake.stream()
     with a:
         p = s.raw_malloc(4096)
@@ -136,14 +137,17 @@ def test_free_after_the_stream_was_destroyed_is_safe_and_counted(fake, s):
     assert fake.peek_last_error() == C.ERROR_SUCCESS
 
 
-def test_a_handle_cuda_refuses_is_treated_as_destroyed(fake, s):
+@pytest.mark.parametrize("cache", [0, None])
+def test_a_handle_cuda_refuses_is_treated_as_destroyed(fake, cache):
+    s = cupy_memstrat.create("async", backend=fake, cache=cache)
     st = fake.stream()
     with st:
         p = s.raw_malloc(1000)
     st.destroy()  # e.g. an ExternalStream whose owner destroyed the handle
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        s.raw_free(p)
+        s.raw_free(p)  # cache=0: freed at once; else kept in st's cache ...
+        s.trim()  # ... until a trim, which finds the handle refused
     assert s.pool_stats(0).n_frees_after_stream_destroyed == 1 and s.pool_stats(0).used_bytes == 0
 
 
@@ -300,7 +304,10 @@ def test_eight_threads_on_their_own_streams_keep_exact_counts(fake):
     assert not errors
     st = s.stats(0)
     assert st.n_allocs == st.n_frees == 2400 and st.bytes_in_use == 0 and st.n_live == 0
-    assert s.pool_stats(0).used_bytes == 0
+    ps = s.pool_stats(0)
+    assert ps.used_bytes == ps.cached_bytes  # the dead streams' caches wait for a synchronisation
+    s.trim()
+    assert s.pool_stats(0).used_bytes == 0 == s.pool_stats(0).cached_bytes
 
 
 def test_track_origins_records_where_and_frees_normally(fake):
@@ -350,11 +357,66 @@ def test_default_stream_blocks_are_reused_without_a_cuda_call(fake, s):
     assert s.pool_stats(0).cached_bytes == 512 and s.stats(0).bytes_in_use == 0
 
 
-def test_other_streams_are_not_cached(fake, s):
-    with fake.stream() as st:
-        s.raw_free(s.raw_malloc(100))
-    assert s.pool_stats(0).cached_bytes == 0 and fake.n_free_calls == 1
-    del st
+def test_each_stream_reuses_its_own_blocks_without_a_cuda_call_and_never_another_streams(fake, s):
+    a, b = fake.stream(), fake.stream()
+    with a:
+        p = s.raw_malloc(100)
+    s.raw_free(p)  # whatever stream is current: into a's cache
+    assert s.pool_stats(0).cached_bytes == 512 and fake.n_free_calls == 0
+    calls = fake.n_malloc_calls
+    with b:
+        q = s.raw_malloc(100)  # another stream: a new block, never a's
+    assert q != p and fake.n_malloc_calls == calls + 1
+    s.raw_malloc(100)  # the legacy default stream: neither
+    assert fake.n_malloc_calls == calls + 2
+    with a:
+        assert s.raw_malloc(300) == p and fake.n_malloc_calls == calls + 2  # a's own, no CUDA call
+    assert s.pool_stats(0).cached_bytes == 0 and s.stats(0).bytes_in_use == 300 + 100 + 100
+
+
+def test_a_dead_streams_cached_blocks_wait_for_one_device_synchronisation(fake):
+    s = cupy_memstrat.create("async", backend=fake, cache="8KiB")
+    a = fake.stream()
+    with a:
+        p = s.raw_malloc(4096)
+    s.raw_free(p)
+    del a  # the stream dies with p cached: work it queued may still use p
+    gc.collect()
+    syncs = fake.n_device_synchronize_calls
+    q = s.raw_malloc(4096)  # on the default stream: never p; p waits (4 KiB, below the limit)
+    assert q != p and fake.n_device_synchronize_calls == syncs
+    assert s.pool_stats(0).cached_bytes == 4096 and s.pool_stats(0).n_frees_after_stream_destroyed == 0
+    for _ in range(2):  # two more dead streams' blocks: 12 KiB waiting, over the 8 KiB limit
+        t = fake.stream()
+        with t:
+            s.raw_free(s.raw_malloc(4096))
+        del t
+    gc.collect()
+    s.raw_free(s.raw_malloc(100))
+    assert fake.n_device_synchronize_calls == syncs + 1  # one synchronisation frees them all
+    st = s.pool_stats(0)
+    assert st.n_frees_after_stream_destroyed == 3 and st.cached_bytes == 512  # the default stream's block
+    s.raw_free(q)
+    s.close()
+    assert fake.mem_get_info(0)[0] == fake.mem_get_info(0)[1]
+
+
+def test_trim_gives_back_every_streams_cache(fake, s):
+    a = fake.stream()
+    with a:
+        s.raw_free(s.raw_malloc(MiB))
+    d = fake.stream()
+    with d:
+        s.raw_free(s.raw_malloc(MiB))
+    del d
+    gc.collect()
+    assert s.pool_stats(0).cached_bytes == 2 * MiB
+    assert s.trim() == 32 * MiB and s.pool_stats(0).cached_bytes == 0
+    assert s.pool_stats(0).n_frees_after_stream_destroyed == 1  # d's block, after a synchronisation
+    with a:
+        s.raw_free(s.raw_malloc(MiB))
+    s.close()
+    assert s.pool_stats(0).cached_bytes == 0 and fake.mem_get_info(0)[0] == fake.mem_get_info(0)[1]
 
 
 def test_the_cache_keeps_at_most_its_bytes_per_size_class(fake):

@@ -19,6 +19,9 @@ Patterns:
   array is made on the legacy stream.
 * ``freed-by-gc``: the same, the array dropped by the garbage collector (in
   a reference cycle) while the legacy stream is current.
+* ``dead-stream``: an array is written by a long kernel on stream A and
+  dropped, and A itself dies (``cudaStreamDestroy``) while the kernel runs;
+  a new stream B, which CUDA may give A's handle, makes the next array.
 * ``per-thread``: with ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1`` (every
   thread's default stream has the handle ``cudaStreamPerThread``), one thread
   writes an array with a long kernel and drops it; another thread makes the
@@ -64,7 +67,7 @@ extern "C" __global__ void slow_fill(float* x, int n, float v, long long cycles)
 }
 """
 
-PATTERNS = ("other-stream", "freed-elsewhere", "freed-by-gc", "per-thread", "other-reader",
+PATTERNS = ("other-stream", "freed-elsewhere", "freed-by-gc", "dead-stream", "per-thread", "other-reader",
             "other-reader+record", "other-reader+checks")
 ALLOCATORS = ("cupy-default", "device", "managed", "async", "pool", "managed-one-cache")
 
@@ -144,6 +147,30 @@ def other_stream(cp, k: Kernels, rounds: int = 5, n: int = N) -> int:
         a.synchronize()
         bad += int(cp.count_nonzero(y))
         del y
+    return bad
+
+
+def dead_stream(cp, k: Kernels, rounds: int = 5, n: int = N) -> int:
+    """A stream dies while its last kernel still writes a freed block; a new
+    stream, which CUDA may give the dead one's handle (measured: it does,
+    tools/probes/stream_handles.py), allocates the same size and zero-fills
+    it. An allocator that keys its per-stream cache by the handle hands the
+    new stream the block the dead one's kernel is still writing."""
+    bad = 0
+    for _ in range(rounds):
+        a = cp.cuda.Stream(non_blocking=True)
+        with a:
+            x = cp.empty(n, dtype=cp.float32)
+            k.fill(x, 5.0)  # late writes, on A
+            del x
+        del a  # cudaStreamDestroy: A's kernel goes on
+        b = cp.cuda.Stream(non_blocking=True)
+        with b:
+            y = cp.zeros(n, dtype=cp.float32)
+            b.synchronize()
+        cp.cuda.Device().synchronize()
+        bad += int(cp.count_nonzero(y))
+        del y, b
     return bad
 
 
@@ -292,6 +319,7 @@ def run(*, rounds: int = 5, progress=None, allocators=ALLOCATORS) -> dict:
                 ("other-stream", lambda: other_stream(cp, k, rounds)),
                 ("freed-elsewhere", lambda: freed_elsewhere(cp, k, rounds)),
                 ("freed-by-gc", lambda: freed_elsewhere(cp, k, rounds, by_gc=True)),
+                ("dead-stream", lambda: dead_stream(cp, k, rounds)),
                 ("other-reader", lambda: other_reader(cp, k, rounds)),
                 ("other-reader+record", lambda: other_reader(cp, k, rounds, record=True)),
             ):

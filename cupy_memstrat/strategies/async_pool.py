@@ -66,7 +66,8 @@ class PoolStats:
             (``cudaMemPoolAttrReleaseThreshold``; 2**64 - 1 keeps everything).
         max_size: the pool's size limit as asked for (0: none).
         cached_bytes: freed blocks the strategy keeps for reuse on the
-            default stream (option ``cache``); part of ``used_bytes``.
+            stream they were used on (option ``cache``), and those of dead
+            streams waiting for a synchronisation; part of ``used_bytes``.
         n_oom_recoveries: allocations that first failed, then succeeded after
             a synchronize + trim.
         n_frees_after_stream_destroyed: blocks freed after the stream they
@@ -145,18 +146,25 @@ class AsyncPoolStrategy(Strategy):
             memory in 32 MiB steps and the limit acts as rounded up to
             32 MiB (measured on the H200, ``bench async``, docs/async.md).
 
-        cache: blocks freed on the legacy default stream (CuPy's default
-            stream) are kept, per size class of 512 bytes, for the next
-            allocation of that class on that stream, which then makes no CUDA
-            call at all (CuPy's own ``MemoryPool`` and PyTorch's caching
-            allocator do the same per stream). At most this many bytes per
-            size class; larger blocks are not kept. Default ``"64MiB"`` when
-            the pool keeps its memory (the default), 0 (off) when a
+        cache: freed blocks are kept per stream (the legacy default stream,
+            and each ``cupy.cuda.Stream`` of its own) and per size class of
+            512 bytes, for the next allocation of that class on that same
+            stream, which then makes no CUDA call at all (CuPy's own
+            ``MemoryPool`` and PyTorch's caching allocator do the same per
+            stream); a block never goes to another stream's cache, so reuse
+            stays in stream order. At most this many bytes per size class and
+            stream; larger blocks are not kept. Default ``"64MiB"`` when the
+            pool keeps its memory (the default), 0 (off) when a
             ``release_threshold`` is given, so that memory then goes back at
-            synchronisations as CUDA's threshold says. Cached blocks count
-            as reserved, not in use; :meth:`trim`, :meth:`close` and
-            out-of-memory recovery give them back. Blocks on other streams
-            always go straight back to the CUDA pool.
+            synchronisations as CUDA's threshold says. Cached blocks count as
+            reserved, not in use; :meth:`trim`, :meth:`close` and
+            out-of-memory recovery give them back. The per-thread default
+            stream's blocks are not cached. When a stream dies with blocks in
+            its cache, work it queued may still use them: they wait until one
+            device synchronisation gives them all back, once they exceed this
+            many bytes on the device, or at the next trim, close or
+            out-of-memory recovery (counted in
+            ``n_frees_after_stream_destroyed``).
 
     Frees: a block is freed on the stream it was allocated on, whatever
     stream is current. If that stream was destroyed in the meantime (the
@@ -215,7 +223,7 @@ class AsyncPoolStrategy(Strategy):
             "cache",
             _as_threshold,
             None,
-            "bytes of freed blocks of one size kept for reuse on the default stream without a CUDA "
+            "bytes of freed blocks of one size kept per stream for reuse on that stream without a CUDA "
             "call (size or N%); default 64MiB when the pool keeps its memory, else 0",
         ),
     )
@@ -261,6 +269,12 @@ class AsyncPoolStrategy(Strategy):
         # legacy default stream in its size class, for the cache
         self._stream_of: dict[int, object] = {}
         self._cache: list[dict[int, list[int]]] = [{} for _ in range(n)]  # per device: class -> ptrs
+        # per device: a weak reference to a Stream (one with a callback, found by the plain
+        # reference stream_of holds: they compare equal while the stream lives) -> class -> ptrs
+        self._stream_caches: list[dict] = [{} for _ in range(n)]
+        self._dead: list = []  # (device, key) of streams that died with a cache: their blocks wait
+        self._quarantine: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # (ptr, class) to free
+        self._quarantine_bytes = [0] * n
         self._n_recoveries = [0] * n
         self._n_orphan_frees = [0] * n
         self._peak_reserved = [0] * n  # the pools' ReservedMemHigh, as last read
@@ -306,8 +320,10 @@ class AsyncPoolStrategy(Strategy):
         return ptr
 
     def _release_cached(self, device: int) -> int:
-        """Free every cached block of ``device`` into the pool (on the
-        device's default stream, where they were used); returns the bytes."""
+        """Free every cached block of ``device`` into the pool, each on the
+        stream it was used on (the default stream's; a live stream's own); the
+        blocks of streams that died are freed after one device
+        synchronisation. Returns the bytes."""
         released = 0
         for cls, lst in list(self._cache[device].items()):
             while True:
@@ -317,6 +333,82 @@ class AsyncPoolStrategy(Strategy):
                     break
                 self._free_off_path(ptr, cls, device, 0)
                 released += cls
+        for key, cache in list(self._stream_caches[device].items()):
+            stream = key()
+            for cls, lst in list(cache.items()):
+                while True:
+                    try:
+                        ptr = lst.pop()
+                    except IndexError:
+                        break
+                    if stream is not None:
+                        try:
+                            self.backend.free_async(ptr, stream.ptr)  # a handle > 2 names its own device
+                            released += cls
+                            continue
+                        except Exception:  # noqa: BLE001 - CUDA refused the handle (destroyed)
+                            self.backend.clear_last_error()
+                    self._quarantine[device].append((ptr, cls))  # freed after a synchronisation
+                    self._quarantine_bytes[device] += cls
+            if stream is None:
+                self._stream_caches[device].pop(key, None)
+        self._reap(force=True)
+        return released + self._release_quarantine(device)
+
+    def _new_stream_cache(self, device: int, stream) -> dict:
+        """The cache of a non-default stream, made at its first cached free:
+        class -> ptrs, kept under a weak reference whose callback queues the
+        cache for :meth:`_reap` when the stream dies."""
+        dead = self._dead
+
+        def died(key, dead=dead, device=device):  # from the collector: a list append only
+            dead.append((device, key))
+
+        cache: dict[int, list[int]] = {}
+        self._stream_caches[device][weakref.ref(stream, died)] = cache
+        return cache
+
+    def _reap(self, force: bool = False) -> None:
+        """Streams that died with blocks cached: their blocks may still be in
+        use by work the stream had queued, so they wait (quarantined) until
+        one device synchronisation frees them all, when they exceed the
+        device's cache limit, or at once with ``force`` (trim, close,
+        out-of-memory recovery)."""
+        dead = self._dead
+        while dead:
+            try:
+                device, key = dead.pop()
+            except IndexError:  # another thread took the last one
+                break
+            cache = self._stream_caches[device].pop(key, None) or {}
+            for cls, lst in list(cache.items()):
+                for ptr in lst:
+                    self._quarantine[device].append((ptr, cls))
+                    self._quarantine_bytes[device] += cls
+        for device, held in enumerate(self._quarantine_bytes):
+            if held and (force or held > self._cache_limit[device]):
+                self._release_quarantine(device)
+
+    def _release_quarantine(self, device: int) -> int:
+        """One device synchronisation, then the quarantined blocks go back to
+        the pool on the null stream; returns the bytes."""
+        q = self._quarantine[device]
+        if not q:
+            return 0
+        b = self.backend
+        b.clear_last_error()
+        b.device_synchronize(device)  # the dead streams' queued work is done
+        released = 0
+        while q:
+            try:
+                ptr, cls = q.pop()
+            except IndexError:
+                break
+            self._quarantine_bytes[device] -= cls
+            with self._fold_lock:
+                self._n_orphan_frees[device] += 1
+            self._free_off_path(ptr, cls, device, 0)
+            released += cls
         return released
 
     def _oom_detail(self, size: int, device: int) -> str:
@@ -346,6 +438,8 @@ class AsyncPoolStrategy(Strategy):
                 ensure_pool=self._ensure_pool, current_stream=b.current_stream, get_device=b.get_device,
                 caches=self._cache, cache_limits=self._cache_limit, stream_of=self._stream_of,
                 free_off_path=self._free_off_path, recover_pool=self._recover_pool,
+                stream_caches=self._stream_caches, new_stream_cache=self._new_stream_cache, dead=self._dead,
+                reap=self._reap,
             )
             self._give_back_fn = acc.give_back
             self._malloc, self._free, self.hot_path = acc.malloc, acc.free, "c"
@@ -359,13 +453,35 @@ class AsyncPoolStrategy(Strategy):
         recorded, pending, poll, defer, watch = self._recorded, self._pending, self._poll_pending, self._defer, self._watch
 
         caches, limits = self._cache, self._cache_limit
+        scaches, new_stream_cache, dead, reap = self._stream_caches, self._new_stream_cache, self._dead, self._reap
 
         def malloc(size, device):
             if pending:  # blocks freed with record_stream() whose streams may be done
                 poll()
+            if dead:  # streams that died with blocks cached
+                reap()
             stream = current_stream(device)
             sptr = stream.ptr
-            if sptr == 0 and size <= limits[device]:
+            if sptr > 2 and size <= limits[device]:
+                # a stream of its own: its size class, from that stream's cache if it can
+                r = ref(stream)
+                cls = (size + 511) & -512
+                ptr = 0
+                sc = scaches[device].get(r)
+                if sc:
+                    lst = sc.get(cls)
+                    if lst:
+                        try:
+                            ptr = lst.pop()
+                        except IndexError:
+                            pass
+                if not ptr:
+                    pool = pools[device] or ensure_pool(device)
+                    try:
+                        ptr = pool_malloc(cls, pool, sptr)
+                    except Error as exc:
+                        ptr = recover(size, device, sptr, pool, exc, cls)
+            elif sptr == 0 and size <= limits[device]:
                 # the legacy default stream: its size class, from the cache if it can
                 cls = (size + 511) & -512
                 ptr = 0
@@ -424,6 +540,17 @@ class AsyncPoolStrategy(Strategy):
                     free_off_path(ptr, size, device, None, stacklevel)
                     return
                 sptr = stream.ptr
+                if sptr > 2 and size <= limits[device]:  # its stream's cache, if there is room
+                    cls = (size + 511) & -512
+                    sc = scaches[device].get(r)
+                    if sc is None:
+                        sc = new_stream_cache(device, stream)
+                    lst = sc.get(cls)
+                    if lst is None:
+                        lst = sc.setdefault(cls, [])
+                    if (len(lst) + 1) * cls <= limits[device]:
+                        lst.append(ptr)
+                        return
             # handles 0-2 name the *current* device's default stream
             if sptr > 2 or get_device() == device:
                 try:
@@ -527,7 +654,9 @@ class AsyncPoolStrategy(Strategy):
             peak_used_bytes=self._pool_attr(d, _cuda.POOL_ATTR_USED_MEM_HIGH),
             release_threshold=thr,
             max_size=self._max_size[d],
-            cached_bytes=sum(cls * len(lst) for cls, lst in list(self._cache[d].items())),
+            cached_bytes=sum(cls * len(lst) for cls, lst in list(self._cache[d].items()))
+            + sum(cls * len(lst) for c in list(self._stream_caches[d].values()) for cls, lst in list(c.items()))
+            + self._quarantine_bytes[d],
             n_oom_recoveries=self._n_recoveries[d],
             n_frees_after_stream_destroyed=self._n_orphan_frees[d],
         )

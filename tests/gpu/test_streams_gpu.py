@@ -51,6 +51,23 @@ def test_the_control_without_stream_ordered_reuse_corrupts_the_next_array(cp, ke
     assert _run(cp, "managed-one-cache", lambda: PATTERNS[pattern](cp, kern)) > 0
 
 
+def test_a_dead_streams_cached_block_never_reaches_the_stream_that_gets_its_handle(cp, kern):
+    """async caches per stream under a weak reference, never by handle: a new stream that gets a dead
+    stream's handle does not get the block the dead one's kernel still writes. CuPy's pool and
+    managed key by handle (as CuPy does); what they give is in docs/streams.md's table."""
+    assert _run(cp, "async", lambda: S.dead_stream(cp, kern)) == 0
+    assert _run(cp, "async:cache=0", lambda: S.dead_stream(cp, kern)) == 0
+    # the control: the same program, the handle reused (the probe of tools/probes/stream_handles.py)
+    a = cp.cuda.Stream(non_blocking=True)
+    h = a.ptr
+    del a
+    b = cp.cuda.Stream(non_blocking=True)
+    reused = b.ptr == h
+    del b
+    if reused:
+        assert _run(cp, "cupy-default", lambda: S.dead_stream(cp, kern)) > 0  # keyed by handle: corrupts
+
+
 def test_per_thread_default_streams_are_told_apart():
     got = S.per_thread(SAFE + ["managed-one-cache"])
     assert {k: v for k, v in got.items() if k in SAFE} == dict.fromkeys(SAFE, 0)
