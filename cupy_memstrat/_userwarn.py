@@ -19,6 +19,7 @@ def warn_at_user(message, category) -> None:
     fixed ``stacklevel``: the C hot path's free has no Python frame of its
     own, the Python one has one, the checking layer adds more.) Does nothing
     at interpreter shutdown (the warnings machinery may be half gone then)."""
+    __tracebackhide__ = True  # under -W error, pytest's traceback ends at the user's line
     if sys.is_finalizing():
         return
     level, f = 2, sys._getframe(1)

@@ -123,10 +123,13 @@ def _cmd_plot(args) -> int:
         print(f"plot: -o {args.output!r}: expected an image file path such as 'figure.png'"
               + (f" ({out!r} is a directory)" if out and os.path.isdir(out) else ""), file=sys.stderr)
         return 2
+    if _blocks_or_is_a_folder(args.json):
+        print(f"plot: cannot read {args.json!r}: a directory, a FIFO or a socket, not a file", file=sys.stderr)
+        return 2
     try:
         with open(args.json) as f:
             report = json.load(f)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         print(f"plot: cannot read {args.json!r}: {exc}", file=sys.stderr)
         return 2
     if not isinstance(report, dict):
@@ -140,6 +143,12 @@ def _cmd_plot(args) -> int:
         picked = [t for t in with_history if args.test is None or args.test in t.get("nodeid", "")]
         if len(picked) != 1:
             ids = ", ".join(t.get("nodeid", "?") for t in (picked or with_history)[:10]) or "none"
+            no_timeline = [t for t in report["tests"] if isinstance(t, dict) and t.get("history_error")
+                           and args.test is not None and args.test in str(t.get("nodeid", ""))]
+            if no_timeline:
+                t = no_timeline[0]
+                print(f"plot: {t.get('nodeid')} has no timeline: {t['history_error']}", file=sys.stderr)
+                return 2
             what = "no test in it has a timeline (run pytest with --gpumem-history)" if not with_history else (
                 f"--test {args.test!r} matches {len(picked)} of the tests with a timeline ({ids}; only tests that "
                 "failed get one)" if args.test
@@ -147,6 +156,10 @@ def _cmd_plot(args) -> int:
             print(f"plot: {args.json} is a pytest_gpumem report; {what}", file=sys.stderr)
             return 2
         report = dict(picked[0]["history"], title=picked[0].get("nodeid"))  # the figure names the test
+    elif args.test is not None:
+        print(f"plot: --test picks a test of a pytest --gpumem-json report; {args.json} is not one",
+              file=sys.stderr)
+        return 2
     try:
         written = plot(report, args.output)
     except (ValueError, RuntimeError, OSError) as exc:
@@ -182,7 +195,8 @@ def _cmd_run(args) -> int:
             return 2
         script, rest = args.target[0], args.target[1:]
         if not os.path.isfile(script):
-            why = "a directory, not a script" if os.path.isdir(script) else "no such file"
+            why = ("a directory, not a script" if os.path.isdir(script) else
+                   "not a regular file (a FIFO, a device or a socket)" if os.path.exists(script) else "no such file")
             print(f"run: cannot run {script!r}: {why}", file=sys.stderr)
             return 2
     else:
@@ -190,16 +204,8 @@ def _cmd_run(args) -> int:
         import importlib.util
 
         sys.path.insert(0, os.getcwd())  # as python -m finds it
-        why = None
         try:
-            found = importlib.util.find_spec(args.module)
-            if found is None:
-                why = "no such module"
-            elif found.submodule_search_locations is not None and \
-                    importlib.util.find_spec(args.module + ".__main__") is None:
-                why = "it is a package without a __main__ module (python -m cannot run it either)"
-        except (ImportError, ValueError):  # a missing parent package, or a name like ".x"
-            why = "no such module"
+            why = _module_problem(args.module)  # found without importing it: its import runs under the strategy
         finally:
             sys.path.pop(0)
         if why is not None:
@@ -259,10 +265,24 @@ def _without_fake_hint(exc) -> str:
     return text[:cut] + ")" if cut >= 0 else text
 
 
+def _blocks_or_is_a_folder(path: str) -> bool:
+    """A directory, a FIFO or a socket (opening a FIFO blocks until the other
+    end opens it); a device such as /dev/null is fine."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISDIR(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
 def _writable(path: str) -> str | None:
     """Why ``path`` cannot be written, or None. Checked by opening it to
     append, which changes nothing that is there; a file this check created is
     removed again (only that: nothing that existed is ever deleted)."""
+    if _blocks_or_is_a_folder(path):
+        return "a directory, a FIFO or a socket, not a file (opening a FIFO would wait for a reader)"
     existed = os.path.lexists(path)
     try:
         with open(path, "a"):
@@ -271,6 +291,39 @@ def _writable(path: str) -> str | None:
         return exc.strerror or str(exc)
     if not existed:
         os.unlink(path)
+    return None
+
+
+def _module_problem(name: str) -> str | None:
+    """Why ``python -m name`` could not run, found without importing anything
+    (a package's ``__init__`` must run under the strategy): "no such module",
+    a package without ``__main__``, or None."""
+    import importlib.machinery
+    import importlib.util
+
+    if not name or name.startswith(".") or not all(part.isidentifier() for part in name.split(".")):
+        return "no such module"
+    path, spec = None, None
+    parts = name.split(".")
+    for i in range(len(parts)):
+        full = ".".join(parts[: i + 1])
+        if full in sys.modules and getattr(sys.modules[full], "__spec__", None) is not None:
+            spec = sys.modules[full].__spec__  # already imported (the standard library, say)
+        else:
+            try:
+                spec = importlib.machinery.PathFinder.find_spec(full, path)
+                if spec is None and i == 0:
+                    spec = importlib.util.find_spec(full)  # a built-in or frozen module
+            except (ImportError, ValueError):
+                spec = None
+        if spec is None:
+            return "no such module"
+        path = spec.submodule_search_locations
+        if i < len(parts) - 1 and path is None:
+            return "no such module"  # a module, not a package, before the last dot
+    if spec.submodule_search_locations is not None:
+        if importlib.machinery.PathFinder.find_spec(name + ".__main__", spec.submodule_search_locations) is None:
+            return "it is a package without a __main__ module (python -m cannot run it either)"
     return None
 
 

@@ -65,6 +65,7 @@ class Window:
     history: object = None  # cupy_memstrat.history.History of the call (--gpumem-history)
     history_error: str | None = None  # why the call could not be recorded
     strategy_name: str | None = None  # set when measured through another strategy than the session's
+    allocator_change: tuple | None = None  # (message, as an error) when the test replaced CuPy's allocator
 
 
 class Meter:
@@ -255,21 +256,53 @@ class GpuMem:
         """The cupy_memstrat strategy measured through."""
         return self._meter.strategy
 
+    def _same_allocator(self) -> None:
+        """Raises RuntimeError if CuPy allocates through another allocator than
+        the one measured since the fixture's setup (the test installed one):
+        the numbers since then would not be the test's."""
+        __tracebackhide__ = True
+        now = cupy_memstrat.current()
+        if now is not self._meter.strategy:
+            what = f"strategy {now.name!r}" if now is not None else "an allocator that is not a cupy_memstrat strategy"
+            raise RuntimeError(
+                f"gpumem: CuPy allocates through {what} now, installed after the gpumem fixture was set up, "
+                f"and gpumem has measured strategy {self._meter.strategy.name!r} since then: its numbers would "
+                "not be this test's (run the test under a strategy with the gpumem_strategy fixture or "
+                "--gpumem-strategy; gpumem.measure() blocks measure whatever allocates at the time)")
+
     @property
     def peak(self) -> int:
         """Bytes: the highest GPU memory in use since the fixture was set up,
-        on top of what was in use then (the highest over devices)."""
+        on top of what was in use then (the highest over devices).
+
+        Raises:
+            RuntimeError: the test installed another allocator since the setup.
+        """
+        __tracebackhide__ = True
+        self._same_allocator()
         return max(self._meter.read(self._window)[0], default=0)
 
     @property
     def in_use(self) -> int:
-        """Bytes in use now on top of what was in use when the fixture was set up (all devices)."""
+        """Bytes in use now on top of what was in use when the fixture was set up (all devices).
+
+        Raises:
+            RuntimeError: the test installed another allocator since the setup.
+        """
+        __tracebackhide__ = True
+        self._same_allocator()
         return sum(self._meter.read(self._window)[1])
 
     def live_allocations(self) -> list:
         """Allocations made since the fixture was set up that are live now,
         largest first (``cupy_memstrat.Allocation``; ``origin`` set when the
-        strategy tracks origins)."""
+        strategy tracks origins).
+
+        Raises:
+            RuntimeError: the test installed another allocator since the setup.
+        """
+        __tracebackhide__ = True
+        self._same_allocator()
         return self._meter.leaks(self._window, collect=False)
 
     def assert_no_leaks(self, limit=0) -> None:
@@ -277,6 +310,7 @@ class GpuMem:
         set up are still live, after ``gc.collect()`` and clearing CuPy's
         caches, totalling more than ``limit`` (bytes or a size string)."""
         __tracebackhide__ = True  # the failure points at the test's line, not at this plugin
+        self._same_allocator()
         limit = cupy_memstrat.parse_size(limit, what="limit")
         leaked = self._meter.leaks(self._window)
         total = sum(a.size for a in leaked)
@@ -298,11 +332,15 @@ class GpuMem:
                 where there is no counter.
         """
         m = Measurement()
+        meter = self._meter
+        now = cupy_memstrat.current()
+        if now is not None and now is not meter.strategy:
+            meter = Meter(now)  # the test installed another strategy: the block measures what allocates now
         count = self._count_faults if faults is None else faults
         counter = None
         if count:
-            counter = _faults.FaultCounter(backend=self._meter.strategy.backend)
-        w = self._meter.open()
+            counter = _faults.FaultCounter(backend=meter.strategy.backend)
+        w = meter.open()
         if counter is not None:
             counter.start()
         try:
@@ -310,10 +348,10 @@ class GpuMem:
         finally:
             if counter is not None:
                 m.faults = counter.stop()
-            self._meter.close(w)
+            meter.close(w)
             m.peaks, m.peak = list(w.peak), max(w.peak, default=0)
             m.allocated, m.freed = w.n_allocs, w.n_frees
-            m.leaked_allocations = self._meter.leaks(w)
+            m.leaked_allocations = meter.leaks(w)
             m.leaked = sum(a.size for a in m.leaked_allocations)
 
     def _close(self) -> None:

@@ -102,6 +102,17 @@ def parse_json_path(raw: str):
     if not os.path.isdir(folder):
         raise ValueError(f"cannot write {path!r}: {folder!r} is not a directory")
     try:
+        name_max, path_max = os.pathconf(folder, "PC_NAME_MAX"), os.pathconf(folder, "PC_PATH_MAX")
+    except (OSError, ValueError, AttributeError):  # no pathconf here: the probe below decides
+        name_max = path_max = None
+    if path_max and len(real.encode(errors="surrogateescape")) >= path_max:
+        raise ValueError(f"cannot write a {len(real)}-character path: the file system takes at most {path_max - 1}")
+    if name_max:
+        for part in os.path.relpath(real, folder).split(os.sep):
+            if len(part.encode(errors="surrogateescape")) > name_max:
+                raise ValueError(f"cannot write {path!r}: a {len(part)}-character file or folder name; the file "
+                                 f"system takes at most {name_max}")
+    try:
         fd, probe = tempfile.mkstemp(prefix=".gpumem-json-check-", dir=folder)
         os.close(fd)
         os.unlink(probe)
@@ -282,8 +293,15 @@ class Plan:
     fault_source: str | None = None
 
 
+def _safe_repr(value) -> str:
+    try:
+        return repr(value)
+    except Exception:  # noqa: BLE001 - a value whose __repr__ raises is still named
+        return f"<{type(value).__name__} object>"
+
+
 def _marker_error(marker, item, exc) -> pytest.UsageError:
-    args = ", ".join([repr(a) for a in marker.args] + [f"{k}={v!r}" for k, v in marker.kwargs.items()])
+    args = ", ".join([_safe_repr(a) for a in marker.args] + [f"{k}={_safe_repr(v)}" for k, v in marker.kwargs.items()])
     return pytest.UsageError(f"marker {marker.name}({args}) on {item.nodeid}: {exc}")
 
 

@@ -136,9 +136,10 @@ class _State:
         except (cupy_memstrat.NoDeviceError, cupy_memstrat.CuPyNotInstalledError, RuntimeError) as exc:
             self.why_off = str(exc)
             self.strategy = self.meter = None
-        except ValueError as exc:  # e.g. a bad CUPY_MEMSTRAT_BACKEND, an option the device refuses
-            where = self.settings.source("strategy")
-            msg = f"{where}={spec!r}: {exc}" if spec and where and not str(exc).startswith(where) else str(exc)
+        except (ValueError, pytest.UsageError) as exc:  # a bad CUPY_MEMSTRAT_BACKEND, an option the device
+            where = self.settings.source("strategy")   # refuses, checks given twice
+            named = isinstance(exc, pytest.UsageError) or not (spec and where) or str(exc).startswith(where)
+            msg = str(exc) if named else f"{where}={spec!r}: {exc}"
             self.strategy = self.meter = None
             if self.worker is not None:
                 # A pytest-xdist worker that raised here would crash, be replaced and crash again:
@@ -166,17 +167,37 @@ class _State:
                 return Meter(new), new
         if cupy.cuda.get_allocator() is self._expected_allocator:
             return self.meter, self.strategy
+        msg, as_error = self.adopt_allocator(item, "before")
+        if as_error:  # fail the test cleanly: no plugin traceback, no chained warning
+            pytest.fail(f"gpumem: {msg} (GpuMemAllocatorWarning, an error under -W)", pytrace=False)
+        return self.meter, self.strategy
+
+    def allocator_changed(self) -> bool:
+        """Whether CuPy's process-wide allocator is not the one measured through."""
+        import cupy
+
+        return self._expected_allocator is not None and cupy.cuda.get_allocator() is not self._expected_allocator
+
+    def adopt_allocator(self, item, when: str):
+        """CuPy's allocator was replaced ``before`` or ``during`` ``item``:
+        measure through the new strategy from here on, or, if it is not a
+        cupy_memstrat strategy, stop measuring; say so once, with a
+        ``GpuMemAllocatorWarning`` at the test's line. Returns ``(message or
+        None, whether -W made the warning an error)``."""
+        import cupy
+
         new = cupy_memstrat.current()
         if new is self.strategy:  # the same strategy, installed again
             self._expected_allocator = cupy.cuda.get_allocator()
-            return self.meter, self.strategy
+            return None, False
+        what = "before" if when == "before" else "during"
         if new is not None:
-            msg = (f"CuPy's allocator changed before {item.nodeid} to strategy {new.name!r} "
+            msg = (f"CuPy's allocator changed {what} {item.nodeid} to strategy {new.name!r} "
                    f"(cupy_memstrat.use in a test or fixture); gpumem measures through it from here on")
             self.strategy, self.meter = new, Meter(new)
             self._expected_allocator = cupy.cuda.get_allocator()
         else:
-            msg = (f"CuPy's allocator changed before {item.nodeid} to {_describe_allocator(cupy)}, "
+            msg = (f"CuPy's allocator changed {what} {item.nodeid} to {_describe_allocator(cupy)}, "
                    "which is not a cupy_memstrat strategy: gpumem cannot measure through it, and the "
                    "tests from here on are not measured (install strategies with cupy_memstrat.use, or "
                    "restore CuPy's allocator at the end of the test)")
@@ -185,12 +206,9 @@ class _State:
         self.allocator_changes.append(msg)
         try:
             _warn_at_test(item, GpuMemAllocatorWarning(msg))
-            as_error = False
+            return msg, False
         except Warning:  # -W error: the warning is an error
-            as_error = True
-        if as_error:  # fail the test cleanly: no plugin traceback, no chained warning
-            pytest.fail(f"gpumem: {msg} (GpuMemAllocatorWarning, an error under -W)", pytrace=False)
-        return self.meter, self.strategy
+            return msg, True
 
     def restore(self) -> None:
         if self.installed:
@@ -238,6 +256,17 @@ class _State:
             "duration": getattr(call, "duration", None),
         }
         problems, details = [], []
+        change, change_is_error = getattr(w, "allocator_change", None) or (None, False)
+        if change is not None:
+            # its allocations after the change went to another allocator: its numbers are not the
+            # test's, and no budget or leak verdict is given on them
+            rec["measured"] = False
+            rec["allocator_change"] = change
+            if plan.leaks != "off":
+                rec["leak_check"] = "skipped: the test changed CuPy's allocator"
+            plan = _unchecked(plan)
+            if change_is_error:
+                problems.append(("allocator", f"gpumem: {change} (GpuMemAllocatorWarning, an error under -W)"))
         if plan.budget is not None:
             limits = [meter.limit(plan.budget, d) for d in meter.devices]
             rec["budget_bytes"] = limits[peak_dev] if n else None
@@ -274,11 +303,14 @@ class _State:
                 listing = ("allocations made by the test and still live after its teardown and gc.collect(), "
                            "largest first:\n" + describe(leaked))
                 if not any(a.origin for a in leaked):
-                    if w.strategy_name is not None:  # the test's own strategy (gpumem_strategy, using())
-                        how = f"create the test's strategy with track_origins=True ({w.strategy_name}:track_origins=true)"
+                    if w.strategy_name is not None:  # the test's own strategy (gpumem_strategy, using()):
+                        # a recording cannot wrap it
+                        how = (f"create the test's strategy with track_origins=True "
+                               f"({w.strategy_name}:track_origins=true)")
                     else:
-                        how = f"run with --gpumem-strategy={meter.strategy.name}:track_origins=true"
-                    listing += f"\n  (where each was allocated: {how}, or with --gpumem-history and --gpumem-json)"
+                        how = (f"run with --gpumem-strategy={meter.strategy.name}:track_origins=true, or with "
+                               "--gpumem-history and --gpumem-json")
+                    listing += f"\n  (where each was allocated: {how})"
                 if plan.leaks == "fail":
                     problems.append(("leaks", msg))
                     details.append(listing)
@@ -388,6 +420,13 @@ class _State:
         }
 
 
+def _unchecked(plan):
+    """The plan without the budget and leak checks (a test whose allocator changed)."""
+    import dataclasses
+
+    return dataclasses.replace(plan, budget=None, leaks="off")
+
+
 def _origins_from_history(leaked, history) -> list:
     """The leaked allocations with the origins a recording holds for them."""
     import dataclasses
@@ -491,9 +530,11 @@ def pytest_configure(config):
 
 
 def _fake_backend_asked() -> bool:
+    """CUPY_MEMSTRAT_BACKEND names a backend other than CUDA (the fake, or a bad value,
+    which activating then refuses as a usage error)."""
     import os
 
-    return os.environ.get("CUPY_MEMSTRAT_BACKEND", "").strip().lower().startswith("fake")
+    return os.environ.get("CUPY_MEMSTRAT_BACKEND", "").strip().lower() not in ("", "cuda", "real")
 
 
 def pytest_unconfigure(config):
@@ -627,6 +668,8 @@ def pytest_runtest_protocol(item, nextitem):
     w = item.stash.get(_WINDOW, None)
     if w is not None:
         del item.stash[_WINDOW]
+        if state.allocator_changed():  # the test (or its fixtures) installed another allocator
+            w.allocator_change = state.adopt_allocator(item, "during")
         state.verdict(item, item.stash[_PLAN], w, reports)
     for rep in reports:
         ihook.pytest_runtest_logreport(report=rep)
@@ -740,8 +783,8 @@ def pytest_sessionfinish(session, exitstatus):
             state.machine = state.meter.machine()
         try:
             _report.write_json(path, state.records, state.info())
-        except OSError as exc:  # checked at start-up; the disk can still fill up or the folder go away
-            state.json_error = f"cannot write the JSON report {path!r}: {exc.strerror or exc}"
+        except (OSError, RecursionError) as exc:  # checked at start-up; a disk can still fill up, a folder go
+            state.json_error = f"cannot write the JSON report {path!r}: {getattr(exc, 'strerror', None) or exc}"
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -749,7 +792,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if state is None:
         return
     tr = terminalreporter
-    for msg in state.allocator_changes:
+    changes = list(state.allocator_changes)
+    changes += [r["allocator_change"] for r in state.records if r.get("allocator_change") not in (None, *changes)]
+    for msg in changes:  # (under pytest-xdist they come in the workers' records)
         tr.write_line(f"gpumem: {msg}")
     if state.why_off and state.n_unmeasured and not state.settings.measuring:
         n = state.n_unmeasured
@@ -821,8 +866,11 @@ def gpumem_strategy(request):
                     f"{name!r} (parametrize it with names, indirect=True)", pytrace=False)
     try:
         cupy_memstrat.validate(name)  # a typo is the test's error, not a skip
+        bad = None
     except (cupy_memstrat.MemstratError, ValueError, TypeError) as exc:
-        pytest.fail(f"gpumem_strategy: {exc}", pytrace=False)
+        bad = str(exc)
+    if bad is not None:  # outside the except: one message, no chained exception
+        pytest.fail(f"gpumem_strategy: {bad}", pytrace=False)
     try:
         cm = cupy_memstrat.using(name)
         s = cm.__enter__()

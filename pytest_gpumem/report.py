@@ -44,7 +44,8 @@ def table_lines(records: list[dict], top: int) -> list[str]:
         head += [f"{'GPU faults':>10}", f"{'CPU faults':>10}", f"{'migrated':>10}"]
     lines = ["  ".join(head + ["test"])]
     for r in rows:
-        cells = [f"{fmt(r['peak_bytes']):>10}", f"{r['allocated']:>7}"]
+        unmeasured = r.get("measured") is False  # its allocator changed during it
+        cells = [f"{'-' if unmeasured else fmt(r['peak_bytes']):>10}", f"{'-' if unmeasured else r['allocated']:>7}"]
         if show_leaks:
             lb = r.get("leaked_bytes")
             cells.append(f"{'-' if lb is None else fmt(lb):>10}")
@@ -56,6 +57,8 @@ def table_lines(records: list[dict], top: int) -> list[str]:
             else:
                 cells += [f"{'-':>10}"] * 3
         tail = f"  [{r['verdict']}]" if r.get("verdict") else ""
+        if unmeasured:
+            tail += "  [not measured: it changed CuPy's allocator]"
         where = f" ({r['worker']})" if r.get("worker") else ""
         if r.get("strategy"):
             where += f" [strategy {r['strategy']}]"

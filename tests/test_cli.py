@@ -1,5 +1,6 @@
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -175,6 +176,36 @@ def test_run_refuses_clearly(tmp_path, args, env, message):
     (tmp_path / "pkg" / "__init__.py").write_text("")
     r = _run_fake(tmp_path, *args, env=env)
     assert r.returncode == 2 and message in r.stderr and r.stdout == ""
+
+
+def test_run_imports_a_package_only_under_the_strategy(tmp_path):
+    """From the second adversarial trial: checking -m imported the package before the strategy was
+    installed (and a package whose __init__ raised gave our own traceback)."""
+    (tmp_path / "pkgok").mkdir()
+    (tmp_path / "pkgok" / "__init__.py").write_text("import cupy_memstrat as cm\nprint('init', cm.current().name)\n")
+    (tmp_path / "pkgok" / "__main__.py").write_text("print('main')\n")
+    r = _run_fake(tmp_path, "run", "-q", "-s", "device", "-m", "pkgok")
+    assert r.returncode == 0 and r.stdout.split() == ["init", "device", "main"], r.stderr
+    (tmp_path / "pkgrt").mkdir()
+    (tmp_path / "pkgrt" / "__init__.py").write_text("raise RuntimeError('init rt')\n")
+    (tmp_path / "pkgrt" / "__main__.py").write_text("")
+    r = _run_fake(tmp_path, "run", "-q", "-s", "device", "-m", "pkgrt")
+    assert r.returncode == 1 and r.stderr.rstrip().endswith("RuntimeError: init rt")
+    assert "cupy_memstrat" not in r.stderr and "Traceback (most recent call last):" in r.stderr
+
+
+def test_fifos_and_deep_json_are_refused_without_hanging(tmp_path, capsys):
+    fifo = tmp_path / "f.json"
+    os.mkfifo(fifo)
+    assert cli.main(["plot", str(fifo), "-o", str(tmp_path / "o.png")]) == 2
+    assert "a directory, a FIFO or a socket, not a file" in capsys.readouterr().err
+    assert cli.main(["bench", "alloc", "--json", str(fifo)]) == 2
+    assert "a FIFO" in capsys.readouterr().err
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    assert cli.main(["plot", str(deep), "-o", str(tmp_path / "o.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plot: cannot read") and "Traceback" not in err
 
 
 def test_run_shows_the_scripts_traceback_without_ours(tmp_path):

@@ -885,9 +885,9 @@ def test_second(gpumem_strategy, gpumem):
     r.assert_outcomes(passed=3)
 
 
-def test_an_allocator_change_under_w_error_fails_cleanly(pytester, fake_env):
-    """From a new user's trial: with -W error the GpuMemAllocatorWarning raised inside the plugin,
-    a traceback of plugin frames."""
+def test_an_allocator_change_under_w_error_fails_the_test_that_made_it_cleanly(pytester, fake_env):
+    """From a new user's trials: with -W error the GpuMemAllocatorWarning raised inside the plugin,
+    a traceback of plugin frames; then it failed the next, innocent test."""
     pytester.makepyfile(HEAD + """
 import cupy_memstrat
 def test_1_switches():
@@ -903,10 +903,13 @@ def test_4_after_none():
     r.assert_outcomes(passed=2, failed=2)
     out = r.stdout.str()
     assert "plugin.py" not in out and "Traceback" not in out
-    r.stdout.fnmatch_lines(["*gpumem: CuPy's allocator changed before *::test_2_after to strategy 'device'*"
+    r.stdout.fnmatch_lines(["*_ test_1_switches _*",
+                            "gpumem: CuPy's allocator changed during *::test_1_switches to strategy 'device'*"
                             "(GpuMemAllocatorWarning, an error under -W)"])
-    r.stdout.fnmatch_lines(["*changed before *::test_4_after_none to plain cudaMalloc, no pool "
+    r.stdout.fnmatch_lines(["*_ test_3_none _*",
+                            "*changed during *::test_3_none to plain cudaMalloc, no pool "
                             "(cupy.cuda.set_allocator(None)), which is not a cupy_memstrat strategy*"])
+    assert "FAILED *test_2_after" not in out and "FAILED *test_4" not in out
 
 
 def test_history_without_json_says_where_the_timelines_go(pytester, fake_env):
@@ -933,6 +936,73 @@ def test_use_in_body():
                                                                  "call: the test installed another allocator")
 
 
+def test_second_trial_paths_are_usage_errors_never_internal_errors(pytester, fake_env):
+    """From the second adversarial trial: a marker value whose __repr__ raises (INTERNALERROR), a
+    bad CUPY_MEMSTRAT_BACKEND ignored when nothing was measured, a JSON name too long for the file
+    system (found only at the end)."""
+    pytester.makepyfile("""
+import pytest
+class BadRepr:
+    def __repr__(self):
+        raise RuntimeError("repr boom")
+    def __index__(self):
+        raise RuntimeError("index boom")
+@pytest.mark.limit_gpu_memory(BadRepr())
+def test_badrepr():
+    pass
+""")
+    r = run(pytester)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR and "INTERNALERROR" not in r.stdout.str() + r.stderr.str()
+    r.stderr.fnmatch_lines(["*marker limit_gpu_memory(<BadRepr object>) on *::test_badrepr: index boom"])
+    pytester.makepyfile("def test_badrepr():\n    pass\n")
+    r = run(pytester, "--gpumem", "--gpumem-json=" + "a" * 300 + ".json")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["*a 305-character file or folder name; the file system takes at most *"])
+    fake_env.setenv("CUPY_MEMSTRAT_BACKEND", "gpu")
+    r = pytester.runpytest_subprocess("-p", "no:cacheprovider")  # no gpumem option, no marker
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["*CUPY_MEMSTRAT_BACKEND='gpu': unknown backend*"])
+
+
+def test_xdist_checks_given_twice_error_each_test(pytester, monkeypatch):
+    pytest.importorskip("xdist")
+    for k in list(os.environ):
+        if k.startswith("GPUMEM"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
+    pytester.makepyfile("def test_a():\n    pass\n")
+    r = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", "--gpumem-check=all",
+                                      "--gpumem-strategy=device:check=streams")
+    out = r.stdout.str() + r.stderr.str()
+    assert "node down" not in out and "INTERNALERROR" not in out
+    r.assert_outcomes(errors=1)
+    r.stdout.fnmatch_lines(["*gpumem usage error: --gpumem-check (--gpumem-check) and a check= in the strategy "
+                            "spec*give the checks in one place*"])
+
+
+def test_the_gpumem_fixture_refuses_numbers_that_are_not_the_tests(pytester, fake_env):
+    """From the second new user's trial: after the test called use(), gpumem.peak read 0."""
+    pytester.makepyfile(HEAD + """
+import cupy_memstrat
+def test_switch(gpumem):
+    cupy_memstrat.use("device")
+    x = alloc(5 * MiB)
+    with gpumem.measure() as m:   # a block measures what allocates at the time
+        y = alloc(2 * MiB)
+    assert m.peak == 2 * MiB
+    with pytest.raises(RuntimeError, match="gpumem: CuPy allocates through strategy 'device' now, installed "
+                                           "after the gpumem fixture was set up"):
+        gpumem.peak
+@pytest.mark.parametrize("gpumem_strategy", ["devcie"], indirect=True)
+def test_typo(gpumem_strategy):
+    pass
+""")
+    r = run(pytester, "-p", "no:randomly")
+    r.assert_outcomes(passed=1, errors=1)
+    out = r.stdout.str()
+    assert out.count("unknown strategy 'devcie'") == 1 and "During handling" not in out, out
+
+
 # -- a test that replaces CuPy's allocator ------------------------------------------------------
 
 
@@ -951,22 +1021,32 @@ def test_xdist_names_the_strategy_given_on_the_command_line(pytester, monkeypatc
 
 
 def test_a_strategy_installed_by_a_test_is_measured_through_and_said_once(pytester, fake_env):
+    """The test that switches is reported as not measured (its allocations after the switch went
+    elsewhere: a trial saw '0 B' rows and a leak that escaped); the tests after it are measured
+    through the new strategy."""
     pytester.makepyfile(HEAD + """
 import cupy_memstrat
 def test_1_switches():
     cupy_memstrat.use("device")
+    KEEP.append(alloc(2 * MiB))
 def test_2_leaks():
     KEEP.append(alloc(MiB))
 """)
-    r = run(pytester, "--gpumem-leaks=fail", "-p", "no:randomly")
+    r = run(pytester, "--gpumem-leaks=fail", "-p", "no:randomly", "--gpumem-json=out.json")
     r.assert_outcomes(passed=1, failed=1)  # the leak after the switch is still caught
     r.stdout.fnmatch_lines([
         "*leaked 1 allocation, 1.0 MiB > limit 0 B (--gpumem-leaks)*",
-        "gpumem: CuPy's allocator changed before *test_2_leaks to strategy 'device' *",
+        "gpumem: CuPy's allocator changed during *test_1_switches to strategy 'device' *",
     ])
+    r.stdout.fnmatch_lines(["*-        -  *::test_1_switches  [[]not measured: it changed CuPy's allocator[]]"])
     line = (pytester.path / "test_a_strategy_installed_by_a_test_is_measured_through_and_said_once.py").read_text()
-    line = line.splitlines().index("def test_2_leaks():") + 1  # the warning names the test it was found at
-    r.stdout.fnmatch_lines([f"*.py:{line}: GpuMemAllocatorWarning: CuPy's allocator changed before *test_2_leaks*"])
+    line = line.splitlines().index("def test_1_switches():") + 1  # the warning names the test that switched
+    r.stdout.fnmatch_lines([f"*.py:{line}: GpuMemAllocatorWarning: CuPy's allocator changed during *test_1_switches*"])
+    tests = {t["nodeid"].split("::")[1]: t for t in json.loads((pytester.path / "out.json").read_text())["tests"]}
+    t1 = tests["test_1_switches"]
+    assert t1["measured"] is False and t1["leaked_bytes"] is None and "changed during" in t1["allocator_change"]
+    assert t1["leak_check"] == "skipped: the test changed CuPy's allocator"
+    assert tests["test_2_leaks"]["leaked_bytes"] == 1 << 20 and tests["test_2_leaks"]["strategy"] == "device"
 
 
 def test_a_foreign_allocator_installed_by_a_test_stops_measuring_loudly(pytester, fake_env):
@@ -980,9 +1060,9 @@ def test_2_after():
     r = run(pytester, "--gpumem-leaks=fail", "-W", "default")
     r.assert_outcomes(passed=2)
     r.stdout.fnmatch_lines([
-        "*GpuMemAllocatorWarning: CuPy's allocator changed before *test_2_after to plain cudaMalloc, no pool "
+        "*GpuMemAllocatorWarning: CuPy's allocator changed during *test_1_switches to plain cudaMalloc, no pool "
         "(cupy.cuda.set_allocator(None)), which is not a cupy_memstrat strategy*",
-        "gpumem: CuPy's allocator changed before *test_2_after to *the tests from here on are not measured*",
+        "gpumem: CuPy's allocator changed during *test_1_switches to *the tests from here on are not measured*",
     ])
 
 

@@ -357,6 +357,7 @@ class Strategy:
         the allocating device): a block is always freed for, and accounted to,
         the device that allocated it.
         """
+        __tracebackhide__ = True  # pytest shows the user's frames under -W error
         if type(ptr) is not int:
             if isinstance(ptr, (bool, float)) or not hasattr(ptr, "__index__"):
                 self._invalid_free(ptr, 3)  # a float equal to a pointer would hash like it
@@ -721,6 +722,7 @@ class Strategy:
     def _unknown_free(self, ptr, stacklevel: int = 1) -> tuple[int, int | None]:
         """A free whose device hint was wrong: (device, size) of the live
         block, popped; else counts and warns an invalid free, (-1, None)."""
+        __tracebackhide__ = True  # pytest shows the user's frames under -W error
         device, size = self._find_live(ptr)
         if size is None and not (ptr == 0 and type(ptr) is int):
             self._invalid_free(ptr, 4 + stacklevel)
@@ -817,6 +819,7 @@ class Strategy:
         raise oom from cause
 
     def _invalid_free(self, ptr, stacklevel: int) -> None:
+        __tracebackhide__ = True  # pytest shows the user's frames under -W error
         with self._fold_lock:
             self._n_invalid_frees += 1
         shown = f"0x{ptr:x}" if type(ptr) is int and ptr >= 0 else repr(ptr)
@@ -1099,4 +1102,5 @@ def _warn(message: str, category, stacklevel: int) -> None:
     """Warn, attributed to the user's line: the first frame outside
     cupy_memstrat (``stacklevel`` is no longer used: the frames between
     differ with the hot path)."""
+    __tracebackhide__ = True  # pytest shows the user's frames under -W error
     warn_at_user(message, category)
