@@ -34,6 +34,8 @@
 #   tools/device_run.sh hotpath2          the managed hot-path probe (tools/probes/managed_hot_path.py), bench managed
 #   tools/device_run.sh hotpath3          info, tests/gpu, then bench async, alloc, managed, streams and
 #                                         workloads (JSON into $OUT): the async C hot path (issue 18)
+#   tools/device_run.sh final2            info, tests/gpu, bench streams, async, alloc and workloads, then
+#                                         CuPy's subset under CuPy's pool and async (per-stream caches)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -96,6 +98,20 @@ if [ "$part" = main ]; then
   for s in cupy-default device; do
     timeout 180 compute-sanitizer --tool memcheck --print-limit 2 python3 tools/oob_demo.py $s 2>&1 | grep -E "ERROR SUMMARY|Invalid __global__ write|kernel ran"
   done
+fi
+
+if [ "$part" = final2 ]; then
+  step info
+  python3 -m cupy_memstrat info --json > "$OUT/info.json"
+  python3 -m cupy_memstrat info | head -20
+  step tests/gpu
+  python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$OUT/tests_gpu.xml"
+  for g in streams async alloc workloads; do
+    step "bench $g"
+    python3 -m cupy_memstrat bench $g --json "$OUT/bench-$g.json"
+  done
+  set -- default async
+  part=cupy
 fi
 
 if [ "$part" = hotpath3 ]; then

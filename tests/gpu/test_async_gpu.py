@@ -144,6 +144,9 @@ def test_free_after_its_stream_was_destroyed(cp, strategies):
     ps = s.pool_stats()
     assert ps.n_frees_after_stream_destroyed == 2 and s.stats().n_live == 0
     cp.cuda.Device().synchronize()
+    ps = s.pool_stats()
+    assert ps.used_bytes == ps.cached_bytes  # blocks st freed while it lived wait for a synchronisation
+    s.trim()
     assert s.pool_stats().used_bytes == 0
     assert float(cp.ones(10).sum()) == 10.0
 
@@ -210,10 +213,15 @@ def test_default_stream_blocks_are_reused_from_the_cache(cp, strategies):
     st = cp.cuda.Stream(non_blocking=True)
     with st:
         z = cp.empty(1000, dtype=cp.float32)
+    q = z.data.ptr
     del z
-    st.synchronize()
-    assert s.pool_stats().cached_bytes == 0  # other streams go straight back to CUDA
-    del y
+    assert s.pool_stats().cached_bytes == 4096  # kept for st, and for st only
+    w = cp.empty(1000, dtype=cp.float32)  # the default stream: never st's block
+    assert w.data.ptr != q
+    with st:
+        v = cp.empty(1000, dtype=cp.float32)
+    assert v.data.ptr == q and s.pool_stats().cached_bytes == 0
+    del y, w, v
 
 
 def test_threshold_zero_releases_at_sync_the_default_keeps(cp, strategies):
