@@ -154,8 +154,10 @@ def dead_stream(cp, k: Kernels, rounds: int = 5, n: int = N) -> int:
     """A stream dies while its last kernel still writes a freed block; a new
     stream, which CUDA may give the dead one's handle (measured: it does,
     tools/probes/stream_handles.py), allocates the same size and zero-fills
-    it. An allocator that keys its per-stream cache by the handle hands the
-    new stream the block the dead one's kernel is still writing."""
+    it. Measured on an H200: safe under every stream-ordered allocator, CuPy's
+    pool (which keys its arenas by handle) included: CUDA releases a
+    destroyed stream, and so its handle, only once its queued work is done
+    (``cudaStreamDestroy``); the control, one cache for every stream, is not."""
     bad = 0
     for _ in range(rounds):
         a = cp.cuda.Stream(non_blocking=True)
