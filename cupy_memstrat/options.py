@@ -75,11 +75,11 @@ def as_int(value, what: str) -> int:
     if isinstance(value, int):
         return value
     if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            pass
-    raise ValueError(f"{what}: expected an integer, got {value!r}")
+        t = value.strip()
+        body = t[1:] if t[:1] == "-" else t
+        if body.isascii() and body.isdigit():  # int() would take "1_000", "+5" and other scripts' digits
+            return int(t)
+    raise ValueError(f"{what}: expected an integer (ASCII digits), got {value!r}")
 
 
 def as_size(value, what: str) -> int | str:

@@ -56,7 +56,11 @@ def parse_size(value, *, total: int | None = None, what: str = "size") -> int:
         raise TypeError(f"total: expected an int number of bytes or None, got {type(total).__name__} {total!r}")
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         if hasattr(value, "__index__") and not isinstance(value, bool):
-            value = value.__index__()
+            try:
+                value = operator.index(value)
+            except TypeError:  # a numpy array of several values, say
+                raise TypeError(f"{what}: expected an int number of bytes or a size string such as '512MiB', "
+                                f"got {type(value).__name__} {value!r}") from None
         else:
             raise TypeError(
                 f"{what}: expected an int number of bytes or a size string such as "
@@ -65,8 +69,8 @@ def parse_size(value, *, total: int | None = None, what: str = "size") -> int:
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{what}: expected a size >= 0 bytes, got {value}")
-        if value > _MAX:
-            raise ValueError(f"{what}: {value} bytes is larger than 16 EiB, more than any device has")
+        if value >= _MAX:
+            raise ValueError(f"{what}: {value} bytes does not fit in 64 bits (16 EiB and more: no device has that much)")
         return value
     if value.strip().startswith("-"):
         raise ValueError(f"{what}: expected a size >= 0 bytes, got {value!r}")
@@ -102,8 +106,8 @@ def parse_size(value, *, total: int | None = None, what: str = "size") -> int:
         if not math.isfinite(f):
             raise ValueError(f"{what}: {value!r} is not a finite size")
         nbytes = int(f)
-    if nbytes > _MAX:
-        raise ValueError(f"{what}: {value!r} is larger than 16 EiB, more than any device has")
+    if nbytes >= _MAX:
+        raise ValueError(f"{what}: {value!r} does not fit in 64 bits (16 EiB and more: no device has that much)")
     return nbytes
 
 
@@ -113,8 +117,8 @@ def format_size(nbytes: int) -> str:
     Raises:
         TypeError: ``nbytes`` is not an int (``bool`` included: ``True`` is no size).
     """
-    if isinstance(nbytes, bool):
-        raise TypeError(f"nbytes: expected an int number of bytes, got bool {nbytes!r}")
+    if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
+        raise TypeError(f"nbytes: expected an int number of bytes, got {type(nbytes).__name__} {nbytes!r}")
     n = operator.index(nbytes)
     sign = "-" if n < 0 else ""
     n = abs(n)

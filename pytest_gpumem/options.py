@@ -91,6 +91,8 @@ def parse_json_path(raw: str):
     if os.path.isdir(path):
         raise ValueError(f"{path!r} is a directory; expected a file path such as {os.path.join(path, 'gpumem.json')!r}")
     real = os.path.realpath(path)  # a symbolic link: the file it names is written (report.write_json)
+    if os.path.islink(real):  # realpath stops at a loop: writing would replace the link
+        raise ValueError(f"{path!r} is a symbolic link in a loop; expected a file path")
     if os.path.exists(real) and not os.path.isfile(real):
         raise ValueError(f"{path!r} is not a regular file (a FIFO, a device or a socket); expected a file path")
     folder = os.path.dirname(real)

@@ -78,6 +78,8 @@ def test_no_checks_gives_the_plain_strategy(fake):
         (dict(check="all", redzone_bytes=0), "redzone_bytes: expected bytes > 0, got 0"),
         (dict(check="all", redzone_bytes="10%"), "redzone_bytes: expected bytes, not a percentage"),
         (dict(check="all", quarantine_count=-1), "quarantine_count: expected a count >= 0, got -1"),
+        (dict(check="all", quarantine_count="\u0661\u0662"), r"quarantine_count: expected an integer \(ASCII digits\)"),
+        (dict(check="all", quarantine_count="1_000"), r"quarantine_count: expected an integer \(ASCII digits\)"),
         (dict(check="all", quarantine_bytes="lots"), "quarantine_bytes"),
         (dict(check="sanity"), "unknown check 'sanity'"),
         (dict(on_finding="warn"), "option 'on_finding' needs checks"),

@@ -65,7 +65,7 @@ def test_format_size_iec(n, text):
 def test_large_integer_strings_are_exact_and_absurd_sizes_refused():
     assert parse_size("9007199254740993") == 9007199254740993
     assert parse_size("1.GB") == 10**9 and parse_size(".5GB") == 5 * 10**8
-    with pytest.raises(ValueError, match="larger than 16 EiB"):
+    with pytest.raises(ValueError, match="does not fit in 64 bits"):
         parse_size("1e300")
     with pytest.raises(ValueError, match="not a finite size"):
         parse_size("1e400GB")
@@ -81,8 +81,12 @@ def test_format_size_needs_an_int():
 def test_a_negative_string_or_a_huge_int_says_so():
     with pytest.raises(ValueError, match=r"expected a size >= 0 bytes, got '-1'"):
         parse_size("-1")
-    with pytest.raises(ValueError, match="larger than 16 EiB"):
+    with pytest.raises(ValueError, match="does not fit in 64 bits"):
         parse_size(2**70)
+    assert parse_size(2**64 - 1) == 2**64 - 1  # size_t's largest
+    for edge in (2**64, "18446744073709551616"):
+        with pytest.raises(ValueError, match="does not fit in 64 bits"):
+            parse_size(edge)
 
 
 @pytest.mark.parametrize("total", ["100", 1.5, float("nan"), True])
@@ -94,3 +98,12 @@ def test_a_percentages_total_must_be_an_int(total):
 def test_format_size_refuses_a_bool():
     with pytest.raises(TypeError, match="got bool True"):
         format_size(True)
+
+
+def test_a_numpy_array_or_a_float_is_named_as_a_bad_size():
+    with pytest.raises(TypeError, match=r"budget: expected an int number of bytes or a size string .* got ndarray"):
+        parse_size(np.array([1, 2]), what="budget")
+    with pytest.raises(TypeError, match="nbytes: expected an int number of bytes, got float 1.5"):
+        format_size(1.5)
+    with pytest.raises(TypeError, match="nbytes: expected an int number of bytes, got NoneType None"):
+        format_size(None)
