@@ -140,18 +140,22 @@ def _cmd_plot(args) -> int:
     if isinstance(report.get("tests"), list):  # a --gpumem-json report
         with_history = [t for t in report["tests"] if isinstance(t, dict) and isinstance(t.get("history"), dict)
                         and isinstance(t.get("nodeid", ""), str)]
-        picked = [t for t in with_history if args.test is None or args.test in t.get("nodeid", "")]
+        want = args.test
+        if want is not None:  # as the terminal printed it, relative to another folder: "../tests/x.py::t"
+            while want.startswith(("../", "./")):
+                want = want.split("/", 1)[1]
+        picked = [t for t in with_history if want is None or want in t.get("nodeid", "")]
         if len(picked) != 1:
             ids = ", ".join(t.get("nodeid", "?") for t in (picked or with_history)[:10]) or "none"
             no_timeline = [t for t in report["tests"] if isinstance(t, dict) and t.get("history_error")
-                           and args.test is not None and args.test in str(t.get("nodeid", ""))]
+                           and want is not None and want in str(t.get("nodeid", ""))]
             if no_timeline:
                 t = no_timeline[0]
                 print(f"plot: {t.get('nodeid')} has no timeline: {t['history_error']}", file=sys.stderr)
                 return 2
             what = "no test in it has a timeline (run pytest with --gpumem-history)" if not with_history else (
-                f"--test {args.test!r} matches {len(picked)} of the tests with a timeline ({ids}; only tests that "
-                "failed get one)" if args.test
+                f"--test {args.test!r} matches {len(picked)} of the tests with a timeline ({ids}"
+                + ("; only tests that failed get one)" if not picked else ")") if args.test
                 else f"{len(with_history)} tests have a timeline ({ids}): pick one with --test NODEID")
             print(f"plot: {args.json} is a pytest_gpumem report; {what}", file=sys.stderr)
             return 2

@@ -69,7 +69,7 @@ class Registry:
             near = difflib.get_close_matches(
                 str(name).lower(), [*self._by_name, *self._aliases], n=1, cutoff=0.6
             )
-            hint = f"; did you mean {near[0]!r}?" if near else ""
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise ValueError(f"unknown strategy {name!r}{hint}; available: {self._listing()}") from None
 
     def _listing(self) -> str:

@@ -263,7 +263,9 @@ class GpuMem:
         __tracebackhide__ = True
         now = cupy_memstrat.current()
         if now is not self._meter.strategy:
-            what = f"strategy {now.name!r}" if now is not None else "an allocator that is not a cupy_memstrat strategy"
+            what = ("an allocator that is not a cupy_memstrat strategy" if now is None else
+                    f"another {now.name!r} strategy object" if now.name == self._meter.strategy.name else
+                    f"strategy {now.name!r}")
             raise RuntimeError(
                 f"gpumem: CuPy allocates through {what} now, installed after the gpumem fixture was set up, "
                 f"and gpumem has measured strategy {self._meter.strategy.name!r} since then: its numbers would "

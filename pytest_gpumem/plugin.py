@@ -192,7 +192,9 @@ class _State:
             return None, False
         what = "before" if when == "before" else "during"
         if new is not None:
-            msg = (f"CuPy's allocator changed {what} {item.nodeid} to strategy {new.name!r} "
+            same = self.strategy is not None and new.name == self.strategy.name
+            msg = (f"CuPy's allocator changed {what} {item.nodeid} to "
+                   f"{'another ' if same else ''}strategy {new.name!r}{' object' if same else ''} "
                    f"(cupy_memstrat.use in a test or fixture); gpumem measures through it from here on")
             self.strategy, self.meter = new, Meter(new)
             self._expected_allocator = cupy.cuda.get_allocator()
@@ -257,6 +259,9 @@ class _State:
         }
         problems, details = [], []
         change, change_is_error = getattr(w, "allocator_change", None) or (None, False)
+        notice = item.stash.get(_NOTICE, None)
+        if notice is not None:
+            rec["allocator_notice"] = notice
         if change is not None:
             # its allocations after the change went to another allocator: its numbers are not the
             # test's, and no budget or leak verdict is given on them
@@ -264,6 +269,9 @@ class _State:
             rec["allocator_change"] = change
             if plan.leaks != "off":
                 rec["leak_check"] = "skipped: the test changed CuPy's allocator"
+            for key in ("peak_bytes", "peak_device", "allocated", "freed"):
+                rec[key] = None  # not the test's numbers
+            rec["peak_bytes_per_device"] = None
             plan = _unchecked(plan)
             if change_is_error:
                 problems.append(("allocator", f"gpumem: {change} (GpuMemAllocatorWarning, an error under -W)"))
@@ -499,6 +507,7 @@ _KEY = pytest.StashKey[_State]()
 _PLAN = pytest.StashKey[object]()
 _WINDOW = pytest.StashKey[object]()
 _METER = pytest.StashKey[object]()  # the meter a test's call was measured through
+_NOTICE = pytest.StashKey[str]()  # an allocator change found before the test (pytest-xdist's summary)
 _BAD = pytest.StashKey[str]()  # a bad marker's message (pytest-xdist workers: the test errors with it)
 
 
@@ -695,8 +704,11 @@ def pytest_runtest_call(item):
                 exc = pytest.skip.Exception(msg)
             raise exc
     meter = strategy = None
+    n_changes = len(state.allocator_changes)
     if state.meter is not None:
         meter, strategy = state.follow_allocator(item)
+    if len(state.allocator_changes) > n_changes:  # found before this test: its record carries it
+        item.stash[_NOTICE] = state.allocator_changes[-1]
     if meter is None:
         state.n_unmeasured += 1
         return (yield)
@@ -793,7 +805,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     tr = terminalreporter
     changes = list(state.allocator_changes)
-    changes += [r["allocator_change"] for r in state.records if r.get("allocator_change") not in (None, *changes)]
+    for r in state.records:  # under pytest-xdist they come in the workers' records
+        for key in ("allocator_notice", "allocator_change"):
+            if r.get(key) is not None and r[key] not in changes:
+                changes.append(r[key])
     for msg in changes:  # (under pytest-xdist they come in the workers' records)
         tr.write_line(f"gpumem: {msg}")
     if state.why_off and state.n_unmeasured and not state.settings.measuring:
@@ -818,7 +833,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         n = sum(1 for r in recs if "history" in r) or state.n_histories
         if n:
             tr.write_line(f"gpumem: --gpumem-history recorded the timeline of {n} failing "
-                          f"test{'' if n == 1 else 's'}; they go into --gpumem-json=PATH (none given), "
+                          f"test{'' if n == 1 else 's'}; {'it goes' if n == 1 else 'they go'} into "
+                          "--gpumem-json=PATH (none given), "
                           "drawn by python -m cupy_memstrat plot")
     if state.settings.json and state.worker is None and (recs or state.settings.measuring):
         if getattr(state, "json_error", None):

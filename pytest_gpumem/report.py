@@ -17,6 +17,8 @@ fmt = cupy_memstrat.format_size
 
 def user_properties(rec: dict) -> list[tuple[str, object]]:
     """``gpumem_*`` properties for ``report.user_properties`` (JUnit XML)."""
+    if rec.get("measured") is False:  # the test changed CuPy's allocator: no numbers of its own
+        return [("gpumem_not_measured", rec.get("allocator_change"))]
     props = [("gpumem_peak_bytes", rec["peak_bytes"]), ("gpumem_allocations", rec["allocated"])]
     if rec.get("leaked_bytes") is not None:
         props += [("gpumem_leaked_bytes", rec["leaked_bytes"]), ("gpumem_leaked_allocations", rec["leaked_count"])]
@@ -34,7 +36,7 @@ def user_properties(rec: dict) -> list[tuple[str, object]]:
 def table_lines(records: list[dict], top: int) -> list[str]:
     """The terminal table: the ``top`` tests by peak, with leaks and faults
     columns where any test has them."""
-    rows = sorted(records, key=lambda r: (-r["peak_bytes"], r["nodeid"]))[:top]
+    rows = sorted(records, key=lambda r: (r.get("measured") is False, -(r["peak_bytes"] or 0), r["nodeid"]))[:top]
     show_leaks = any(r.get("leaked_bytes") is not None for r in records)
     show_faults = any(r.get("faults") for r in records)
     head = [f"{'peak':>10}", f"{'allocs':>7}"]

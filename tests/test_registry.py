@@ -163,5 +163,5 @@ def test_a_device_subclass_keeps_its_own_hooks(fake):
 
 
 def test_a_near_miss_gets_a_suggestion():
-    with pytest.raises(ValueError, match=r"unknown strategy 'DEVICE'; did you mean 'device'\?"):
+    with pytest.raises(ValueError, match=r"unknown strategy 'DEVICE' \(did you mean 'device'\?\); available"):
         cupy_memstrat.validate("DEVICE")
