@@ -123,8 +123,9 @@ def _cmd_plot(args) -> int:
         print(f"plot: -o {args.output!r}: expected an image file path such as 'figure.png'"
               + (f" ({out!r} is a directory)" if out and os.path.isdir(out) else ""), file=sys.stderr)
         return 2
-    if _blocks_or_is_a_folder(args.json):
-        print(f"plot: cannot read {args.json!r}: a directory, a FIFO or a socket, not a file", file=sys.stderr)
+    if os.path.exists(args.json) and not os.path.isfile(args.json):  # a FIFO would block, /dev/zero never end
+        print(f"plot: cannot read {args.json!r}: a directory, a FIFO, a socket or a device, not a file",
+              file=sys.stderr)
         return 2
     try:
         with open(args.json) as f:

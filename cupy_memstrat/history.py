@@ -190,11 +190,12 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins:
     if not isinstance(enabled, bool):
         if isinstance(enabled, int) and enabled in (0, 1):
             enabled = bool(enabled)
-        elif type(enabled).__name__ == "bool_":  # numpy.bool_
+        elif type(enabled).__name__ in ("bool_", "bool") and type(enabled).__module__ == "numpy":  # numpy.bool
             enabled = bool(enabled)
         else:
             raise TypeError(f"enabled: expected True or False, got {type(enabled).__name__} {enabled!r}")
-    if not isinstance(origins, bool) and type(origins).__name__ != "bool_":
+    if not isinstance(origins, bool) and not (type(origins).__name__ in ("bool_", "bool")
+                                              and type(origins).__module__ == "numpy"):
         raise TypeError(f"origins: expected True or False, got {type(origins).__name__} {origins!r}")
     origins = bool(origins)
     if enabled:
@@ -239,6 +240,28 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins:
         return h
 
 
+def _check_writable_file(path) -> None:
+    """Refuse, before anything is written, a path that is no file to write:
+    empty, a directory, a FIFO (opening it would wait for a reader), a socket
+    or a device, or one in a folder that does not exist."""
+    import stat
+
+    p = os.fspath(path)
+    if not p:
+        raise ValueError("path: expected a file path, got an empty one")
+    try:
+        mode = os.stat(p).st_mode
+    except FileNotFoundError:
+        folder = os.path.dirname(os.path.abspath(p))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"path: cannot write {p!r}: the folder {folder!r} does not exist") from None
+        return
+    except OSError:
+        return  # open() says why
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"path: {p!r} is a directory, a FIFO, a socket or a device, not a file to write")
+
+
 def snapshot(path: str | None = None) -> dict:
     """The current (or last) recording as a dict (:meth:`History.as_dict`);
     with ``path``, also written there as JSON, which ``python -m cupy_memstrat
@@ -248,7 +271,9 @@ def snapshot(path: str | None = None) -> dict:
         TypeError: ``path`` is not a str or os.PathLike (an int is refused:
             ``open`` would take it as a file descriptor).
         RuntimeError: nothing was ever recorded in this process.
-        OSError: ``path`` cannot be written.
+        ValueError: ``path`` is empty, or names a directory, a FIFO, a socket
+            or a device (checked before anything is written).
+        OSError: ``path`` cannot be written (``FileNotFoundError``: its folder does not exist).
     """
     if path is not None and not isinstance(path, (str, os.PathLike)):
         # (an int would be taken as a file descriptor, and closed)
@@ -258,6 +283,7 @@ def snapshot(path: str | None = None) -> dict:
         raise RuntimeError("no memory history: call cupy_memstrat.record_history() first")
     doc = h.as_dict()
     if path is not None:
+        _check_writable_file(path)
         with open(path, "w") as f:
             json.dump(doc, f)
     return doc

@@ -88,8 +88,9 @@ def parse_json_path(raw: str):
     path = raw.strip()
     if not path:
         raise ValueError("expected a file path, got an empty value")
-    if os.path.isdir(path):
-        raise ValueError(f"{path!r} is a directory; expected a file path such as {os.path.join(path, 'gpumem.json')!r}")
+    if os.path.isdir(path) or path.endswith(os.sep):
+        raise ValueError(f"{path!r} is a directory; expected a file path such as "
+                         f"{os.path.join(path, 'gpumem.json')!r}")
     real = os.path.realpath(path)  # a symbolic link: the file it names is written (report.write_json)
     if os.path.islink(real):  # realpath stops at a loop: writing would replace the link
         raise ValueError(f"{path!r} is a symbolic link in a loop; expected a file path")
@@ -295,11 +296,12 @@ class Plan:
     fault_source: str | None = None
 
 
-def _safe_repr(value) -> str:
+def _safe_repr(value, width: int = 200) -> str:
     try:
-        return repr(value)
+        text = repr(value)
     except Exception:  # noqa: BLE001 - a value whose __repr__ raises is still named
         return f"<{type(value).__name__} object>"
+    return text if len(text) <= width else f"{text[:width - 20]}...({len(text)} characters)"
 
 
 def _marker_error(marker, item, exc) -> pytest.UsageError:

@@ -790,7 +790,7 @@ def pytest_sessionfinish(session, exitstatus):
     if state is None or state.worker is not None:
         return
     path = state.settings.json
-    if path and (state.records or state.settings.measuring):
+    if path:  # also with nothing measured: the file says so (measuring_off, no tests)
         if state.machine is None and state.meter is not None:
             state.machine = state.meter.machine()
         try:
@@ -836,7 +836,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                           f"test{'' if n == 1 else 's'}; {'it goes' if n == 1 else 'they go'} into "
                           "--gpumem-json=PATH (none given), "
                           "drawn by python -m cupy_memstrat plot")
-    if state.settings.json and state.worker is None and (recs or state.settings.measuring):
+    if state.settings.json and state.worker is None:
         if getattr(state, "json_error", None):
             tr.write_line(f"gpumem: {state.json_error}", red=True)
         else:

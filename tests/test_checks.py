@@ -82,6 +82,7 @@ def test_no_checks_gives_the_plain_strategy(fake):
         (dict(check="all", quarantine_count="1_000"), r"quarantine_count: expected an integer \(ASCII digits\)"),
         (dict(check="all", quarantine_bytes="lots"), "quarantine_bytes"),
         (dict(check="sanity"), "unknown check 'sanity'"),
+        (dict(check="all,off"), "'off' stands alone"),
         (dict(on_finding="warn"), "option 'on_finding' needs checks"),
         (dict(check="streams", redzone_bytes=512), "option 'redzone_bytes' applies to the redzone check, which is not on"),
         (dict(check="redzone", quarantine_count=3), "option 'quarantine_count' applies to the poison check"),

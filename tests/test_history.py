@@ -206,3 +206,26 @@ def test_snapshot_refuses_an_int_path(fake_cupy):
     with pytest.raises(TypeError, match="path: expected a file path .*got int 2"):
         cupy_memstrat.snapshot(2)  # not a file descriptor: stderr stays open
     cupy_memstrat.record_history(False)
+
+
+def test_snapshot_refuses_a_path_that_is_no_file_before_writing(fake_cupy, tmp_path):
+    import os
+
+    cupy_memstrat.use("device")
+    cupy_memstrat.record_history()
+    x = cupy.empty(100, dtype=cupy.uint8)
+    os.mkfifo(tmp_path / "fifo")  # opening it would wait for a reader: refused, never opened
+    for bad, exc, msg in ((tmp_path / "fifo", ValueError, "is a directory, a FIFO, a socket or a device"),
+                          (tmp_path, ValueError, "is a directory, a FIFO, a socket or a device"),
+                          ("", ValueError, "path: expected a file path, got an empty one"),
+                          (tmp_path / "no" / "x.json", FileNotFoundError, "the folder .* does not exist")):
+        with pytest.raises(exc, match=msg):
+            cupy_memstrat.snapshot(bad)
+    assert cupy_memstrat.snapshot(tmp_path / "ok.json")["events"]  # the recording goes on
+    del x
+
+
+def test_record_history_takes_numpy_bools():
+    import numpy as np
+
+    assert cupy_memstrat.record_history(enabled=np.bool_(False)) is None

@@ -728,6 +728,24 @@ def test_a_budget_is_echoed_in_the_users_unit(pytester, fake_env):
     r.stdout.fnmatch_lines(["peak 286.1 MiB > budget 256.0 MiB (--gpumem-budget)"])
 
 
+def test_json_is_written_also_when_nothing_was_measured_and_a_trailing_slash_is_refused(pytester, fake_env):
+    """From the third adversarial trial: --gpumem-json alone wrote nothing, silently; 'x.json/' wrote x.json."""
+    pytester.makepyfile("def test_a():\n    pass\n")
+    r = run(pytester, "--gpumem-json=plain.json")
+    r.assert_outcomes(passed=1)
+    doc = json.loads((pytester.path / "plain.json").read_text())
+    assert doc["tests"] == [] and doc["settings"]["measure"] is False
+    r.stdout.fnmatch_lines(["gpumem: JSON report written to plain.json"])
+    r = run(pytester, "--gpumem", "--gpumem-json=x.json/")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR and not (pytester.path / "x.json").exists()
+    r.stderr.fnmatch_lines(["*'x.json/' is a directory; expected a file path such as*"])
+    os.symlink("loopB", pytester.path / "loopA")
+    os.symlink("loopA", pytester.path / "loopB")
+    r = run(pytester, "--gpumem", "--gpumem-json=loopA")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR and os.path.islink(pytester.path / "loopA")
+    r.stderr.fnmatch_lines(["*'loopA' is a symbolic link in a loop*"])
+
+
 def test_the_json_goes_through_a_symlink_and_never_replaces_a_fifo(pytester, fake_env):
     """From an adversarial trial: the report replaced a symbolic link, a FIFO and /dev/full with a file."""
     pytester.makepyfile(HEAD + "def test_a():\n    x = alloc(MiB)\n")

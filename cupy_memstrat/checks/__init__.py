@@ -229,6 +229,8 @@ def parse_checks(value) -> frozenset:
         return frozenset()
     if "all" in names:
         names = [n for n in names if n != "all"] + list(CHECKS)
+    if any(n in ("off", "none", "no", "false") for n in names):
+        raise ValueError(f"check: 'off' stands alone (no checks), not with others, got {value!r}")
     bad = [n for n in names if n not in CHECKS]
     if bad:
         raise ValueError(f"check: unknown check {bad[0]!r} in {value!r}; valid: {', '.join(CHECKS)}, all or off")
