@@ -123,6 +123,10 @@ def _cmd_plot(args) -> int:
         print(f"plot: -o {args.output!r}: expected an image file path such as 'figure.png'"
               + (f" ({out!r} is a directory)" if out and os.path.isdir(out) else ""), file=sys.stderr)
         return 2
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):  # said before the figure is drawn
+        print(f"plot: -o {args.output!r}: the folder {folder!r} does not exist", file=sys.stderr)
+        return 2
     if os.path.exists(args.json) and not os.path.isfile(args.json):  # a FIFO would block, /dev/zero never end
         print(f"plot: cannot read {args.json!r}: a directory, a FIFO, a socket or a device, not a file",
               file=sys.stderr)

@@ -223,6 +223,8 @@ def test_plot_refuses_a_folder_or_an_empty_output_and_says_when_nothing_is_drawn
         assert cli.main(["plot", str(tmp_path / "r.json"), "-o", out]) == 2
         assert "expected an image file path such as 'figure.png'" in capsys.readouterr().err
     assert not (tmp_path.parent / (tmp_path.name + ".png")).exists()
+    assert cli.main(["plot", str(tmp_path / "r.json"), "-o", str(tmp_path / "nodir" / "p.png")]) == 2
+    assert "the folder" in capsys.readouterr().err and not (tmp_path / "nodir").exists()
     if importlib.util.find_spec("matplotlib") is not None:
         assert cli.main(["plot", str(tmp_path / "r.json"), "-o", str(tmp_path / "o.png")]) == 2
         assert "nothing to draw: the snapshot holds no allocation or free event" in capsys.readouterr().err
