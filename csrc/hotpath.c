@@ -175,6 +175,20 @@ check_per_device(PyObject *obj, const char *name, Py_ssize_t n, PyTypeObject *it
     return 0;
 }
 
+/* The C function intptr_t (int) held by a capsule (CuPy's get_stream_ptr); -1 with an error. */
+static int
+capsule_stream_fn(PyObject *capsule, intptr_t (**fn)(int))
+{
+    const char *cname = PyCapsule_CheckExact(capsule) ? PyCapsule_GetName(capsule) : NULL;
+    if (cname == NULL || strcmp(cname, "intptr_t (int)") != 0) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "Accounting: capsule must hold a C function intptr_t (int)");
+        return -1;
+    }
+    *fn = (intptr_t (*)(int))PyCapsule_GetPointer(capsule, cname);
+    return *fn == NULL ? -1 : 0;
+}
+
 static int
 Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
 {
@@ -258,17 +272,8 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
                             "free_off_path and recover_pool must be callables");
             return -1;
         }
-        if (capsule != Py_None) {
-            const char *cname = PyCapsule_CheckExact(capsule) ? PyCapsule_GetName(capsule) : NULL;
-            if (cname == NULL || strcmp(cname, "intptr_t (int)") != 0) {
-                PyErr_Clear();
-                PyErr_SetString(PyExc_TypeError, "Accounting: capsule must hold a C function intptr_t (int)");
-                return -1;
-            }
-            stream_fn = (intptr_t (*)(int))PyCapsule_GetPointer(capsule, cname);
-            if (stream_fn == NULL)
-                return -1;
-        }
+        if (capsule != Py_None && capsule_stream_fn(capsule, &stream_fn) < 0)
+            return -1;
     } else if (hooks) {
         if (!PyCallable_Check(allocate) || !PyCallable_Check(deallocate) || !PyCallable_Check(dealloc_failed)) {
             PyErr_SetString(PyExc_TypeError, "Accounting: allocate, deallocate and dealloc_failed must be callables");
@@ -291,17 +296,8 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
                             "Accounting: miss, arena_of and stream_ptr (and large_hit, if given) must be callables");
             return -1;
         }
-        if (capsule != Py_None) {
-            const char *cname = PyCapsule_CheckExact(capsule) ? PyCapsule_GetName(capsule) : NULL;
-            if (cname == NULL || strcmp(cname, "intptr_t (int)") != 0) {
-                PyErr_Clear();
-                PyErr_SetString(PyExc_TypeError, "Accounting: capsule must hold a C function intptr_t (int)");
-                return -1;
-            }
-            stream_fn = (intptr_t (*)(int))PyCapsule_GetPointer(capsule, cname);
-            if (stream_fn == NULL)
-                return -1;
-        }
+        if (capsule != Py_None && capsule_stream_fn(capsule, &stream_fn) < 0)
+            return -1;
     }
     if (!PyCallable_Check(fold) || !PyCallable_Check(unknown_free) || !PyCallable_Check(failed)) {
         PyErr_SetString(PyExc_TypeError, "Accounting: fold, unknown_free and failed must be callables");
@@ -607,6 +603,38 @@ arena_pop(Accounting *self, Py_ssize_t d, PyObject *key, intptr_t h, PyObject *s
 
 /* -- ordered mode (async) ------------------------------------------------------------ */
 
+/* A block from a cache's free list of class `cls` (cache: dict class size -> list of
+ * ptrs): a new reference, or NULL (with an error set only on failure). */
+static PyObject *
+class_pop(PyObject *cache, PyObject *cls)
+{
+    PyObject *lst = PyDict_GetItemWithError(cache, cls);  /* borrowed */
+    return lst != NULL && PyList_CheckExact(lst) ? list_pop(lst) : NULL;
+}
+
+/* ptr onto a cache's free list of class `cls` if the list then holds at most `limit`
+ * bytes: 1 (kept), 0 (no room), -1 (an error). */
+static int
+class_put(PyObject *cache, unsigned long long cls, PyObject *ptr, unsigned long long limit)
+{
+    PyObject *k = PyLong_FromUnsignedLongLong(cls);
+    if (k == NULL)
+        return -1;
+    PyObject *lst = PyDict_GetItemWithError(cache, k);  /* borrowed */
+    if (lst == NULL && !PyErr_Occurred()) {
+        PyObject *fresh = PyList_New(0);
+        lst = fresh == NULL ? NULL : PyDict_SetDefault(cache, k, fresh);
+        Py_XDECREF(fresh);
+    }
+    int rc = 0;
+    if (lst != NULL && PyList_CheckExact(lst) && ((unsigned long long)PyList_GET_SIZE(lst) + 1) * cls <= limit)
+        rc = PyList_Append(lst, ptr) < 0 ? -1 : 1;
+    else if (PyErr_Occurred())
+        rc = -1;
+    Py_DECREF(k);
+    return rc;
+}
+
 static PyObject *S_ptr;  /* "ptr", interned */
 
 /* A CuPy Stream's handle (its .ptr); -1 with an error set on failure. */
@@ -715,11 +743,8 @@ ordered_malloc(Accounting *self, Py_ssize_t d, PyObject *device, PyObject *size)
         if (per_device == NULL)
             goto fail;
         PyObject *sc = PyDict_GetItemWithError(per_device, r);  /* borrowed */
-        if (sc != NULL && PyDict_CheckExact(sc)) {
-            PyObject *lst = PyDict_GetItemWithError(sc, cls);  /* borrowed */
-            if (lst != NULL && PyList_CheckExact(lst))
-                ptr = list_pop(lst);
-        }
+        if (sc != NULL && PyDict_CheckExact(sc))
+            ptr = class_pop(sc, cls);
         Py_DECREF(per_device);
         if (ptr == NULL && PyErr_Occurred())
             goto fail;
@@ -740,9 +765,7 @@ ordered_malloc(Accounting *self, Py_ssize_t d, PyObject *device, PyObject *size)
         PyObject *cache = table_item(self->caches, d, &PyDict_Type, "caches");
         if (cache == NULL)
             goto fail;
-        PyObject *lst = PyDict_GetItemWithError(cache, cls);  /* borrowed */
-        if (lst != NULL && PyList_CheckExact(lst))
-            ptr = list_pop(lst);
+        ptr = class_pop(cache, cls);
         Py_DECREF(cache);
         if (ptr == NULL && PyErr_Occurred())
             goto fail;
@@ -853,23 +876,7 @@ stream_cache_put(Accounting *self, PyObject *ptr, PyObject *size, Py_ssize_t d, 
         PyErr_SetString(PyExc_RuntimeError, "cupy_memstrat: a stream's cache is not a dict any more");
         return -1;
     }
-    PyObject *k = PyLong_FromUnsignedLongLong(cls);
-    if (k == NULL) {
-        Py_DECREF(sc);
-        return -1;
-    }
-    PyObject *lst = PyDict_GetItemWithError(sc, k);  /* borrowed */
-    if (lst == NULL && !PyErr_Occurred()) {
-        PyObject *fresh = PyList_New(0);
-        lst = fresh == NULL ? NULL : PyDict_SetDefault(sc, k, fresh);
-        Py_XDECREF(fresh);
-    }
-    int rc = 0;
-    if (lst != NULL && PyList_CheckExact(lst) && ((unsigned long long)PyList_GET_SIZE(lst) + 1) * cls <= limit)
-        rc = PyList_Append(lst, ptr) < 0 ? -1 : 1;
-    else if (PyErr_Occurred())
-        rc = -1;
-    Py_DECREF(k);
+    int rc = class_put(sc, cls, ptr, limit);
     Py_DECREF(sc);
     return rc;
 }
@@ -900,29 +907,12 @@ ordered_give_back(Accounting *self, PyObject *ptr, PyObject *size, Py_ssize_t d,
         unsigned long long cls = (n + 511) & ~511ULL;
         if (fits && n <= limit) {
             PyObject *cache = table_item(self->caches, d, &PyDict_Type, "caches");
-            PyObject *k = cache == NULL ? NULL : PyLong_FromUnsignedLongLong(cls);
-            if (k == NULL) {
-                Py_XDECREF(cache);
+            if (cache == NULL)
                 return -1;
-            }
-            PyObject *lst = PyDict_GetItemWithError(cache, k);  /* borrowed */
-            int rc = 0;
-            if (lst == NULL && !PyErr_Occurred()) {
-                PyObject *fresh = PyList_New(0);
-                lst = fresh == NULL ? NULL : PyDict_SetDefault(cache, k, fresh);
-                Py_XDECREF(fresh);
-            }
-            if (lst != NULL && PyList_CheckExact(lst) &&
-                ((unsigned long long)PyList_GET_SIZE(lst) + 1) * cls <= limit) {
-                rc = PyList_Append(lst, ptr);
-                Py_DECREF(k);
-                Py_DECREF(cache);
-                return rc;
-            }
-            Py_DECREF(k);
+            int kept = class_put(cache, cls, ptr, limit);
             Py_DECREF(cache);
-            if (PyErr_Occurred())
-                return -1;
+            if (kept != 0)
+                return kept < 0 ? -1 : 0;
         }
         h = 0;
     } else if (PyLong_CheckExact(r)) {  /* the per-thread default stream of thread r */

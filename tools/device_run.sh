@@ -60,6 +60,22 @@ run_subset() {  # results folder, tag, pytest options...: one timed run, appende
   echo "$tag: $(tail -2 $R/$tag.log | head -1) ($(tail -1 $R/times.jsonl))"
 }
 
+info_json() {  # info, as JSON into $OUT and its first lines on the log
+  step info
+  python3 -m cupy_memstrat info --json > "$OUT/info.json"
+  python3 -m cupy_memstrat info | head -20
+}
+gpu_tests() {  # tests/gpu, every test's outcome on the log, JUnit XML into $OUT
+  step tests/gpu
+  python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$OUT/tests_gpu.xml"
+}
+benches() {  # bench GROUP --json $OUT/bench-GROUP.json, for each group given
+  for g in "$@"; do
+    step "bench $g"
+    python3 -m cupy_memstrat bench $g --json "$OUT/bench-$g.json"
+  done
+}
+
 step install
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -101,43 +117,25 @@ if [ "$part" = main ]; then
 fi
 
 if [ "$part" = final2 ]; then
-  step info
-  python3 -m cupy_memstrat info --json > "$OUT/info.json"
-  python3 -m cupy_memstrat info | head -20
-  step tests/gpu
-  python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$OUT/tests_gpu.xml"
-  for g in streams async alloc workloads; do
-    step "bench $g"
-    python3 -m cupy_memstrat bench $g --json "$OUT/bench-$g.json"
-  done
+  info_json
+  gpu_tests
+  benches streams async alloc workloads
   set -- default async
   part=cupy
 fi
 
 if [ "$part" = hotpath3 ]; then
-  step info
-  python3 -m cupy_memstrat info --json > "$OUT/info.json"
-  python3 -m cupy_memstrat info | head -20
-  step tests/gpu
-  python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$OUT/tests_gpu.xml"
-  for g in async alloc managed streams workloads; do
-    step "bench $g"
-    python3 -m cupy_memstrat bench $g --json "$OUT/bench-$g.json"
-  done
+  info_json
+  gpu_tests
+  benches async alloc managed streams workloads
 fi
 
 if [ "$part" = safety ]; then
-  step info
-  python3 -m cupy_memstrat info --json > "$OUT/info.json"
-  python3 -m cupy_memstrat info | head -20
+  info_json
   step "probe: are stream handles reused after a stream dies?"
   python3 tools/probes/stream_handles.py
-  step tests/gpu
-  python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$OUT/tests_gpu.xml"
-  for g in streams managed workloads; do
-    step "bench $g"
-    python3 -m cupy_memstrat bench $g --json "$OUT/bench-$g.json"
-  done
+  gpu_tests
+  benches streams managed workloads
 fi
 
 if [ "$part" = hotpath2 ]; then
