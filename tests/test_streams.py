@@ -57,6 +57,100 @@ def test_managed_returns_a_block_to_its_allocation_stream_whatever_stream_frees_
     assert _alloc_on(s, S, size) == p
 
 
+# -- destroyed streams' caches (managed) ------------------------------------------------------------
+
+def test_managed_hands_a_destroyed_streams_chunks_to_a_new_stream_after_one_synchronisation(fake):
+    """A program that makes streams and drops them: the dead stream's free
+    chunks go to the next stream that needs new chunks, only after a device
+    synchronisation (its last kernel may still write them), and CUDA is not
+    asked for new managed memory."""
+    s = cupy_memstrat.create("managed", backend=fake)
+    A = fake.stream(non_blocking=True)
+    small, large = _alloc_on(s, A, 4096), _alloc_on(s, A, 4 * MiB)
+    fake.launch(A)  # a long kernel writing both
+    with A:
+        s.raw_free(small)
+        s.raw_free(large)
+    a = A.ptr
+    del A
+    gc.collect()  # cudaStreamDestroy: the kernel goes on
+    calls, syncs = fake.n_malloc_calls, fake.n_device_synchronize_calls
+    B = fake.stream(non_blocking=True)
+    q = _alloc_on(s, B, 4 * MiB)
+    assert q == large and fake.n_malloc_calls == calls
+    assert fake.n_device_synchronize_calls == syncs + 1 and not fake.stream_busy(a)  # waited for A's kernel
+    r = _alloc_on(s, B, 100_000)  # another class: A's 4 KiB chunk, carved again, no new chunk
+    assert small & -(2 * MiB) == r & -(2 * MiB) and fake.n_malloc_calls == calls
+    assert fake.n_device_synchronize_calls == syncs + 1  # one synchronisation took both back
+    ms = s.managed_stats(0)
+    assert ms.n_reclaims == 1 and ms.reclaimed_bytes == 4 * MiB + 2 * MiB and ms.reserved_bytes == 6 * MiB
+    with B:
+        s.raw_free(q)
+        s.raw_free(r)
+    assert s.stats(0).bytes_in_use == 0
+    assert s.trim() == 6 * MiB and s.managed_stats(0).reserved_bytes == 0
+
+
+def test_managed_keeps_a_live_streams_cache_and_synchronises_nothing(fake):
+    s = cupy_memstrat.create("managed", backend=fake)
+    A, B = fake.stream(non_blocking=True), fake.stream(non_blocking=True)
+    with A:
+        s.raw_free(s.raw_malloc(4 * MiB))
+    syncs = fake.n_device_synchronize_calls
+    _alloc_on(s, B, 4 * MiB)  # A lives: its block stays A's, B gets a new one
+    assert fake.n_malloc_calls == 2 and fake.n_device_synchronize_calls == syncs
+    assert _alloc_on(s, A, 4 * MiB) and fake.n_malloc_calls == 2
+
+
+def test_managed_takes_a_dead_streams_partly_used_chunk_back_once_its_last_block_is_freed(fake):
+    s = cupy_memstrat.create("managed", backend=fake)
+    A = fake.stream(non_blocking=True)
+    keep, drop = _alloc_on(s, A, 4096), _alloc_on(s, A, 4096)
+    with A:
+        s.raw_free(drop)
+    del A
+    gc.collect()
+    B = fake.stream(non_blocking=True)
+    syncs = fake.n_device_synchronize_calls
+    first = _alloc_on(s, B, 4096)  # A's chunk holds a live block: not B's, a new chunk
+    assert first & -(2 * MiB) != keep & -(2 * MiB) and fake.n_malloc_calls == 2
+    assert fake.n_device_synchronize_calls == syncs + 1
+    _alloc_on(s, B, 100_000)  # nothing was freed into A's arena since: no synchronisation
+    assert fake.n_device_synchronize_calls == syncs + 1 and fake.n_malloc_calls == 3
+    s.raw_free(keep)  # the collector frees the last one, long after A died
+    got = _alloc_on(s, B, 300_000)  # a miss: A's chunk, now wholly free, is taken back
+    assert got & -(2 * MiB) == keep & -(2 * MiB) and fake.n_malloc_calls == 3
+    assert fake.n_device_synchronize_calls == syncs + 2 and s.managed_stats(0).n_reclaims == 2
+    _alloc_on(s, B, 600_000)
+    assert fake.n_device_synchronize_calls == syncs + 2  # A's arena is forgotten: nothing to wait for
+
+
+def test_managed_memory_stays_bounded_when_every_run_makes_new_streams(fake):
+    """The multi-stream workload of ``bench workloads``: four new streams a run,
+    each allocating and freeing; a result array per stream outlives its stream."""
+    s = cupy_memstrat.create("managed", backend=fake)
+    reserved = []
+    for _ in range(20):
+        streams = [fake.stream(non_blocking=True) for _ in range(4)]
+        totals = []
+        for st in streams:
+            with st:
+                totals.append(s.raw_malloc(8))
+                for _ in range(4):
+                    p, q = s.raw_malloc(8 * MiB), s.raw_malloc(8 * MiB)
+                    fake.launch(st)
+                    s.raw_free(p)
+                    s.raw_free(q)
+        del streams, st
+        gc.collect()
+        fake.finish()
+        for t in totals:
+            s.raw_free(t)
+        reserved.append(s.managed_stats(0).reserved_bytes)
+    assert reserved[-1] == reserved[1] <= reserved[0] + 2 * MiB, reserved
+    assert s.stats(0).bytes_in_use == 0
+
+
 @pytest.mark.parametrize("size", [4096, 4 * MiB])
 def test_managed_tells_per_thread_default_streams_apart(hot_path, size):
     """Pattern 3: CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1, every thread's stream

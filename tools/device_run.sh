@@ -36,6 +36,9 @@
 #                                         workloads (JSON into $OUT): the async C hot path (issue 18)
 #   tools/device_run.sh final2            info, tests/gpu, bench streams, async, alloc and workloads, then
 #                                         CuPy's subset under CuPy's pool and async (per-stream caches)
+#   tools/device_run.sh reclaim           info, tests/gpu/test_streams_gpu.py and test_managed_gpu.py, then
+#                                         tools/probes/managed_reclaim.py (JSON into $OUT): destroyed
+#                                         streams' chunks under managed (issue 15)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -128,6 +131,15 @@ if [ "$part" = hotpath3 ]; then
   info_json
   gpu_tests
   benches async alloc managed streams workloads
+fi
+
+if [ "$part" = reclaim ]; then
+  info_json
+  step "tests/gpu: streams and managed"
+  python3 -m pytest tests/gpu/test_streams_gpu.py tests/gpu/test_managed_gpu.py -v -p no:cacheprovider -rs \
+    --junitxml="$OUT/tests_gpu.xml"
+  step "probe: destroyed streams' chunks under managed"
+  python3 tools/probes/managed_reclaim.py "$OUT/managed-reclaim.json"
 fi
 
 if [ "$part" = safety ]; then

@@ -22,6 +22,10 @@ Patterns:
 * ``dead-stream``: an array is written by a long kernel on stream A and
   dropped, and A itself dies (``cudaStreamDestroy``) while the kernel runs;
   a new stream B, which CUDA may give A's handle, makes the next array.
+* ``dead-stream-reclaimed``: the same, but the next array is made on a stream
+  that lived all along (so its handle is another) and needs new memory: a
+  strategy that hands a destroyed stream's cached chunks to other streams
+  (``managed`` does) must wait for A's kernel first.
 * ``per-thread``: with ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1`` (every
   thread's default stream has the handle ``cudaStreamPerThread``), one thread
   writes an array with a long kernel and drops it; another thread makes the
@@ -67,8 +71,8 @@ extern "C" __global__ void slow_fill(float* x, int n, float v, long long cycles)
 }
 """
 
-PATTERNS = ("other-stream", "freed-elsewhere", "freed-by-gc", "dead-stream", "per-thread", "other-reader",
-            "other-reader+record", "other-reader+checks")
+PATTERNS = ("other-stream", "freed-elsewhere", "freed-by-gc", "dead-stream", "dead-stream-reclaimed", "per-thread",
+            "other-reader", "other-reader+record", "other-reader+checks")
 ALLOCATORS = ("cupy-default", "device", "managed", "async", "pool", "managed-one-cache")
 
 
@@ -173,6 +177,31 @@ def dead_stream(cp, k: Kernels, rounds: int = 5, n: int = N) -> int:
         cp.cuda.Device().synchronize()
         bad += int(cp.count_nonzero(y))
         del y, b
+    return bad
+
+
+def dead_stream_reclaimed(cp, k: Kernels, rounds: int = 5, n: int = N) -> int:
+    """A stream dies while its last kernel still writes a freed block; stream
+    B, alive all along, then makes an array of that size. B's own cache has
+    none (every earlier array of B is kept), so a strategy that reclaims
+    destroyed streams' caches (``managed``) gives B A's block: only after a
+    device synchronisation, or A's late writes land in it."""
+    bad = 0
+    b = cp.cuda.Stream(non_blocking=True)
+    kept = []
+    for _ in range(rounds):
+        a = cp.cuda.Stream(non_blocking=True)
+        with a:
+            x = cp.empty(n, dtype=cp.float32)
+            k.fill(x, 5.0)  # late writes, on A
+            del x
+        del a  # cudaStreamDestroy: A's kernel goes on
+        with b:
+            y = cp.zeros(n, dtype=cp.float32)
+            b.synchronize()
+        cp.cuda.Device().synchronize()
+        bad += int(cp.count_nonzero(y))
+        kept.append(y)
     return bad
 
 
@@ -322,6 +351,7 @@ def run(*, rounds: int = 5, progress=None, allocators=ALLOCATORS) -> dict:
                 ("freed-elsewhere", lambda: freed_elsewhere(cp, k, rounds)),
                 ("freed-by-gc", lambda: freed_elsewhere(cp, k, rounds, by_gc=True)),
                 ("dead-stream", lambda: dead_stream(cp, k, rounds)),
+                ("dead-stream-reclaimed", lambda: dead_stream_reclaimed(cp, k, rounds)),
                 ("other-reader", lambda: other_reader(cp, k, rounds)),
                 ("other-reader+record", lambda: other_reader(cp, k, rounds, record=True)),
             ):

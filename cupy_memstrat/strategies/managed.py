@@ -6,6 +6,7 @@ import bisect
 import gc
 import operator
 import threading
+import weakref
 from dataclasses import dataclass
 
 from .. import cuda as _cuda
@@ -109,6 +110,9 @@ class ManagedStats:
         cached_bytes: reserved but not in use: free slots of shared chunks and
             free large blocks, kept for reuse until :meth:`ManagedStrategy.trim`.
         n_guard_refusals: allocations the oversubscription guard refused.
+        n_reclaims: device synchronisations that took free chunks back from
+            the caches of destroyed streams, for any stream to reuse.
+        reclaimed_bytes: bytes of chunks taken back that way, in all.
     """
 
     device: int
@@ -117,12 +121,15 @@ class ManagedStats:
     reserved_bytes: int
     cached_bytes: int
     n_guard_refusals: int
+    n_reclaims: int = 0
+    reclaimed_bytes: int = 0
 
     def __str__(self) -> str:
         return (
             f"managed on device {self.device}: {self.n_chunks} chunks of {format_size(self.chunk_bytes)} "
             f"({format_size(self.reserved_bytes)} reserved, {format_size(self.cached_bytes)} cached), "
-            f"{self.n_guard_refusals} guard refusals"
+            f"{self.n_guard_refusals} guard refusals, {format_size(self.reclaimed_bytes)} reclaimed from "
+            f"destroyed streams in {self.n_reclaims} synchronisations"
         )
 
 
@@ -284,6 +291,19 @@ class ManagedStrategy(Strategy):
         self._lists: list[dict[int, tuple[list, dict]]] = [{} for _ in range(n)]
         self._arenas: list[dict[int, tuple[list, dict]]] = [{} for _ in range(n)]
         self._owner: dict[int, tuple[list, dict]] = {}
+        # Destroyed streams' arenas (see _reclaim): a weak reference to the
+        # cupy.cuda.Stream behind each stream key (handles > 2), whose callback
+        # queues (device, key, ref) on _died; _dead[d][key] = the arena's free
+        # bytes at its last reclaim (-1: none yet). Chunks taken back wait,
+        # owned by no arena, in _spare_small[d] (whole shared chunks, any
+        # class) and _spare_large[d] (run bytes -> runs) for any stream.
+        self._watched: list[dict[int, weakref.ref]] = [{} for _ in range(n)]
+        self._died: list[tuple[int, int, weakref.ref]] = []
+        self._dead: list[dict[int, int]] = [{} for _ in range(n)]
+        self._spare_small: list[list[int]] = [[] for _ in range(n)]
+        self._spare_large: list[dict[int, list[int]]] = [{} for _ in range(n)]
+        self._n_reclaims = [0] * n
+        self._reclaimed = [0] * n
         # the chunks (base -> (bytes, class index or -1)); shared chunks' bases, sorted
         self._chunks: list[dict[int, tuple[int, int]]] = [{} for _ in range(n)]
         self._small_bases: list[list[int]] = [[] for _ in range(n)]
@@ -413,17 +433,164 @@ class ManagedStrategy(Strategy):
         return lists
 
     def _refill(self, ci: int, size: int, device: int, key: int) -> int:
-        """A new shared chunk for class ``ci``: one slot for this request, the
-        rest onto the class's free list in stream ``key``'s arena."""
+        """A shared chunk for class ``ci``, a spare one (:meth:`_reclaim`)
+        or a new one: one slot for this request, the rest onto the class's
+        free list in stream ``key``'s arena."""
         cls = SIZE_CLASSES[ci]
-        base = self._new_chunks(CHUNK_BYTES, size, device, ci)
+        base = self._spare_chunk(device, ci)
+        new = not base
+        if new:
+            base = self._new_chunks(CHUNK_BYTES, size, device, ci)
         lst = self._arena(device, key)[0][ci]
         self._owner[base] = self._arenas[device][key]
         n = CHUNK_BYTES // cls
         lst.extend(range(base + (n - 1) * cls, base, -cls))  # lowest address popped first
-        if self.config["prefetch"] is not None:
+        if self.config["prefetch"] == "on_alloc" or (new and self.config["prefetch"] is not None):
             self._prefetch_to(base, CHUNK_BYTES, device, size, lambda: lst.append(base))
         return base
+
+    # -- destroyed streams' chunks ---------------------------------------------------
+    def _watch_stream(self, device: int, key: int) -> None:
+        """Keep a weak reference to the ``cupy.cuda.Stream`` behind stream key
+        ``key`` (a handle > 2) on ``device``, so that its arena can be
+        reclaimed once the stream is gone. Called on the slow path."""
+        r = self._watched[device].get(key)
+        if r is not None and r() is not None:
+            return
+        stream = self.backend.current_stream(device)
+        if getattr(stream, "ptr", None) != key:
+            return
+        died = self._died
+
+        def gone(ref, device=device, key=key, died=died):  # from the collector: a list append only
+            died.append((device, key, ref))
+
+        try:
+            self._watched[device][key] = weakref.ref(stream, gone)
+        except TypeError:  # a stream type without weak references: its arena stays as it is
+            return
+        self._dead[device].pop(key, None)  # CUDA gave the handle to a new stream: its arena is live
+
+    def _arena_free_bytes(self, lists: tuple[list, dict]) -> int:
+        small, large = lists
+        return sum(SIZE_CLASSES[ci] * len(lst) for ci, lst in enumerate(small) if lst) + sum(
+            n * len(lst) for n, lst in list(large.items())
+        )
+
+    def _spare_chunk(self, device: int, ci: int) -> int:
+        """A spare whole chunk for shared class ``ci`` (0 if none, after
+        reclaiming destroyed streams' arenas)."""
+        spare = self._spare_small[device]
+        if not spare and (self._died or self._dead[device]):
+            self._reclaim(device)
+        with self._chunk_lock:
+            if not spare:
+                return 0
+            base = spare.pop()
+            self._chunks[device][base] = (CHUNK_BYTES, ci)
+            return base
+
+    def _spare_run(self, device: int, nbytes: int) -> int:
+        """A spare run of ``nbytes`` (0 if none, after reclaiming)."""
+        lst = self._spare_large[device].get(nbytes)
+        if not lst and (self._died or self._dead[device]):
+            self._reclaim(device)
+            lst = self._spare_large[device].get(nbytes)
+        try:
+            return lst.pop() if lst else 0
+        except IndexError:  # another thread took the last one
+            return 0
+
+    def _reclaim(self, device: int) -> None:
+        """Take back the free chunks of destroyed streams' arenas on
+        ``device``, before new chunks are made: a program that makes streams
+        and drops them would otherwise keep every dead stream's cache, and
+        fault on each new chunk (``bench workloads``, multi-stream; docs/managed.md).
+
+        Every free block of those arenas is first taken out of circulation,
+        then one ``cudaDeviceSynchronize`` waits for every queued work (the
+        dead streams' included), so no work still uses what was taken. Whole
+        free shared chunks and free large runs become spare, owned by no
+        arena, for any stream; slots of chunks still partly in use go back.
+        An arena is reclaimed again only once frees have added to it, and
+        forgotten once it owns no chunk."""
+        died = self._died
+        while died:
+            try:
+                d, key, ref = died.pop()
+            except IndexError:  # another thread took the last one
+                break
+            if self._watched[d].get(key) is ref:  # not a new stream with the same handle
+                del self._watched[d][key]
+                if key in self._lists[d]:
+                    self._dead[d][key] = -1
+        dead = self._dead[device]
+        if not dead:
+            return
+        with self._chunk_lock:
+            todo = []
+            for key, last in list(dead.items()):
+                lists = self._lists[device].get(key)
+                if lists is None:
+                    dead.pop(key, None)
+                    continue
+                free = self._arena_free_bytes(lists)
+                if free > 0 and free > last:
+                    todo.append(key)
+            if todo:
+                self._take_back(device, todo)
+            owned = {id(v) for v in list(self._owner.values())}
+            for key in list(dead):
+                if id(self._arenas[device].get(key)) not in owned:  # owns nothing: forget it
+                    dead.pop(key, None)
+                    self._lists[device].pop(key, None)
+                    self._arenas[device].pop(key, None)
+                else:
+                    dead[key] = self._arena_free_bytes(self._lists[device][key])
+
+    def _take_back(self, device: int, keys: list[int]) -> None:
+        bases, chunks, owner = self._small_bases[device], self._chunks[device], self._owner
+        slots: dict[int, list[tuple[list, int]]] = {}
+        runs: list[tuple[int, int]] = []
+        for key in keys:
+            small, large = self._lists[device][key]
+            for lst in small:
+                while lst:
+                    try:
+                        ptr = lst.pop()
+                    except IndexError:
+                        break
+                    slots.setdefault(bases[bisect.bisect_right(bases, ptr) - 1], []).append((lst, ptr))
+            for nbytes, lst in list(large.items()):
+                while lst:
+                    try:
+                        runs.append((nbytes, lst.pop()))
+                    except IndexError:
+                        break
+        b = self.backend
+        b.clear_last_error()
+        b.device_synchronize(device)  # the dead streams' queued work is done
+        reclaimed = 0
+        for nbytes, ptr in runs:
+            owner.pop(ptr, None)
+            self._spare_large[device].setdefault(nbytes, []).append(ptr)
+            reclaimed += nbytes
+        for base, held in slots.items():
+            if len(held) == CHUNK_BYTES // SIZE_CLASSES[chunks[base][1]]:
+                owner.pop(base, None)
+                self._spare_small[device].append(base)
+                reclaimed += CHUNK_BYTES
+            else:  # partly in use: the slots stay with their arena
+                for lst, ptr in sorted(held, key=lambda h: -h[1]):
+                    lst.append(ptr)
+        self._forget_last_owner()
+        self._n_reclaims[device] += 1
+        self._reclaimed[device] += reclaimed
+
+    def _forget_last_owner(self) -> None:
+        forget = getattr(self._free, "__self__", None)  # the C hot path caches the last chunk's owner
+        if forget is not None and hasattr(forget, "forget"):
+            forget.forget()
 
     def _release(self, device: int, keep: int) -> int:
         """Give cached chunks of ``device`` back to CUDA until at most
@@ -434,6 +601,16 @@ class ManagedStrategy(Strategy):
         with self._chunk_lock:
             chunks = self._chunks[device]
             cached = self._cached_bytes(device)
+            for nbytes, lst in sorted(self._spare_large[device].items(), reverse=True):
+                while cached > keep and lst:
+                    self._free_chunk(lst.pop(), device)
+                    cached -= nbytes
+                    released += nbytes
+            spare = self._spare_small[device]
+            while cached > keep and spare:
+                self._free_chunk(spare.pop(), device)
+                cached -= CHUNK_BYTES
+                released += CHUNK_BYTES
             arenas = list(self._lists[device].values())
             # large blocks first (whole blocks, biggest first)
             runs = sorted({n for _, large in arenas for n in list(large)}, reverse=True)
@@ -477,9 +654,7 @@ class ManagedStrategy(Strategy):
     def _free_chunk(self, ptr: int, device: int) -> None:
         nbytes, ci = self._chunks[device].pop(ptr)
         self._owner.pop(ptr, None)
-        forget = getattr(self._free, "__self__", None)  # the C hot path caches the last chunk's owner
-        if forget is not None and hasattr(forget, "forget"):
-            forget.forget()
+        self._forget_last_owner()
         if ci >= 0:
             bases = self._small_bases[device]
             del bases[bisect.bisect_left(bases, ptr)]
@@ -492,7 +667,8 @@ class ManagedStrategy(Strategy):
             _warn(f"managed: cudaFree of chunk 0x{ptr:x} on device {device} failed: {exc}", RuntimeWarning, 4)
 
     def _cached_bytes(self, device: int) -> int:
-        total = 0
+        total = CHUNK_BYTES * len(self._spare_small[device])
+        total += sum(n * len(lst) for n, lst in list(self._spare_large[device].items()))
         for small, large in list(self._lists[device].values()):
             total += sum(SIZE_CLASSES[ci] * len(lst) for ci, lst in enumerate(small))
             total += sum(n * len(lst) for n, lst in list(large.items()))
@@ -504,6 +680,8 @@ class ManagedStrategy(Strategy):
         (or run of chunks) in stream ``key``'s arena on ``device``. A large
         size seen for the first time there is indexed under its 512-byte
         rounding, and may find a block freed by another size of the same run."""
+        if key > 2:
+            self._watch_stream(device, key)
         small, large = self._arena(device, key)
         if size <= SMALL_MAX:
             ci = _CLASS_INDEX[(size + 511) >> 9]
@@ -524,8 +702,13 @@ class ManagedStrategy(Strategy):
         try:
             ptr = lst.pop()
         except IndexError:
-            ptr = self._new_chunks(n, size, device, -1)
-            self._owner[ptr] = self._arenas[device][key]
+            ptr = self._spare_run(device, n)
+            if ptr:  # a destroyed stream's, synchronised: as cached
+                self._owner[ptr] = self._arenas[device][key]
+                prefetch = prefetch if prefetch == "on_alloc" else None
+            else:
+                ptr = self._new_chunks(n, size, device, -1)
+                self._owner[ptr] = self._arenas[device][key]
         else:
             prefetch = prefetch if prefetch == "on_alloc" else None  # on_new: a cached block is not
         if prefetch is not None:
@@ -673,6 +856,8 @@ class ManagedStrategy(Strategy):
             reserved_bytes=self._reserved[d],
             cached_bytes=self._cached_bytes(d),
             n_guard_refusals=self._n_refused[d],
+            n_reclaims=self._n_reclaims[d],
+            reclaimed_bytes=self._reclaimed[d],
         )
 
     def trim(self, keep_bytes=0, device: int | None = None) -> int:

@@ -14,6 +14,7 @@ import gc
 import pytest
 
 import cupy_memstrat
+from cupy_memstrat import cuda as C
 from cupy_memstrat.bench import streams as S
 
 GiB = 1 << 30
@@ -41,6 +42,9 @@ PATTERNS = {
     # one's handle in every measured run) makes the next array: CUDA reuses a destroyed stream's
     # handle only once its work is done (measured: 0 under CuPy's pool, which keys by handle)
     "dead-stream": lambda cp, k: S.dead_stream(cp, k),
+    # the same, the next array made on a stream that lived all along: managed hands it the dead
+    # stream's cached block, after a device synchronisation
+    "dead-stream-reclaimed": lambda cp, k: S.dead_stream_reclaimed(cp, k),
 }
 
 
@@ -55,6 +59,37 @@ def test_no_block_reaches_another_stream_while_its_stream_still_writes(cp, kern,
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_the_control_without_stream_ordered_reuse_corrupts_the_next_array(cp, kern, pattern):
     assert _run(cp, "managed-one-cache", lambda: PATTERNS[pattern](cp, kern)) > 0
+
+
+class _NoDeviceSync:
+    """The real backend without cudaDeviceSynchronize: the control for the
+    synchronisation before a destroyed stream's chunks are reclaimed."""
+
+    def __init__(self, backend):
+        self._backend = backend
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def device_synchronize(self, device):
+        pass
+
+
+def test_managed_reclaims_a_dead_streams_chunks_after_a_synchronisation_and_corrupts_without_it(cp, kern):
+    s = cupy_memstrat.use("managed")
+    try:
+        assert S.dead_stream_reclaimed(cp, kern) == 0
+        ms = s.managed_stats()
+        assert ms.n_reclaims == 5 and ms.reclaimed_bytes == 5 * 4 * (1 << 20)  # A's block each round, no new chunk
+    finally:
+        S.release(cp, s)
+    control = cupy_memstrat.create("managed", backend=_NoDeviceSync(C.get_backend()))
+    cp.cuda.set_allocator(control.cupy_allocator())
+    try:
+        assert S.dead_stream_reclaimed(cp, kern) > 0  # reclaimed while A's kernel still writes
+        assert control.managed_stats().n_reclaims == 5
+    finally:
+        S.release(cp, control)
 
 
 def test_per_thread_default_streams_are_told_apart():
