@@ -115,37 +115,27 @@ def _cmd_bench(args) -> int:
     return 0
 
 
-def _cmd_plot(args) -> int:
-    from .bench.plot import plot
-
-    out = args.output.strip()
-    if not out or os.path.isdir(out) or out.endswith(os.sep):
-        print(f"plot: -o {args.output!r}: expected an image file path such as 'figure.png'"
-              + (f" ({out!r} is a directory)" if out and os.path.isdir(out) else ""), file=sys.stderr)
-        return 2
-    folder = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(folder):  # said before the figure is drawn
-        print(f"plot: -o {args.output!r}: the folder {folder!r} does not exist", file=sys.stderr)
-        return 2
-    if os.path.exists(args.json) and not os.path.isfile(args.json):  # a FIFO would block, /dev/zero never end
-        print(f"plot: cannot read {args.json!r}: a directory, a FIFO, a socket or a device, not a file",
+def _load_report(cmd: str, path: str, test: str | None, what: str):
+    """The JSON object in ``path`` (with ``test``: that test's timeline from
+    a pytest --gpumem-json report); None after printing why not."""
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block, /dev/zero never end
+        print(f"{cmd}: cannot read {path!r}: a directory, a FIFO, a socket or a device, not a file",
               file=sys.stderr)
-        return 2
+        return None
     try:
-        with open(args.json) as f:
+        with open(path) as f:
             report = json.load(f)
     except (OSError, ValueError, RecursionError) as exc:
-        print(f"plot: cannot read {args.json!r}: {exc}", file=sys.stderr)
-        return 2
+        print(f"{cmd}: cannot read {path!r}: {exc}", file=sys.stderr)
+        return None
     if not isinstance(report, dict):
-        print(f"plot: {args.json} is not a report: expected a JSON object written by bench --json, "
-              f"cupy_memstrat.snapshot() or pytest --gpumem-json, got a JSON {type(report).__name__}",
-              file=sys.stderr)
-        return 2
+        print(f"{cmd}: {path} is not a report: expected a JSON object written by {what}, "
+              f"got a JSON {type(report).__name__}", file=sys.stderr)
+        return None
     if isinstance(report.get("tests"), list):  # a --gpumem-json report
         with_history = [t for t in report["tests"] if isinstance(t, dict) and isinstance(t.get("history"), dict)
                         and isinstance(t.get("nodeid", ""), str)]
-        want = args.test
+        want = test
         if want is not None:  # as the terminal printed it, relative to another folder: "../tests/x.py::t"
             while want.startswith(("../", "./")):
                 want = want.split("/", 1)[1]
@@ -156,18 +146,63 @@ def _cmd_plot(args) -> int:
                            and want is not None and want in str(t.get("nodeid", ""))]
             if no_timeline:
                 t = no_timeline[0]
-                print(f"plot: {t.get('nodeid')} has no timeline: {t['history_error']}", file=sys.stderr)
-                return 2
-            what = "no test in it has a timeline (run pytest with --gpumem-history)" if not with_history else (
-                f"--test {args.test!r} matches {len(picked)} of the tests with a timeline ({ids}"
-                + ("; only tests that failed get one)" if not picked else ")") if args.test
+                print(f"{cmd}: {t.get('nodeid')} has no timeline: {t['history_error']}", file=sys.stderr)
+                return None
+            why = "no test in it has a timeline (run pytest with --gpumem-history)" if not with_history else (
+                f"--test {test!r} matches {len(picked)} of the tests with a timeline ({ids}"
+                + ("; only tests that failed get one)" if not picked else ")") if test
                 else f"{len(with_history)} tests have a timeline ({ids}): pick one with --test NODEID")
-            print(f"plot: {args.json} is a pytest_gpumem report; {what}", file=sys.stderr)
-            return 2
-        report = dict(picked[0]["history"], title=picked[0].get("nodeid"))  # the figure names the test
-    elif args.test is not None:
-        print(f"plot: --test picks a test of a pytest --gpumem-json report; {args.json} is not one",
-              file=sys.stderr)
+            print(f"{cmd}: {path} is a pytest_gpumem report; {why}", file=sys.stderr)
+            return None
+        return dict(picked[0]["history"], title=picked[0].get("nodeid"))  # the figure names the test
+    if test is not None:
+        print(f"{cmd}: --test picks a test of a pytest --gpumem-json report; {path} is not one", file=sys.stderr)
+        return None
+    return report
+
+
+def _check_output_file(cmd: str, out: str, expected: str) -> bool:
+    """Refuse (printing why) an output path that is empty, a directory, or in a missing folder."""
+    o = out.strip()
+    if not o or os.path.isdir(o) or o.endswith(os.sep):
+        print(f"{cmd}: -o {out!r}: expected {expected}"
+              + (f" ({o!r} is a directory)" if o and os.path.isdir(o) else ""), file=sys.stderr)
+        return False
+    folder = os.path.dirname(os.path.abspath(o))
+    if not os.path.isdir(folder):  # said before anything is done
+        print(f"{cmd}: -o {out!r}: the folder {folder!r} does not exist", file=sys.stderr)
+        return False
+    return True
+
+
+def _cmd_export(args) -> int:
+    from .memory_viz import write_torch
+
+    if not _check_output_file("export", args.output, "a file path such as 'snapshot.pickle'"):
+        return 2
+    doc = _load_report("export", args.json, args.test, "cupy_memstrat.snapshot() or pytest --gpumem-json")
+    if doc is None:
+        return 2
+    doc.pop("title", None)
+    try:
+        write_torch(doc, args.output.strip())
+    except (ValueError, OSError) as exc:
+        print(f"export: {args.json}: {exc}", file=sys.stderr)
+        return 2
+    out = args.output.strip()
+    print(f"wrote {out} (PyTorch's memory snapshot): open it at https://pytorch.org/memory_viz, or make a page "
+          f"with python -m torch.cuda._memory_viz trace_plot {out} -o {os.path.splitext(out)[0]}.html")
+    return 0
+
+
+def _cmd_plot(args) -> int:
+    from .bench.plot import plot
+
+    if not _check_output_file("plot", args.output, "an image file path such as 'figure.png'"):
+        return 2
+    report = _load_report("plot", args.json, args.test,
+                          "bench --json, cupy_memstrat.snapshot() or pytest --gpumem-json")
+    if report is None:
         return 2
     try:
         written = plot(report, args.output)
@@ -417,6 +452,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--test", metavar="NODEID", help="in a pytest_gpumem report: the test whose timeline to draw "
                                                      "(a part of its node id)")
     pl.set_defaults(func=_cmd_plot)
+    ex = sub.add_parser("export", help="a memory snapshot in PyTorch's format, for its memory viewer "
+                        "(pytorch.org/memory_viz)")
+    ex.add_argument("json", help="a file written by cupy_memstrat.snapshot(PATH), or a pytest --gpumem-json "
+                    "report (with --test)")
+    ex.add_argument("-o", "--output", required=True, help="the pickle to write (PyTorch's snapshot layout)")
+    ex.add_argument("--test", metavar="NODEID", help="in a pytest_gpumem report: the test whose timeline to export "
+                    "(a part of its node id)")
+    ex.set_defaults(func=_cmd_export)
     run = sub.add_parser(
         "run",
         help="run a Python script (or -m MODULE) unchanged under a strategy, like python -m cProfile",

@@ -80,10 +80,11 @@ def _out_of_memory_class():
             ``requested`` (bytes), ``device`` (int), ``stats`` (the strategy's
             :class:`~cupy_memstrat.Stats` for that device when it failed),
             ``strategy`` (its name), ``reason`` (what refused: ``"cuda"`` or a
-            strategy-specific guard).
+            strategy-specific guard), ``snapshot`` (the file the strategy's
+            ``oom_snapshot`` option wrote, or None).
             """
 
-            def __init__(self, message, *, requested, device, stats, strategy, reason="cuda"):
+            def __init__(self, message, *, requested, device, stats, strategy, reason="cuda", snapshot=None):
                 MemoryError.__init__(self, message)
                 # CuPy's attribute names, for code that reads them.
                 self._size = requested
@@ -94,6 +95,7 @@ def _out_of_memory_class():
                 self.stats = stats
                 self.strategy = strategy
                 self.reason = reason
+                self.snapshot = snapshot
 
             def __reduce__(self):
                 return (MemoryError, (str(self),))

@@ -27,7 +27,8 @@ import sys
 import threading
 import time
 
-from .stats import capture_origin
+from .paths import check_writable_file
+from .stats import capture_origin, origin_capture
 
 __all__ = ["record_history", "snapshot", "History"]
 
@@ -47,6 +48,10 @@ class History:
         self.max_entries = max_entries
         self.origins = origins
         self.events: collections.deque = collections.deque(maxlen=max_entries)
+        # (t_ns, action, ptr, size, device): the strategy's own segments made and given back
+        # (managed's chunks), and (t_ns, size, device, device_free) for each out-of-memory error
+        self.segment_events: collections.deque = collections.deque(maxlen=max_entries)
+        self.oom_events: collections.deque = collections.deque(maxlen=max_entries)
         self.n_events = 0
         self.enabled = True
         self.t0 = time.perf_counter_ns()
@@ -67,6 +72,17 @@ class History:
 
         return cupy.cuda.get_allocator() is self.allocator
 
+    def segment(self, action: str, ptr: int, size: int, device: int) -> None:
+        """From the strategy (off its hot path): ``"segment_alloc"`` /
+        ``"segment_free"`` of ``size`` bytes at ``ptr``."""
+        if self.enabled:
+            self.segment_events.append((time.perf_counter_ns(), action, ptr, size, device))
+
+    def oom(self, size: int, device: int, device_free: int) -> None:
+        """From the strategy: an allocation of ``size`` bytes raises out of memory."""
+        if self.enabled:
+            self.oom_events.append((time.perf_counter_ns(), size, device, device_free))
+
     @property
     def dropped(self) -> int:
         """Events that no longer fit in the buffer (the oldest)."""
@@ -76,23 +92,42 @@ class History:
         """The snapshot: JSON-ready. ``events`` hold ``t`` in seconds since
         recording began, ``action`` ("alloc" / "free"), ``ptr``, ``size`` in
         bytes, ``device``, ``stream`` (the CUDA stream handle current at the
-        event, or None) and ``origin`` ("file:line in function", or None)."""
+        event, or None), ``origin`` ("file:line in function", or None) and,
+        for an allocation whose stack was recorded (``track_origins=N``),
+        ``frames`` (``[file, line, function]``, innermost first).
+        ``segments`` is the strategy's memory at the snapshot
+        (:meth:`Strategy.memory_segments`, ``segment_kind`` says what a segment is),
+        ``segment_events`` its segments made and given back while recording
+        (``t``, ``action``, ``ptr``, ``size``, ``device``) and ``oom_events``
+        its out-of-memory errors (``t``, ``size``, ``device``, ``device_free``)."""
         s = self.strategy
+        t0 = self.t0
         return {
             "kind": SNAPSHOT_KIND,
-            "version": 1,
+            "version": 2,
+            "devices": len(self.baseline),
             "strategy": {"name": s.name, "options": {k: _jsonable(v) for k, v in s.config.items()}},
             "started": self.started,
             "recording": self.recording,
             "max_entries": self.max_entries,
             "dropped": self.dropped,
             "baseline_bytes_in_use": list(self.baseline),
-            "events": [
-                {"t": (t - self.t0) / 1e9, "action": a, "ptr": p, "size": n, "device": d, "stream": st,
-                 "origin": str(o) if o is not None else None}
-                for t, a, p, n, d, st, o in list(self.events)
-            ],
+            "events": [_event(t - t0, a, p, n, d, st, o) for t, a, p, n, d, st, o in list(self.events)],
+            "segment_kind": s.segment_kind,
+            "segments": s.memory_segments(),
+            "segment_events": [{"t": (t - t0) / 1e9, "action": a, "ptr": p, "size": n, "device": d}
+                               for t, a, p, n, d in list(self.segment_events)],
+            "oom_events": [{"t": (t - t0) / 1e9, "size": n, "device": d, "device_free": f}
+                           for t, n, d, f in list(self.oom_events)],
         }
+
+
+def _event(dt_ns, action, ptr, size, device, stream, origin) -> dict:
+    e = {"t": dt_ns / 1e9, "action": action, "ptr": ptr, "size": size, "device": device, "stream": stream,
+         "origin": str(origin) if origin is not None else None}
+    if origin is not None and origin.stack:
+        e["frames"] = [list(f) for f in origin.stack]
+    return e
 
 
 def _jsonable(v):
@@ -120,6 +155,7 @@ def _recording_allocator(strategy, h: History) -> _RecordingAllocator:
     if malloc is None:
         malloc, free = strategy._build_hot_path()
     events, clock, origins, live = h.events, time.perf_counter_ns, h.origins, strategy._live
+    capture = origin_capture(strategy._track_origins) or capture_origin  # the strategy's frames, else one
     stream_of = getattr(strategy.backend, "current_stream", None)
 
     def stream(device):
@@ -133,7 +169,7 @@ def _recording_allocator(strategy, h: History) -> _RecordingAllocator:
         if h.enabled:
             h.n_events += 1
             events.append((clock(), "alloc", ptr, size, device, stream(device),
-                           capture_origin(1) if origins else None))
+                           capture(1) if origins else None))
         return ptr
 
     def rec_free(ptr, device, stacklevel=1):
@@ -226,6 +262,8 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins:
         h = _active
         if h is not None:
             h.enabled = False
+            if h.strategy._history is h:
+                h.strategy._history = None
             if cupy.cuda.get_allocator() is h.allocator:
                 cupy.cuda.set_allocator(h.previous_allocator)
             _active, _last = None, h
@@ -236,55 +274,102 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins:
         h.previous_allocator = cupy.cuda.get_allocator()  # put back when the recording ends
         h.allocator = _recording_allocator(s, h)
         cupy.cuda.set_allocator(h.allocator)
+        s._history = h  # segment and out-of-memory events
         _active = h
         return h
 
 
-def _check_writable_file(path) -> None:
-    """Refuse, before anything is written, a path that is no file to write:
-    empty, a directory, a FIFO (opening it would wait for a reader), a socket
-    or a device, or one in a folder that does not exist."""
-    import stat
+def oom_document(strategy, *, size: int, device: int, reason: str, message: str, device_free=None) -> dict:
+    """The snapshot written at an out-of-memory error (the ``oom_snapshot``
+    option): a version-2 snapshot (:meth:`History.as_dict`: the recording's
+    events if the strategy is being recorded, else none) with ``oom``: the
+    request, the device, the reason, the error's message, ``stats`` per
+    device and ``live`` (the live allocations, largest first, with origins
+    and, with ``track_origins=N``, frames)."""
+    h = strategy._history
+    if h is not None and h.enabled:
+        doc = h.as_dict()
+    else:
+        n = strategy.backend.device_count()
+        doc = {
+            "kind": SNAPSHOT_KIND, "version": 2, "devices": n,
+            "strategy": {"name": strategy.name, "options": {k: _jsonable(v) for k, v in strategy.config.items()}},
+            "started": time.time(), "recording": False, "max_entries": 0, "dropped": 0,
+            "baseline_bytes_in_use": [strategy.stats(d).bytes_in_use for d in range(n)], "events": [],
+            "segment_kind": strategy.segment_kind, "segments": strategy.memory_segments(), "segment_events": [],
+            "oom_events": [{"t": 0.0, "size": size, "device": device, "device_free": device_free or 0}],
+        }
+    live = []
+    for a in strategy.live_allocations():
+        row = {"ptr": a.ptr, "size": a.size, "device": a.device, "origin": str(a.origin) if a.origin else None}
+        if a.origin is not None and a.origin.stack:
+            row["frames"] = [list(f) for f in a.origin.stack]
+        live.append(row)
+    doc["oom"] = {
+        "requested_bytes": size, "device": device, "reason": reason, "message": message,
+        "device_free_bytes": device_free, "time": time.time(),
+        "stats": [strategy.stats(d).as_dict() for d in range(strategy.backend.device_count())],
+        "live": live,
+    }
+    return doc
 
-    p = os.fspath(path)
-    if not p:
-        raise ValueError("path: expected a file path, got an empty one")
+
+def write_oom_snapshot(strategy, path, **oom) -> None:
+    """:func:`oom_document`, written as JSON to ``path`` (through a temporary
+    file beside it, so a reader never sees half a file).
+
+    Raises:
+        OSError: ``path`` cannot be written.
+    """
+    doc = oom_document(strategy, **oom)
+    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
     try:
-        mode = os.stat(p).st_mode
-    except FileNotFoundError:
-        folder = os.path.dirname(os.path.abspath(p))
-        if not os.path.isdir(folder):
-            raise FileNotFoundError(f"path: cannot write {p!r}: the folder {folder!r} does not exist") from None
-        return
-    except OSError:
-        return  # open() says why
-    if not stat.S_ISREG(mode):
-        raise ValueError(f"path: {p!r} is a directory, a FIFO, a socket or a device, not a file to write")
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
-def snapshot(path: str | None = None) -> dict:
+def snapshot(path: str | None = None, format: str = "json") -> dict:
     """The current (or last) recording as a dict (:meth:`History.as_dict`);
     with ``path``, also written there as JSON, which ``python -m cupy_memstrat
     plot PATH -o timeline.png`` draws.
 
+    With ``format="torch"``: the same in the layout of PyTorch's memory
+    snapshot (``torch.cuda.memory._snapshot()``, see
+    :mod:`cupy_memstrat.memory_viz`), written to ``path`` as a pickle that
+    PyTorch's viewer (pytorch.org/memory_viz, ``python -m
+    torch.cuda._memory_viz trace_plot``) reads.
+
     Raises:
         TypeError: ``path`` is not a str or os.PathLike (an int is refused:
             ``open`` would take it as a file descriptor).
+        ValueError: ``format`` is not ``"json"`` or ``"torch"``; ``path`` is
+            empty, or names a directory, a FIFO, a socket or a device (checked
+            before anything is written).
         RuntimeError: nothing was ever recorded in this process.
-        ValueError: ``path`` is empty, or names a directory, a FIFO, a socket
-            or a device (checked before anything is written).
         OSError: ``path`` cannot be written (``FileNotFoundError``: its folder does not exist).
     """
     if path is not None and not isinstance(path, (str, os.PathLike)):
         # (an int would be taken as a file descriptor, and closed)
         raise TypeError(f"path: expected a file path (str or os.PathLike) or None, got {type(path).__name__} {path!r}")
+    if format not in ("json", "torch"):
+        raise ValueError(f"format: expected 'json' or 'torch' (PyTorch's memory viewer), got {format!r}")
     h = _active or _last
     if h is None:
         raise RuntimeError("no memory history: call cupy_memstrat.record_history() first")
-    doc = h.as_dict()
     if path is not None:
-        _check_writable_file(path)
+        check_writable_file(path)
+    doc = h.as_dict()
+    if format == "torch":
+        from .memory_viz import to_torch, write_torch
+
+        if path is not None:
+            write_torch(doc, path)
+        return to_torch(doc)
+    if path is not None:
         with open(path, "w") as f:
             json.dump(doc, f)
     return doc
-

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from .sizes import parse_size
 
-__all__ = ["Option", "parse_spec", "as_bool", "as_size", "as_int"]
+__all__ = ["Option", "parse_spec", "as_bool", "as_size", "as_int", "as_frames", "as_output_file"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -66,6 +66,53 @@ def as_bool(value, what: str) -> bool:
     if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
         return value.strip().lower() in _TRUE
     raise ValueError(f"{what}: expected true or false, got {value!r}")
+
+
+def as_frames(value, what: str, most: int = 128):
+    """``track_origins``: ``False`` (off), ``True`` or 1 (the first frame
+    outside CuPy and cupy_memstrat), or N frames from 2 to ``most``: an int
+    or a string (true/false, yes/no, on/off, or ASCII digits). 0 is refused,
+    not taken as off: ``False`` says that."""
+    expected = f"expected true or false, or a number of frames from 1 to {most}"
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        t = value.strip().lower()
+        if t in _TRUE - {"1"} or t in _FALSE - {"0"}:
+            return t in _TRUE
+        if not (t.isascii() and t.isdigit()):
+            raise ValueError(f"{what}: {expected}, got {value!r}")
+        value = int(t)
+    elif hasattr(value, "__index__") and not isinstance(value, float):
+        value = value.__index__()
+    else:
+        raise ValueError(f"{what}: {expected}, got {type(value).__name__} {value!r}")
+    if not 1 <= value <= most:
+        off = " (False turns it off)" if value == 0 else ""
+        raise ValueError(f"{what}: {expected}, got {value}{off}")
+    return True if value == 1 else value
+
+
+def as_output_file(value, what: str):
+    """A file to write later (``None``: none): a str or os.PathLike, checked
+    now as :func:`cupy_memstrat.paths.check_writable_file` checks it (not a
+    directory, a FIFO or a device; its folder exists). Nothing is written."""
+    import os
+
+    from .paths import check_writable_file
+
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"{what}: expected a file path, got {type(value).__name__} {value!r}")
+    path = os.fspath(value)
+    if isinstance(path, bytes) or not path.strip():
+        raise ValueError(f"{what}: expected a file path, got {value!r}")
+    try:
+        check_writable_file(path, what)
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from None
+    return path
 
 
 def as_int(value, what: str) -> int:

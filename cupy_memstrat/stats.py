@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import asdict, dataclass
 
 from .sizes import format_size
 
-__all__ = ["Stats", "Allocation", "Origin", "capture_origin"]
+__all__ = ["Stats", "Allocation", "Origin", "capture_origin", "capture_stack", "origin_capture", "MAX_FRAMES"]
+
+#: the most frames ``track_origins=N`` keeps per allocation
+MAX_FRAMES = 128
 
 
 @dataclass(frozen=True)
@@ -67,11 +71,20 @@ class Stats:
 @dataclass(frozen=True)
 class Origin:
     """Where an allocation was requested: the first Python frame outside CuPy
-    and cupy_memstrat."""
+    and cupy_memstrat (``filename``, ``lineno``, ``function``), and with
+    ``track_origins=N`` (N > 1) the stack: up to N such frames, innermost
+    first, as ``(filename, lineno, function)`` tuples (empty for one frame).
+    Allocations made from the same stack share one ``Origin`` object."""
 
     filename: str
     lineno: int
     function: str
+    stack: tuple = ()
+
+    @property
+    def frames(self) -> tuple:
+        """The frames, innermost first: ``stack``, or the one frame."""
+        return self.stack or ((self.filename, self.lineno, self.function),)
 
     def __str__(self) -> str:
         return f"{self.filename}:{self.lineno} in {self.function}"
@@ -121,3 +134,45 @@ def capture_origin(skip: int = 1) -> Origin | None:
             return Origin(fn, f.f_lineno, f.f_code.co_name)
         f = f.f_back
     return None
+
+
+_interned: dict[tuple, Origin] = {}
+_INTERN_MAX = 1 << 16  # distinct stacks kept for sharing; beyond it each allocation has its own
+
+
+def capture_stack(skip: int = 1, depth: int = 8) -> Origin | None:
+    """Up to ``depth`` frames, above ``skip`` frames, whose files are outside
+    CuPy and cupy_memstrat, innermost first (``Origin.stack``); ``None`` if
+    there is none. Repeated stacks give the same ``Origin`` object, so memory
+    for origins grows with the distinct stacks (at most 65 536 shared), not
+    with the allocations. Used when ``track_origins`` is a number of frames."""
+    prefixes = _skipped_prefixes()
+    f = sys._getframe(skip + 1)
+    frames = []
+    while f is not None:
+        code = f.f_code
+        if not code.co_filename.startswith(prefixes):
+            frames.append((code.co_filename, f.f_lineno, code.co_name))
+            if len(frames) == depth:
+                break
+        f = f.f_back
+    if not frames:
+        return None
+    key = tuple(frames)
+    origin = _interned.get(key)
+    if origin is None:
+        origin = Origin(*frames[0], stack=key)
+        if len(_interned) < _INTERN_MAX:
+            origin = _interned.setdefault(key, origin)
+    return origin
+
+
+def origin_capture(track):
+    """The function a hot path calls as ``capture(skip)`` for the option
+    ``track_origins=track`` (``True`` or 1: the first frame; N: N frames),
+    or None when it is off."""
+    if not track:
+        return None
+    if track is True or track == 1:
+        return capture_origin
+    return functools.partial(capture_stack, depth=int(track))

@@ -73,6 +73,19 @@ def parse_check(raw: str):
     return parse_checks(raw)
 
 
+def parse_compare(raw: str):
+    from .baseline import load_baseline
+
+    load_baseline(raw)  # read and checked at start-up; the plugin reads it again
+    return raw.strip()
+
+
+def parse_max_growth(raw: str):
+    from .baseline import parse_growth
+
+    return parse_growth(raw)
+
+
 def parse_path(raw: str):
     return raw.strip()
 
@@ -179,6 +192,12 @@ SETTINGS = (
             flag=True),
     Setting("json", "--gpumem-json", "GPUMEM_JSON", "gpumem_json", parse_json_path, None,
             "write every measured test's numbers, with machine and versions, to PATH as JSON", metavar="PATH"),
+    Setting("compare", "--gpumem-compare", "GPUMEM_COMPARE", "gpumem_compare", parse_compare, None,
+            "compare each measured test's peak and leak with its entry in BASELINE, the --gpumem-json report "
+            "of an earlier run, and fail a test that grew by more than --gpumem-max-growth", metavar="BASELINE"),
+    Setting("max_growth", "--gpumem-max-growth", "GPUMEM_MAX_GROWTH", "gpumem_max_growth", parse_max_growth,
+            None, "with --gpumem-compare: the growth allowed over the baseline, a share of its value ('10%%', "
+            "the default) or a size on top of it ('1MiB')", metavar="GROWTH"),
 )
 
 
@@ -223,7 +242,7 @@ class Settings:
         """Whether every test (not only marked ones) is measured."""
         return bool(
             self.measure or self.budget is not None or self.leaks != "off" or self.faults or self.check
-            or self.stream_policy != "current" or self.history
+            or self.stream_policy != "current" or self.history or self.compare
         )
 
 

@@ -30,6 +30,7 @@ import pytest
 import cupy_memstrat
 from cupy_memstrat import checks as _checks
 
+from . import baseline as _baseline
 from . import report as _report
 from .measure import GpuMem, Meter, describe
 from .options import MARKERS, add_options, plan_for, resolve
@@ -96,6 +97,8 @@ class _State:
         self.usage_error: str | None = None  # a pytest-xdist worker's usage error: its tests error with it
         self.initial_strategy = None  # the session's strategy as first installed (the table's title)
         self.n_histories = 0  # timelines recorded for failing tests (--gpumem-history)
+        self.baseline = _baseline.load_baseline(settings.compare) if settings.compare else None
+        self.growth = settings.max_growth or _baseline.Growth(share=0.10, text="10%")
 
     # -- the strategy ----------------------------------------------------------------
     def activate(self) -> None:
@@ -362,6 +365,13 @@ class _State:
                     problems.append(("faults", f"{text} ({plan.fault_source}; {src})"))
             if any(k == "faults" for k, _ in problems):
                 details.append(f"page faults during the call: {f}")
+        if self.baseline is not None and not not_passed and rec.get("peak_bytes_per_device") is not None:
+            comparison, grown = self.baseline.compare(rec, self.growth, fmt,
+                                                      self.settings.source("max_growth") or "the default")
+            rec["baseline"] = comparison  # None: a test the baseline does not have
+            rec["limits"]["growth"] = {"max_growth": self.growth.text, "baseline": self.baseline.path,
+                                       "source": self.settings.source("max_growth")}
+            problems.extend(("growth", m) for m in grown)
         if problems and not not_passed:
             kinds = sorted({k for k, _ in problems})
             rec["verdict"] = "+".join(kinds)
@@ -372,6 +382,13 @@ class _State:
             call.gpumem_failed = rec["verdict"]
         rec["outcome"] = _outcome(reports)
         failing = rec["outcome"] in ("failed", "error")
+        snap = item.stash.get(_OOM_SNAPSHOT, None)
+        if snap is not None:
+            rec["oom_snapshot"] = snap
+            if call is not None and call.failed:
+                call.sections.append(("gpumem", (
+                    f"out of memory: the strategy wrote the memory at the error to {snap}\n"
+                    f"  python -m cupy_memstrat export {snap} -o oom.pickle   (for PyTorch's memory viewer)")))
         if w.history is not None and failing:
             rec["history"] = w.history.as_dict()  # the timeline of a failing test (--gpumem-history)
             self.n_histories += 1
@@ -420,6 +437,8 @@ class _State:
             "settings": {k: s.values[k] for k in ("budget", "leaks", "faults", "faults_missing")}
             | {"measure": s.measuring, "check": sorted(s.check), "stream_policy": s.stream_policy,
                "history": s.history},
+            "baseline": s.compare,
+            "max_growth": self.growth.text if s.compare else None,
             "setting_sources": {k: v for k, v in s.sources.items() if v is not None},
             "setting_texts": dict(s.texts),
             "packages": _package_versions(),
@@ -508,6 +527,7 @@ _PLAN = pytest.StashKey[object]()
 _WINDOW = pytest.StashKey[object]()
 _METER = pytest.StashKey[object]()  # the meter a test's call was measured through
 _NOTICE = pytest.StashKey[str]()  # an allocator change found before the test (pytest-xdist's summary)
+_OOM_SNAPSHOT = pytest.StashKey[str]()  # the file an out-of-memory error of the call wrote (oom_snapshot)
 _BAD = pytest.StashKey[str]()  # a bad marker's message (pytest-xdist workers: the test errors with it)
 
 
@@ -526,6 +546,9 @@ def pytest_configure(config):
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     settings = resolve(config)
+    if settings.max_growth is not None and not settings.compare:
+        raise pytest.UsageError(f"{settings.source('max_growth')}: --gpumem-max-growth needs a baseline to "
+                                "compare with: give --gpumem-compare=BASELINE.json (an earlier --gpumem-json report)")
     state = _State(config, settings)
     config.stash[_KEY] = state
     config.pluginmanager.register(_Recorder(state), "gpumem-recorder")
@@ -737,6 +760,11 @@ def pytest_runtest_call(item):
             counter.start()
         try:
             return (yield)
+        except MemoryError as exc:  # cupy_memstrat.OutOfMemoryError: the snapshot it wrote, if any
+            snap = getattr(exc, "snapshot", None)
+            if isinstance(snap, str):
+                item.stash[_OOM_SNAPSHOT] = snap
+            raise
         finally:
             _finish_call(state, plan, meter, w, counter)
 
@@ -836,11 +864,38 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                           f"test{'' if n == 1 else 's'}; {'it goes' if n == 1 else 'they go'} into "
                           "--gpumem-json=PATH (none given), "
                           "drawn by python -m cupy_memstrat plot")
+    if state.baseline is not None and state.worker is None:
+        for line in _baseline_summary(state, recs):
+            tr.write_line(line)
     if state.settings.json and state.worker is None:
         if getattr(state, "json_error", None):
             tr.write_line(f"gpumem: {state.json_error}", red=True)
         else:
             tr.write_line(f"gpumem: JSON report written to {state.settings.json}")
+
+
+def _baseline_summary(state, recs) -> list[str]:
+    """What the comparison with the baseline found: tests compared, grown,
+    new (not in the baseline), and the baseline's tests that did not run."""
+    b = state.baseline
+    compared = [r for r in recs if r.get("baseline")]
+    new = [r["nodeid"] for r in recs if "baseline" in r and r["baseline"] is None]
+    ran = {r["nodeid"] for r in recs}
+    gone = [n for n in b.tests if n not in ran]
+    grown = [r for r in compared if "growth" in (r.get("verdict") or "").split("+")]
+
+    def names(ids):
+        return ", ".join(ids[:10]) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
+
+    out = [f"gpumem: compared {len(compared)} test{'' if len(compared) == 1 else 's'} with the baseline {b.path} "
+           f"(max growth {state.growth.text}): {len(grown)} grew more"]
+    if new:
+        out.append(f"gpumem: {len(new)} test{'' if len(new) == 1 else 's'} not in the baseline (not compared): "
+                   f"{names(new)}")
+    if gone:
+        out.append(f"gpumem: {len(gone)} test{'' if len(gone) == 1 else 's'} of the baseline did not run: "
+                   f"{names(gone)}")
+    return out
 
 
 # -- fixtures -----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ MiB = 1 << 20
 def test_registered_with_alias_and_description():
     assert "pool" in cupy_memstrat.available()
     assert "CuPy's default MemoryPool" in cupy_memstrat.available()["pool"]
-    assert cupy_memstrat.validate("cupy") == ("pool", {"track_origins": False})
+    assert cupy_memstrat.validate("cupy") == ("pool", {"track_origins": False, "oom_snapshot": None})
 
 
 def test_same_stats_as_every_strategy(fake):

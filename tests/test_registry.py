@@ -74,7 +74,7 @@ def test_third_party_entry_point_registers_a_strategy(tmp_path, fresh_registry, 
     try:
         assert cupy_memstrat.available()["counting"] == "a third-party strategy"
         s = cupy_memstrat.create("counting:tag=7", backend=fake)
-        assert s.config == {"track_origins": False, "tag": 7}
+        assert s.config == {"track_origins": False, "oom_snapshot": None, "tag": 7}
         ptr = s.raw_malloc(1024, 0)
         assert s.stats(0).bytes_in_use == 1024
         s.raw_free(ptr, 0)

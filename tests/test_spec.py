@@ -7,7 +7,7 @@ from cupy_memstrat.options import parse_spec
 def test_spec_and_keywords_mean_the_same(fake):
     a = cupy_memstrat.create("device:track_origins=true", backend=fake)
     b = cupy_memstrat.create("device", track_origins=True, backend=fake)
-    assert a.config == b.config == {"track_origins": True, "granule": 1}
+    assert a.config == b.config == {"track_origins": True, "oom_snapshot": None, "granule": 1}
 
 
 def test_parse_spec_splits_options():
@@ -41,12 +41,12 @@ def test_spec_must_be_a_string():
 
 
 def test_unknown_option_lists_valid_ones(fake):
-    with pytest.raises(ValueError, match=r"unknown option 'colour'; valid options: granule, track_origins"):
+    with pytest.raises(ValueError, match=r"unknown option 'colour'; valid options: granule, oom_snapshot, track_origins"):
         cupy_memstrat.create("device:colour=blue", backend=fake)
 
 
 def test_bad_option_value_names_option_and_value(fake):
-    with pytest.raises(ValueError, match=r"option track_origins: expected true or false, got 'sometimes'"):
+    with pytest.raises(ValueError, match=r"option track_origins: expected true or false, or a number of frames from 1 to 128, got 'sometimes'"):
         cupy_memstrat.create("device", track_origins="sometimes", backend=fake)
 
 
@@ -56,7 +56,7 @@ def test_option_in_spec_and_keyword_is_an_error(fake):
 
 
 def test_validate_needs_no_gpu():
-    assert cupy_memstrat.validate("malloc:track_origins=on") == ("device", {"track_origins": True, "granule": 1})
+    assert cupy_memstrat.validate("malloc:track_origins=on") == ("device", {"track_origins": True, "oom_snapshot": None, "granule": 1})
 
 
 def test_bool_options_take_0_and_1(fake):

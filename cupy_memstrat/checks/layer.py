@@ -225,7 +225,9 @@ class CheckedStrategy(Strategy):
         self._q_limit_count = self.config["quarantine_count"]
         # What the program sees as the strategy's options: the wrapped strategy's (its own
         # track_origins among them), then the checks', "check" spelled as in a spec (JSON-ready)
-        own = {k: v for k, v in self.config.items() if k != "track_origins"}
+        # (and its oom_snapshot, unless one was given to this layer)
+        own = {k: v for k, v in self.config.items()
+               if k != "track_origins" and (k != "oom_snapshot" or "oom_snapshot" in options)}
         own["check"] = ",".join(c for c in CHECKS if c in checks)
         self.config = {**inner.config, **own}
         self._meta: dict[int, tuple] = {}  # ptr -> (padded, stream entry, thread id, seq)

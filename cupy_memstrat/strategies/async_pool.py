@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from .. import cuda as _cuda
 from ..options import Option, as_bool, as_size
 from ..sizes import format_size, parse_size
-from ..stats import Stats, capture_origin
+from ..stats import Stats, origin_capture
 from .base import _FOLD_AT, Strategy, _c_accounting, _warn
 
 __all__ = ["AsyncPoolStrategy", "PoolStats"]
@@ -448,6 +448,7 @@ class AsyncPoolStrategy(Strategy):
         get_device, Error = b.get_device, self._Error
         events, live, stream_of, pools = self._events, self._live, self._stream_of, self._pools
         origins, track = self._origins, self._track_origins
+        capture = origin_capture(track)  # the first frame, or track_origins=N frames
         ensure_pool, recover, fold, unknown_free = self._ensure_pool, self._recover_pool, self._fold, self._unknown_free
         free_off_path, ref, get_ident = self._free_off_path, weakref.ref, threading.get_ident
         recorded, pending, poll, defer, watch = self._recorded, self._pending, self._poll_pending, self._defer, self._watch
@@ -509,7 +510,7 @@ class AsyncPoolStrategy(Strategy):
             ev = events[device]
             ev.append(size)
             if track:
-                origins[ptr] = capture_origin(1)
+                origins[ptr] = capture(1)
             live[device][ptr] = size
             stream_of[ptr] = r
             if len(ev) > _FOLD_AT:

@@ -48,10 +48,11 @@ import numpy as np
 
 from .. import cuda as _cuda
 from ..errors import InvalidFreeWarning, _out_of_memory_class
-from ..options import Option, as_bool
+from ..options import Option, as_frames, as_output_file
 from ..sizes import format_size, parse_size
 from .._userwarn import warn_at_user
-from ..stats import Allocation, Stats, capture_origin
+from ..stats import Allocation, Stats, origin_capture
+from ._layout import block, segment
 
 __all__ = ["Strategy", "check_size", "check_stream", "hot_path_status"]
 
@@ -65,6 +66,8 @@ except ImportError as _exc:  # installed without a C compiler, or run from a sou
         "on a machine with a C compiler and the Python headers"
     )
 HOT_PATH_ENV = "CUPY_MEMSTRAT_HOT_PATH"
+#: the default of every strategy's ``oom_snapshot`` option
+OOM_SNAPSHOT_ENV = "CUPY_MEMSTRAT_OOM_SNAPSHOT"
 _HOT_PATH_CHOICES = ("auto", "c", "python")
 
 
@@ -245,14 +248,25 @@ class Strategy:
     common_options: ClassVar[tuple[Option, ...]] = (
         Option(
             "track_origins",
-            as_bool,
+            as_frames,
             False,
-            "record the first frame outside CuPy and cupy_memstrat for each live allocation",
+            "record where each live allocation was made: True, the first frame outside CuPy and "
+            "cupy_memstrat; N (2-128), up to N such frames",
+        ),
+        Option(
+            "oom_snapshot",
+            as_output_file,
+            None,
+            "a JSON file written when an allocation finally fails (after the recovery): the live allocations "
+            "with origins, the stats and the recent events when recording (default: $CUPY_MEMSTRAT_OOM_SNAPSHOT)",
         ),
     )
 
     def __init__(self, *, backend=None, **options):
         self.config = self.parse_options(options)
+        env = os.environ.get(OOM_SNAPSHOT_ENV, "")
+        if self.config.get("oom_snapshot") is None and env.strip() and "oom_snapshot" not in options:
+            self.config["oom_snapshot"] = as_output_file(env, f"environment variable {OOM_SNAPSHOT_ENV}")
         hot_path_status()  # a bad CUPY_MEMSTRAT_HOT_PATH is refused here, before anything is made
         if backend is None:
             backend = _cuda.get_backend()
@@ -287,6 +301,9 @@ class Strategy:
         self._poll_lock = threading.Lock()
         # _watch[0]: called when the last live allocation is freed (using() lets go)
         self._watch: list = [None]
+        # the recording (cupy_memstrat.record_history) that wants segment and out-of-memory
+        # events, off the hot path; None when nothing records
+        self._history = None
 
     # -- options ---------------------------------------------------------------
     @classmethod
@@ -382,6 +399,7 @@ class Strategy:
         allocate, deallocate, Error = self._allocate, self._deallocate, self._Error
         events, live, origins = self._events, self._live, self._origins
         recover, fold, track = self._recover_hook, self._fold, self._track_origins
+        capture = origin_capture(track)  # the first frame, or track_origins=N frames
         unknown_free, name = self._unknown_free, self.name
         recorded, pending, poll, defer, watch = self._recorded, self._pending, self._poll_pending, self._defer, self._watch
         Accounting = _c_accounting(track)
@@ -404,7 +422,7 @@ class Strategy:
             ev = events[device]
             ev.append(size)  # before the insert: the matching -size can only follow it
             if track:
-                origins[ptr] = capture_origin(1)
+                origins[ptr] = capture(1)
             live[device][ptr] = size
             if len(ev) > _FOLD_AT:
                 fold(device)
@@ -800,6 +818,7 @@ class Strategy:
 
     def _raise_out_of_memory(self, size: int, device: int, *, reason: str, cause=None, detail: str = ""):
         st = self.stats(device)
+        free = None
         try:
             free, total = self.backend.mem_get_info(device)
             cuda_has = f"CUDA reports {format_size(free)} free of {format_size(total)}"
@@ -813,8 +832,24 @@ class Strategy:
         )
         if isinstance(self.backend, _cuda.RealBackend):
             msg += _cupy_pool_hint(device)
+        h = self._history
+        if h is not None:  # a recording takes the event (PyTorch's "oom" trace entry)
+            h.oom(size, device, free or 0)
+        path = self.config.get("oom_snapshot")
+        if path:  # the memory at the error, written before raising; a failure to write never hides the error
+            from ..history import write_oom_snapshot
+
+            try:
+                write_oom_snapshot(self, path, size=size, device=device, reason=reason, message=msg,
+                                   device_free=free)
+            except Exception as exc:  # noqa: BLE001 - the out-of-memory error must still be raised
+                msg += f"; the out-of-memory snapshot could not be written to {path!r}: {exc}"
+                path = None
+            else:
+                msg += (f"; snapshot of the memory at this error: {path} (python -m cupy_memstrat export "
+                        f"{path} -o oom.pickle opens it in PyTorch's memory viewer)")
         oom = _out_of_memory_class()(
-            msg, requested=size, device=device, stats=st, strategy=self.name, reason=reason
+            msg, requested=size, device=device, stats=st, strategy=self.name, reason=reason, snapshot=path
         )
         raise oom from cause
 
@@ -893,6 +928,39 @@ class Strategy:
         ]
         rows.sort(key=lambda a: (-a.size, a.ptr))
         return rows
+
+    #: how :meth:`memory_segments` maps this strategy's memory: ``"blocks"``,
+    #: each live block is its own segment (what CUDA keeps behind a pool is
+    #: not visible); ``"chunks"``, segments are the strategy's own chunks.
+    segment_kind: ClassVar[str] = "blocks"
+
+    def memory_segments(self, device: int | None = None) -> list[dict]:
+        """The memory held on ``device`` (default: every device) as segments
+        in the layout of PyTorch's memory snapshot (``torch.cuda.memory._snapshot()``;
+        :func:`cupy_memstrat.snapshot` with ``format="torch"`` writes them).
+
+        Each segment is a dict with ``device``, ``address``, ``total_size``
+        (bytes), ``stream``, ``segment_type`` (``"small"`` up to 1 MiB, else
+        ``"large"``), ``allocated_size``, ``active_size`` and ``blocks``,
+        which tile the segment in address order: ``address``, ``size``,
+        ``requested_size`` (bytes), ``state`` (``"active_allocated"`` or
+        ``"inactive"``: free) and ``frames`` (``{"filename", "line",
+        "name"}`` dicts, innermost first, when ``track_origins`` is on).
+        Here each live block is its own segment (:attr:`segment_kind`
+        ``"blocks"``): cached memory does not show. ``managed`` overrides it
+        with its chunks.
+
+        Raises:
+            TypeError, ValueError: ``device`` is not a valid device ordinal.
+        """
+        devices = range(len(self._live)) if device is None else [self._device_or_current(device)]
+        origins = self._origins
+        out = []
+        for d in devices:
+            for ptr, size in sorted(list(self._live[d].items())):
+                blk = block(ptr, size, size, True, origins.get(ptr))
+                out.append(segment(d, ptr, size, [blk]))
+        return out
 
     def live_sizes(self, device: int | None = None) -> dict[int, int]:
         """A snapshot of the live allocations as ``{ptr: size in bytes}``, in

@@ -13,7 +13,8 @@ from .. import cuda as _cuda
 from ..errors import ManagedMemoryWarning
 from ..options import Option, as_bool, as_size
 from ..sizes import format_size, parse_size
-from ..stats import capture_origin
+from ..stats import origin_capture
+from ._layout import block, segment
 from .base import _FOLD_AT, _SIZE_T_LIMIT, Strategy, _c_accounting, _warn, _warn_at_caller
 
 __all__ = ["ManagedStrategy", "ManagedStats", "CHUNK_BYTES"]
@@ -417,6 +418,9 @@ class ManagedStrategy(Strategy):
                 bisect.insort(self._small_bases[device], ptr)
             self._reserved[device] += nbytes
             self._record_reserved(device, nbytes)
+            h = self._history
+            if h is not None:
+                h.segment("segment_alloc", ptr, nbytes, device)
             return ptr
 
     def _arena(self, device: int, key: int) -> tuple[list, dict]:
@@ -660,6 +664,9 @@ class ManagedStrategy(Strategy):
             del bases[bisect.bisect_left(bases, ptr)]
         self._reserved[device] -= nbytes
         self._record_reserved(device, -nbytes)
+        h = self._history
+        if h is not None:
+            h.segment("segment_free", ptr, nbytes, device)
         try:
             self.backend.free(ptr)
         except self._Error as exc:
@@ -730,6 +737,7 @@ class ManagedStrategy(Strategy):
         # its arena by stream key, then its free list by the size in 512-byte
         # units: a list for small sizes, a dict (filled on first use) above.
         events, live, origins, track = self._events, self._live, self._origins, self._track_origins
+        capture = origin_capture(track)  # the first frame, or track_origins=N frames
         arenas, owner, arena_of = self._arenas, self._owner, self._arena_of
         miss, fold, unknown_free = self._miss, self._fold, self._unknown_free
         recorded, pending, poll, defer, watch = self._recorded, self._pending, self._poll_pending, self._defer, self._watch
@@ -781,7 +789,7 @@ class ManagedStrategy(Strategy):
             ev = events[device]
             ev.append(size)
             if track:
-                origins[ptr] = capture_origin(1)
+                origins[ptr] = capture(1)
             live[device][ptr] = size
             if len(ev) > _FOLD_AT:
                 fold(device)
@@ -842,6 +850,44 @@ class ManagedStrategy(Strategy):
         self._prefetch_to(ptr, (size + CHUNK_BYTES - 1) & _CHUNK_MASK, device, size, lambda: lst.append(ptr))
 
     # -- statistics and control -----------------------------------------------------
+    segment_kind = "chunks"
+
+    def memory_segments(self, device: int | None = None) -> list[dict]:
+        """As :meth:`Strategy.memory_segments`, the segments being this
+        strategy's chunks: a shared chunk's blocks are its size-class slots
+        (live ones active, runs of free ones merged), a large block's run of
+        chunks is one segment with one block."""
+        devices = range(len(self._chunks)) if device is None else [self._device_or_current(device)]
+        origins = self._origins
+        out = []
+        for d in devices:
+            live = self._live[d]
+            for base, (nbytes, ci) in sorted(list(self._chunks[d].items())):
+                if ci < 0:
+                    size = live.get(base)
+                    blocks = [block(base, nbytes, size or 0, size is not None, origins.get(base))]
+                    out.append(segment(d, base, nbytes, blocks))
+                    continue
+                cls = SIZE_CLASSES[ci]
+                blocks, free_at = [], None
+                for addr in range(base, base + (nbytes // cls) * cls, cls):
+                    size = live.get(addr)
+                    if size is None:
+                        if free_at is None:
+                            free_at = addr
+                        continue
+                    if free_at is not None:
+                        blocks.append(block(free_at, addr - free_at, 0, False))
+                        free_at = None
+                    blocks.append(block(addr, cls, size, True, origins.get(addr)))
+                end = base + nbytes
+                last = base + (nbytes // cls) * cls
+                if free_at is not None or last < end:
+                    start = free_at if free_at is not None else last
+                    blocks.append(block(start, end - start, 0, False))
+                out.append(segment(d, base, nbytes, blocks))
+        return out
+
     def managed_stats(self, device: int | None = None) -> ManagedStats:
         """The chunks on ``device`` (default: current); see :class:`ManagedStats`.
 

@@ -1,0 +1,138 @@
+"""Export a memory snapshot to PyTorch's memory viewer.
+
+PyTorch's viewer (https://pytorch.org/memory_viz, and ``python -m
+torch.cuda._memory_viz trace_plot / segment_plot``) reads a pickle of plain
+dicts: the snapshot ``torch.cuda.memory._snapshot()`` returns. Its fields are
+the ``Snapshot``, ``Segment``, ``Block``, ``Frame`` and ``TraceEntry``
+TypedDicts of ``torch/cuda/memory.py``:
+
+* ``segments``: the memory held at the snapshot, one dict per segment
+  (``device``, ``address``, ``total_size``, ``stream``, ``segment_type``,
+  ``allocated_size``, ``active_size``, ``blocks``); the blocks tile the
+  segment in address order (``address``, ``size``, ``requested_size``,
+  ``state``, ``frames``). See :meth:`Strategy.memory_segments`.
+* ``device_traces``: one list per device of what happened while recording,
+  oldest first: ``alloc``, ``free_requested`` and ``free_completed`` (a free
+  here completes at once: the block goes back to its stream's cache),
+  ``segment_alloc`` / ``segment_free`` (memory taken from and given back to
+  CUDA) and ``oom``, each with ``addr``, ``size``, ``stream``, ``frames`` and
+  ``time_us`` (microseconds since the epoch; ``oom`` has ``device_free``
+  instead of ``addr``).
+
+For strategies whose segments are their blocks (``segment_kind ==
+"blocks"``: ``device``, ``async``, ``pool``), each allocation is written as
+its own ``segment_alloc`` and each free as its ``segment_free``, so the
+viewer's segment view is consistent; what a pool caches behind them is not
+visible. ``managed`` writes its 2 MiB chunks as segments, and their creation
+and release as segment events.
+
+:func:`to_torch` turns a :func:`cupy_memstrat.snapshot` (the JSON, version 2)
+into that dict; ``snapshot(path, format="torch")`` and ``python -m
+cupy_memstrat export SNAPSHOT.json -o SNAPSHOT.pickle`` write it (pickle
+protocol 4).
+"""
+
+from __future__ import annotations
+
+import pickle
+
+__all__ = ["to_torch", "write_torch", "PICKLE_PROTOCOL"]
+
+#: the pickle protocol written (PyTorch writes its snapshots with the default; 4 reads on Python >= 3.4)
+PICKLE_PROTOCOL = 4
+
+_ORDER = {"segment_alloc": 0, "oom": 1, "alloc": 2, "free": 3, "segment_free": 4}
+
+
+def _frames_of_event(e: dict) -> list[dict]:
+    frames = e.get("frames")
+    if isinstance(frames, list) and frames:
+        return [{"filename": str(f[0]), "line": int(f[1]), "name": str(f[2])} for f in frames]
+    origin = e.get("origin")
+    if isinstance(origin, str) and " in " in origin:  # "file:line in function"
+        where, name = origin.rsplit(" in ", 1)
+        file, _, line = where.rpartition(":")
+        if file and line.isdigit():
+            return [{"filename": file, "line": int(line), "name": name}]
+    return []
+
+
+def _check(doc) -> None:
+    if not isinstance(doc, dict) or doc.get("kind") != "memory-history":
+        kind = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
+        raise ValueError(f"expected a cupy_memstrat.snapshot() (kind 'memory-history'), got {kind!r}")
+    version = doc.get("version")
+    if version != 2:
+        raise ValueError(
+            f"this snapshot is version {version!r}; PyTorch's viewer needs version 2 (segments and segment "
+            "events), which this cupy-memstrat writes: record it again"
+        )
+    for key in ("devices", "started", "events", "segments", "segment_events", "oom_events", "segment_kind"):
+        if key not in doc:
+            raise ValueError(f"this snapshot lacks {key!r}: it was not written by cupy_memstrat.snapshot()")
+
+
+def to_torch(doc: dict) -> dict:
+    """The snapshot ``doc`` (:func:`cupy_memstrat.snapshot`'s dict, or its
+    JSON loaded) in the layout of ``torch.cuda.memory._snapshot()``: a dict
+    with ``segments`` and ``device_traces`` (see the module docstring).
+
+    Raises:
+        ValueError: ``doc`` is not a version-2 snapshot (the message says what it is).
+    """
+    _check(doc)
+    n = int(doc["devices"])
+    t0 = float(doc["started"])
+    per_block = doc["segment_kind"] == "blocks"
+    rows = []  # (t, order, i, device, entry)
+    for i, e in enumerate(doc["events"]):
+        act = e["action"]
+        rows.append((e["t"], _ORDER["alloc" if act == "alloc" else "free"], i, e["device"], e))
+    for i, e in enumerate(doc["segment_events"]):
+        rows.append((e["t"], _ORDER[e["action"]], i, e["device"], e))
+    for i, e in enumerate(doc["oom_events"]):
+        rows.append((e["t"], _ORDER["oom"], i, e["device"], dict(e, action="oom")))
+    rows.sort(key=lambda r: (r[0], r[1], r[2]))
+    traces: list[list[dict]] = [[] for _ in range(n)]
+    for t, _, _, d, e in rows:
+        if not (isinstance(d, int) and 0 <= d < n):
+            continue
+        trace = traces[d]
+        time_us = int((t0 + t) * 1e6)
+        act = e["action"]
+        if act == "oom":
+            trace.append({"action": "oom", "size": e["size"], "device_free": e.get("device_free", 0),
+                          "stream": 0, "frames": [], "time_us": time_us})
+            continue
+        common = {"addr": e["ptr"], "size": e["size"], "stream": e.get("stream") or 0, "time_us": time_us}
+        if act in ("segment_alloc", "segment_free"):
+            trace.append(dict(common, action=act, frames=[]))
+        elif act == "alloc":
+            frames = _frames_of_event(e)
+            if per_block:
+                trace.append(dict(common, action="segment_alloc", frames=frames))
+            trace.append(dict(common, action="alloc", frames=frames))
+        else:
+            trace.append(dict(common, action="free_requested", frames=[]))
+            trace.append(dict(common, action="free_completed", frames=[]))
+            if per_block:
+                trace.append(dict(common, action="segment_free", frames=[]))
+    segments = []
+    for seg in doc["segments"]:
+        blocks = [dict(b) for b in seg["blocks"]]
+        for b in blocks:
+            b["frames"] = [dict(f) for f in b.get("frames") or []]
+        segments.append(dict(seg, blocks=blocks))
+    return {"segments": segments, "device_traces": traces}
+
+
+def write_torch(doc: dict, path) -> None:
+    """:func:`to_torch` of ``doc``, pickled (protocol 4) into ``path``.
+
+    Raises:
+        ValueError: as :func:`to_torch`.
+        OSError: ``path`` cannot be written.
+    """
+    data = to_torch(doc)
+    with open(path, "wb") as f:
+        pickle.dump(data, f, protocol=PICKLE_PROTOCOL)

@@ -1,0 +1,126 @@
+"""Budgets against an earlier run: ``--gpumem-compare=BASELINE.json`` with
+``--gpumem-max-growth=10%``.
+
+The baseline is the ``--gpumem-json`` report of an earlier run (the last
+green CI run's, kept as an artifact). Each measured test is compared with
+its own entry there, device by device: its peak (``peak_bytes_per_device``)
+and, where both runs checked leaks, the bytes it leaked. A test whose peak
+or leak grew by more than the allowed growth fails, and the message names
+both numbers. Tests the baseline does not have, and baseline tests that did
+not run, are listed at the end, never failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import cupy_memstrat
+
+from .report import JSON_VERSION
+
+__all__ = ["Baseline", "Growth", "load_baseline", "parse_growth"]
+
+
+@dataclass(frozen=True)
+class Growth:
+    """The allowed growth: ``share`` (0.1 for ``10%``) of the baseline's
+    value, or ``bytes`` on top of it."""
+
+    share: float | None = None
+    bytes: int | None = None
+    text: str = ""
+
+    def allowed(self, base: int) -> int:
+        """The most bytes allowed where the baseline had ``base``."""
+        if self.share is not None:
+            return int(base * (1 + self.share))
+        return base + (self.bytes or 0)
+
+
+def parse_growth(raw: str) -> Growth:
+    """``"10%"`` (of the baseline's value) or a size (``"1MiB"``: bytes on
+    top of it). Raises ValueError for a negative or unparsable value."""
+    v = raw.strip()
+    if v.endswith("%"):
+        num = v[:-1].strip()
+        try:
+            share = float(num)
+        except ValueError:
+            raise ValueError(f"expected a growth such as '10%' or '1MiB', got {raw!r}") from None
+        if not share >= 0 or share == float("inf"):  # (NaN fails the first test)
+            raise ValueError(f"expected a growth of 0% or more, got {raw!r}")
+        return Growth(share=share / 100, text=v)
+    if v.startswith("-"):
+        raise ValueError(f"expected a growth of 0 bytes or more, got {raw!r}")
+    try:
+        n = cupy_memstrat.parse_size(v, what="growth")
+    except (ValueError, TypeError):
+        raise ValueError(f"expected a growth such as '10%' or '1MiB', got {raw!r}") from None
+    return Growth(bytes=n, text=v)
+
+
+@dataclass
+class Baseline:
+    """An earlier run's records by node id."""
+
+    path: str
+    tests: dict
+
+    def compare(self, rec: dict, growth: Growth, fmt, source: str) -> tuple[dict | None, list[str]]:
+        """``rec`` (this run's record of one test) against the baseline:
+        ``(comparison for the JSON, or None if the baseline has no such test;
+        problems, one message each)``; ``source`` names where the allowed
+        growth came from."""
+        base = self.tests.get(rec["nodeid"])
+        if base is None:
+            return None, []
+        out = {"peak_bytes_per_device": base.get("peak_bytes_per_device"), "leaked_bytes": base.get("leaked_bytes")}
+        problems = []
+        now_peaks, base_peaks = rec.get("peak_bytes_per_device"), base.get("peak_bytes_per_device")
+        if isinstance(now_peaks, list) and isinstance(base_peaks, list):
+            for d, (now, was) in enumerate(zip(now_peaks, base_peaks)):
+                if isinstance(now, int) and isinstance(was, int) and now > growth.allowed(was):
+                    on = f" on device {d}" if len(now_peaks) > 1 else ""
+                    problems.append(f"peak {fmt(now)}{on} grew {self._by(now, was, fmt)} over the baseline's "
+                                    f"{fmt(was)} ({self.path}), more than the {growth.text} allowed ({source})")
+        now_leak, was_leak = rec.get("leaked_bytes"), base.get("leaked_bytes")
+        if isinstance(now_leak, int) and isinstance(was_leak, int) and now_leak > growth.allowed(was_leak):
+            problems.append(f"leak {fmt(now_leak)} grew {self._by(now_leak, was_leak, fmt)} over the baseline's "
+                            f"{fmt(was_leak)} ({self.path}), more than the {growth.text} allowed ({source})")
+        return out, problems
+
+    @staticmethod
+    def _by(now: int, was: int, fmt) -> str:
+        return f"by {(now - was) / was:.1%}" if was else f"by {fmt(now - was)} (from nothing)"
+
+
+def load_baseline(path: str) -> Baseline:
+    """Read a ``--gpumem-json`` report as a baseline.
+
+    Raises:
+        ValueError: the file is missing, not JSON, not a gpumem report, or
+            from another version of the report (the message says which).
+    """
+    p = path.strip()
+    if not p:
+        raise ValueError("expected the path of an earlier --gpumem-json report, got an empty value")
+    if not os.path.isfile(p):
+        what = "does not exist" if not os.path.exists(p) else "is not a regular file"
+        raise ValueError(f"the baseline {p!r} {what}; expected an earlier --gpumem-json report")
+    try:
+        with open(p) as f:
+            doc = json.load(f)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ValueError(f"cannot read the baseline {p!r}: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("tests"), list) or "version" not in doc:
+        raise ValueError(f"the baseline {p!r} is not a pytest --gpumem-json report (no 'version' and 'tests')")
+    if doc["version"] != JSON_VERSION:
+        raise ValueError(f"the baseline {p!r} is a version {doc['version']!r} report; this pytest_gpumem reads "
+                         f"version {JSON_VERSION}: make the baseline again with this version")
+    tests = {}
+    for t in doc["tests"]:
+        if isinstance(t, dict) and isinstance(t.get("nodeid"), str) and t.get("measured", True) is not False:
+            tests[t["nodeid"]] = t
+    return Baseline(path=p, tests=tests)

@@ -1,0 +1,162 @@
+"""The growth gate: --gpumem-compare=BASELINE.json with --gpumem-max-growth,
+against the --gpumem-json report of an earlier run, with pytester on the
+fake backend (1 GiB, or two devices)."""
+
+import json
+import os
+
+import pytest
+
+import cupy_memstrat.cuda as C
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+
+TESTS = """
+import cupy, cupy_memstrat
+import numpy as np
+MiB = 1 << 20
+KEEP = []
+SIZE = {size}
+def alloc(n):
+    return cupy.ndarray((n,), dtype=np.uint8)
+def test_peak():
+    x = alloc(SIZE)
+def test_leak():
+    KEEP.append(alloc({leak}))
+def test_two_devices():
+    x = alloc(MiB)
+    b = cupy_memstrat.current().backend
+    if b.device_count() > 1:
+        b.set_device(1)
+        try:
+            y = alloc(SIZE)
+        finally:
+            b.set_device(0)
+{extra}
+"""
+
+
+@pytest.fixture
+def env(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith("GPUMEM"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
+    monkeypatch.setattr(C, "_backend", None)
+    prev = cupy.cuda.get_allocator()
+    yield monkeypatch
+    cupy.cuda.set_allocator(prev)
+
+
+def _write(pytester, size="4 * MiB", leak="0", extra=""):
+    pytester.makepyfile(test_mem=TESTS.format(size=size, leak=leak, extra=extra))
+
+
+def _run(pytester, *args, subprocess=False):
+    go = pytester.runpytest_subprocess if subprocess else pytester.runpytest_inprocess
+    return go("-p", "no:cacheprovider", "-p", "no:randomly", *args)
+
+
+def _baseline(pytester, tmp_path, **kw):
+    _write(pytester, **kw)
+    r = _run(pytester, "--gpumem", "--gpumem-leaks=warn", f"--gpumem-json={tmp_path / 'base.json'}")
+    assert r.ret == 0, r.stdout.str()
+    return tmp_path / "base.json"
+
+
+def test_a_peak_that_grew_more_than_allowed_fails_and_names_both_numbers(pytester, env, tmp_path):
+    base = _baseline(pytester, tmp_path)
+    _write(pytester, size="5 * MiB")  # 25% more
+    r = _run(pytester, f"--gpumem-compare={base}", "--gpumem-max-growth=10%", f"--gpumem-json={tmp_path / 'r.json'}")
+    r.assert_outcomes(passed=2, failed=1)
+    r.stdout.fnmatch_lines([f"*peak 5.0 MiB grew by 25.0% over the baseline's 4.0 MiB ({base}), more than the 10% "
+                            "allowed (--gpumem-max-growth)*",
+                            f"gpumem: compared 3 tests with the baseline {base} (max growth 10%): 1 grew more"])
+    recs = {t["nodeid"].split("::")[-1]: t for t in json.loads((tmp_path / "r.json").read_text())["tests"]}
+    assert recs["test_peak"]["verdict"] == "growth"
+    assert recs["test_peak"]["baseline"]["peak_bytes_per_device"] == [4 << 20]
+    assert recs["test_peak"]["limits"]["growth"] == {"max_growth": "10%", "baseline": str(base),
+                                                     "source": "--gpumem-max-growth"}
+    # within the growth allowed: passes; the default is 10%
+    r = _run(pytester, f"--gpumem-compare={base}", "--gpumem-max-growth=30%")
+    r.assert_outcomes(passed=3)
+    r = _run(pytester, f"--gpumem-compare={base}")
+    r.assert_outcomes(passed=2, failed=1)
+    r.stdout.fnmatch_lines(["*more than the 10% allowed (the default)*"])
+
+
+def test_a_size_of_growth_is_bytes_on_top_of_the_baseline(pytester, env, tmp_path):
+    base = _baseline(pytester, tmp_path)
+    _write(pytester, size="5 * MiB")
+    _run(pytester, f"--gpumem-compare={base}", "--gpumem-max-growth=1MiB").assert_outcomes(passed=3)
+    r = _run(pytester, f"--gpumem-compare={base}", "--gpumem-max-growth=512KiB")
+    r.assert_outcomes(passed=2, failed=1)
+
+
+def test_a_leak_that_grew_fails(pytester, env, tmp_path):
+    base = _baseline(pytester, tmp_path)
+    _write(pytester, leak="MiB")  # the baseline leaked nothing
+    r = _run(pytester, f"--gpumem-compare={base}", "--gpumem-leaks=warn", "-W", "ignore::pytest.PytestWarning")
+    r.assert_outcomes(passed=2, failed=1)
+    r.stdout.fnmatch_lines([f"*leak 1.0 MiB grew by 1.0 MiB (from nothing) over the baseline's 0 B ({base})*"])
+
+
+def test_new_and_removed_tests_are_listed_not_failed(pytester, env, tmp_path):
+    base = _baseline(pytester, tmp_path)
+    _write(pytester, extra="def test_new():\n    x = alloc(100 * MiB)\n")
+    r = _run(pytester, f"--gpumem-compare={base}", "-k", "not leak")
+    r.assert_outcomes(passed=3, deselected=1)
+    r.stdout.fnmatch_lines(["gpumem: 1 test not in the baseline (not compared): test_mem.py::test_new",
+                            "gpumem: 1 test of the baseline did not run: test_mem.py::test_leak"])
+
+
+def test_each_device_is_compared_with_its_own_peak(pytester, env, tmp_path):
+    env.setenv("CUPY_MEMSTRAT_BACKEND", "fake:devices=2,memory=1GiB")
+    base = _baseline(pytester, tmp_path)
+    _write(pytester, size="8 * MiB")  # device 0's peak of test_two_devices stays 1 MiB, device 1's doubles
+    r = _run(pytester, f"--gpumem-compare={base}", "--gpumem-max-growth=50%", "-k", "two_devices")
+    r.assert_outcomes(failed=1, deselected=2)
+    r.stdout.fnmatch_lines(["*peak 8.0 MiB on device 1 grew by 100.0% over the baseline's 4.0 MiB*"])
+
+
+def test_under_xdist_the_workers_compare_and_the_controller_lists(pytester, env, tmp_path):
+    pytest.importorskip("xdist")
+    base = _baseline(pytester, tmp_path)
+    _write(pytester, size="5 * MiB", extra="def test_new():\n    pass\n")
+    r = _run(pytester, "-n", "2", f"--gpumem-compare={base}", subprocess=True)
+    r.assert_outcomes(passed=3, failed=1)
+    r.stdout.fnmatch_lines(["*peak 5.0 MiB grew by 25.0%*", "*1 test not in the baseline (not compared)*"])
+
+
+def test_the_settings_come_from_the_environment_and_the_ini_file(pytester, env, tmp_path):
+    base = _baseline(pytester, tmp_path)
+    _write(pytester, size="5 * MiB")
+    env.setenv("GPUMEM_COMPARE", str(base))
+    pytester.makeini("[pytest]\ngpumem_max_growth = 20%\n")
+    r = _run(pytester)
+    r.assert_outcomes(passed=2, failed=1)
+    r.stdout.fnmatch_lines(["*more than the 20% allowed (ini key gpumem_max_growth)*"])
+
+
+@pytest.mark.parametrize("content, args, match", [
+    (None, ["--gpumem-compare={missing}"], "the baseline '*missing.json' does not exist"),
+    ("not json", ["--gpumem-compare={f}"], "cannot read the baseline '*'"),
+    ('{"benchmark": "alloc"}', ["--gpumem-compare={f}"], "*is not a pytest --gpumem-json report*"),
+    ('{"version": 0, "tests": []}', ["--gpumem-compare={f}"], "*is a version 0 report; this pytest_gpumem reads*"),
+    ('{"version": 1, "tests": []}', ["--gpumem-compare={f}", "--gpumem-max-growth=-5%"],
+     "*--gpumem-max-growth='-5%': expected a growth of 0% or more, got '-5%'"),
+    ('{"version": 1, "tests": []}', ["--gpumem-compare={f}", "--gpumem-max-growth=ten"],
+     "*--gpumem-max-growth='ten': expected a growth such as '10%' or '1MiB', got 'ten'"),
+    ('{"version": 1, "tests": []}', ["--gpumem-compare={f}", "--gpumem-max-growth=nan%"],
+     "*expected a growth of 0% or more, got 'nan%'"),
+    (None, ["--gpumem-max-growth=10%"], "*--gpumem-max-growth needs a baseline to compare with*"),
+])
+def test_bad_settings_are_usage_errors_before_any_test_runs(pytester, env, tmp_path, content, args, match):
+    f = tmp_path / "b.json"
+    if content is not None:
+        f.write_text(content)
+    _write(pytester)
+    r = _run(pytester, *[a.format(f=f, missing=tmp_path / "missing.json") for a in args])
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines([f"*{match}*"])
+    assert "passed" not in r.stdout.str()
