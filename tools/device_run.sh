@@ -39,6 +39,10 @@
 #   tools/device_run.sh reclaim           info, tests/gpu/test_streams_gpu.py and test_managed_gpu.py, then
 #                                         tools/probes/managed_reclaim.py (JSON into $OUT): destroyed
 #                                         streams' chunks under managed (issue 15)
+#   tools/device_run.sh pending           info, tests/gpu (with GPUMEM_VIZ_OUT: PyTorch's viewer pages of
+#                                         the managed export), then tools/probes/managed_reclaim.py and
+#                                         tools/probes/origins_cost.py (JSON into $OUT): what the
+#                                         destroyed-stream reclaim (issue 15) and issue 21 need on the GPU
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -140,6 +144,17 @@ if [ "$part" = reclaim ]; then
     --junitxml="$OUT/tests_gpu.xml"
   step "probe: destroyed streams' chunks under managed"
   python3 tools/probes/managed_reclaim.py "$OUT/managed-reclaim.json"
+fi
+
+if [ "$part" = pending ]; then
+  info_json
+  mkdir -p /tmp/viz
+  GPUMEM_VIZ_OUT=/tmp/viz gpu_tests
+  cp /tmp/viz/memory-viz-managed-trace.html "$OUT/" 2>/dev/null
+  step "probe: destroyed streams' chunks under managed"
+  python3 tools/probes/managed_reclaim.py "$OUT/managed-reclaim.json"
+  step "probe: what track_origins costs"
+  python3 tools/probes/origins_cost.py "$OUT/origins-cost.json"
 fi
 
 if [ "$part" = safety ]; then
