@@ -211,14 +211,21 @@ class Strategy:
         backend: the CUDA seam (:mod:`cupy_memstrat.cuda`); default: the real
             CUDA backend. Pass a :class:`cupy_memstrat.testing.FakeBackend` to
             run without a GPU.
-        **options: the options of :attr:`option_specs` (every strategy has
+        **options: the options of :attr:`option_specs`. Every strategy has
             ``track_origins``, default ``False``: record where each live
-            allocation came from, for :meth:`live_allocations`; it costs a
-            stack walk per allocation).
+            allocation came from, for :meth:`live_allocations` (``True``: the
+            first frame outside CuPy and cupy_memstrat; N from 2 to 128: up to
+            N such frames); it costs a stack walk per allocation (docs/debugging.md).
+            And ``oom_snapshot``, default ``None`` (or the environment
+            variable ``CUPY_MEMSTRAT_OOM_SNAPSHOT``): a file path, checked
+            now, where an out-of-memory error writes the live allocations,
+            the statistics and a recording's recent events before it is
+            raised (docs/debugging.md).
 
     Raises:
         ValueError: an unknown option (the message lists the valid ones), a
-            bad option value, or a bad ``CUPY_MEMSTRAT_HOT_PATH``.
+            bad option value, or a bad ``CUPY_MEMSTRAT_HOT_PATH`` or
+            ``CUPY_MEMSTRAT_OOM_SNAPSHOT``.
         NoDeviceError: no backend given and no CUDA device is available.
         CuPyNotInstalledError: no backend given and CuPy is not installed.
     """
