@@ -115,6 +115,23 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _not_json_why(path: str, exc: BaseException) -> str:
+    """Why a file did not load as JSON, in a user's words where it is a pickle or not text."""
+    if isinstance(exc, (UnicodeDecodeError, json.JSONDecodeError)):
+        try:
+            with open(path, "rb") as f:
+                head = f.read(2)
+        except OSError:
+            head = b""
+        if head[:1] == b"\x80":
+            return "it is a pickle, not JSON (already exported? this reads the JSON that " \
+                   "cupy_memstrat.snapshot(PATH) or pytest --gpumem-json writes)"
+        if isinstance(exc, UnicodeDecodeError):
+            return "it is not a text file, so not JSON"
+        return f"it is not JSON ({exc})"
+    return str(exc)
+
+
 def _load_report(cmd: str, path: str, test: str | None, what: str):
     """The JSON object in ``path`` (with ``test``: that test's timeline from
     a pytest --gpumem-json report); None after printing why not."""
@@ -126,7 +143,7 @@ def _load_report(cmd: str, path: str, test: str | None, what: str):
         with open(path) as f:
             report = json.load(f)
     except (OSError, ValueError, RecursionError) as exc:
-        print(f"{cmd}: cannot read {path!r}: {exc}", file=sys.stderr)
+        print(f"{cmd}: cannot read {path!r}: {_not_json_why(path, exc)}", file=sys.stderr)
         return None
     if not isinstance(report, dict):
         print(f"{cmd}: {path} is not a report: expected a JSON object written by {what}, "

@@ -279,6 +279,19 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins:
         return h
 
 
+def _memory_now(strategy) -> dict:
+    """A version-2 snapshot of ``strategy``'s memory now, with no events (no recording)."""
+    n = strategy.backend.device_count()
+    return {
+        "kind": SNAPSHOT_KIND, "version": 2, "devices": n,
+        "strategy": {"name": strategy.name, "options": {k: _jsonable(v) for k, v in strategy.config.items()}},
+        "started": time.time(), "recording": False, "max_entries": 0, "dropped": 0,
+        "baseline_bytes_in_use": [strategy.stats(d).bytes_in_use for d in range(n)], "events": [],
+        "segment_kind": strategy.segment_kind, "segments": strategy.memory_segments(), "segment_events": [],
+        "oom_events": [],
+    }
+
+
 def oom_document(strategy, *, size: int, device: int, reason: str, message: str, device_free=None) -> dict:
     """The snapshot written at an out-of-memory error (the ``oom_snapshot``
     option): a version-2 snapshot (:meth:`History.as_dict`: the recording's
@@ -290,15 +303,8 @@ def oom_document(strategy, *, size: int, device: int, reason: str, message: str,
     if h is not None and h.enabled:
         doc = h.as_dict()
     else:
-        n = strategy.backend.device_count()
-        doc = {
-            "kind": SNAPSHOT_KIND, "version": 2, "devices": n,
-            "strategy": {"name": strategy.name, "options": {k: _jsonable(v) for k, v in strategy.config.items()}},
-            "started": time.time(), "recording": False, "max_entries": 0, "dropped": 0,
-            "baseline_bytes_in_use": [strategy.stats(d).bytes_in_use for d in range(n)], "events": [],
-            "segment_kind": strategy.segment_kind, "segments": strategy.memory_segments(), "segment_events": [],
-            "oom_events": [{"t": 0.0, "size": size, "device": device, "device_free": device_free or 0}],
-        }
+        doc = _memory_now(strategy)
+        doc["oom_events"] = [{"t": 0.0, "size": size, "device": device, "device_free": device_free or 0}]
     live = []
     for a in strategy.live_allocations():
         row = {"ptr": a.ptr, "size": a.size, "device": a.device, "origin": str(a.origin) if a.origin else None}
@@ -327,42 +333,57 @@ def write_oom_snapshot(strategy, path, **oom) -> None:
         with open(tmp, "w") as f:
             json.dump(doc, f)
         os.replace(tmp, path)
+    except OSError as exc:  # named by the path asked for, not the temporary file beside it
+        raise OSError(exc.errno, f"cannot write {os.fspath(path)!r}: {exc.strerror or exc}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def snapshot(path: str | None = None, format: str = "json") -> dict:
+def snapshot(path: str | None = None, format: str | None = None) -> dict:
     """The current (or last) recording as a dict (:meth:`History.as_dict`);
     with ``path``, also written there as JSON, which ``python -m cupy_memstrat
-    plot PATH -o timeline.png`` draws.
+    plot PATH -o timeline.png`` draws. With no recording in this process, the
+    installed strategy's memory now: its segments, no events.
 
     With ``format="torch"``: the same in the layout of PyTorch's memory
     snapshot (``torch.cuda.memory._snapshot()``, see
     :mod:`cupy_memstrat.memory_viz`), written to ``path`` as a pickle that
     PyTorch's viewer (pytorch.org/memory_viz, ``python -m
-    torch.cuda._memory_viz trace_plot``) reads.
+    torch.cuda._memory_viz trace_plot``) reads. ``format=None`` (the
+    default) takes ``"torch"`` for a path ending in ``.pickle`` or ``.pkl``,
+    else ``"json"``.
 
     Raises:
         TypeError: ``path`` is not a str or os.PathLike (an int is refused:
             ``open`` would take it as a file descriptor).
-        ValueError: ``format`` is not ``"json"`` or ``"torch"``; ``path`` is
-            empty, or names a directory, a FIFO, a socket or a device (checked
-            before anything is written).
-        RuntimeError: nothing was ever recorded in this process.
+        ValueError: ``format`` is not ``"json"``, ``"torch"`` or None;
+            ``path`` is empty, or names a directory, a FIFO, a socket or a
+            device (checked before anything is written).
+        RuntimeError: nothing was ever recorded in this process and no
+            strategy is installed.
         OSError: ``path`` cannot be written (``FileNotFoundError``: its folder does not exist).
     """
     if path is not None and not isinstance(path, (str, os.PathLike)):
         # (an int would be taken as a file descriptor, and closed)
         raise TypeError(f"path: expected a file path (str or os.PathLike) or None, got {type(path).__name__} {path!r}")
+    if format is None:
+        suffix = os.path.splitext(os.fspath(path))[1].lower() if path is not None else ""
+        format = "torch" if suffix in (".pickle", ".pkl") else "json"
     if format not in ("json", "torch"):
         raise ValueError(f"format: expected 'json' or 'torch' (PyTorch's memory viewer), got {format!r}")
     h = _active or _last
+    strategy = None
     if h is None:
-        raise RuntimeError("no memory history: call cupy_memstrat.record_history() first")
+        from . import api
+
+        strategy = api.current()
+        if strategy is None:
+            raise RuntimeError("no memory history and no strategy installed: call cupy_memstrat.use() (and "
+                               "cupy_memstrat.record_history() for the events) first")
     if path is not None:
         check_writable_file(path)
-    doc = h.as_dict()
+    doc = h.as_dict() if h is not None else _memory_now(strategy)
     if format == "torch":
         from .memory_viz import to_torch, write_torch
 

@@ -26,4 +26,6 @@ def check_writable_file(path, what: str = "path") -> None:
     except OSError:
         return  # open() says why
     if not stat.S_ISREG(mode):
-        raise ValueError(f"{what}: {p!r} is a directory, a FIFO, a socket or a device, not a file to write")
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "a device")
+        raise ValueError(f"{what}: {p!r} is {kind}, not a file to write")

@@ -274,6 +274,7 @@ class FakeBackend:
 
     # -- errors ---------------------------------------------------------------
     def _fail(self, status: int):
+        __tracebackhide__ = True  # pytest shows the user's frames, not ours
         self._last_error.status = status
         raise FakeCUDAError(status)
 
@@ -321,6 +322,7 @@ class FakeBackend:
 
     # -- cudaMalloc / cudaFree -----------------------------------------------
     def malloc(self, size: int) -> int:
+        __tracebackhide__ = True  # pytest shows the user's frames, not ours
         if size < 0:
             self._fail(_cuda.ERROR_INVALID_VALUE)
         if size == 0:
@@ -703,6 +705,7 @@ class FakeBackend:
     # -- managed memory ----------------------------------------------------------
     def malloc_managed(self, size: int) -> int:
         """``cudaMallocManaged``: 2 MiB-aligned; no device memory until populated."""
+        __tracebackhide__ = True  # pytest shows the user's frames, not ours
         if size < 0:
             self._fail(_cuda.ERROR_INVALID_VALUE)
         if size == 0:

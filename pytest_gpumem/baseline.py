@@ -112,6 +112,8 @@ def load_baseline(path: str) -> Baseline:
     try:
         with open(p) as f:
             doc = json.load(f)
+    except UnicodeDecodeError:
+        raise ValueError(f"the baseline {p!r} is not a text file, so not a --gpumem-json report") from None
     except (OSError, ValueError, RecursionError) as exc:
         raise ValueError(f"cannot read the baseline {p!r}: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("tests"), list) or "version" not in doc:

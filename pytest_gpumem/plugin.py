@@ -370,7 +370,7 @@ class _State:
                                                       self.settings.source("max_growth") or "the default")
             rec["baseline"] = comparison  # None: a test the baseline does not have
             rec["limits"]["growth"] = {"max_growth": self.growth.text, "baseline": self.baseline.path,
-                                       "source": self.settings.source("max_growth")}
+                                       "source": self.settings.source("max_growth") or "default"}
             problems.extend(("growth", m) for m in grown)
         if problems and not not_passed:
             kinds = sorted({k for k, _ in problems})
@@ -547,8 +547,9 @@ def pytest_configure(config):
         config.addinivalue_line("markers", line)
     settings = resolve(config)
     if settings.max_growth is not None and not settings.compare:
-        raise pytest.UsageError(f"{settings.source('max_growth')}: --gpumem-max-growth needs a baseline to "
-                                "compare with: give --gpumem-compare=BASELINE.json (an earlier --gpumem-json report)")
+        raise pytest.UsageError(f"{settings.source('max_growth')}={settings.text('max_growth')!r}: a growth limit "
+                                "needs a baseline to compare with: give --gpumem-compare=BASELINE.json (an earlier "
+                                "--gpumem-json report)")
     state = _State(config, settings)
     config.stash[_KEY] = state
     config.pluginmanager.register(_Recorder(state), "gpumem-recorder")

@@ -69,7 +69,8 @@ def test_the_buffer_keeps_the_newest_events(fake_cupy):
 
 
 def test_bad_input_is_refused_and_nothing_changes(fake_cupy):
-    with pytest.raises(RuntimeError, match=r"no memory history: call cupy_memstrat.record_history\(\) first"):
+    with pytest.raises(RuntimeError, match=r"no memory history and no strategy installed: call "
+                                           r"cupy_memstrat.use\(\) \(and cupy_memstrat.record_history\(\)"):
         cupy_memstrat.snapshot()
     with pytest.raises(cupy_memstrat.NoStrategyError, match="no cupy_memstrat strategy is installed"):
         cupy_memstrat.record_history()
@@ -215,8 +216,8 @@ def test_snapshot_refuses_a_path_that_is_no_file_before_writing(fake_cupy, tmp_p
     cupy_memstrat.record_history()
     x = cupy.empty(100, dtype=cupy.uint8)
     os.mkfifo(tmp_path / "fifo")  # opening it would wait for a reader: refused, never opened
-    for bad, exc, msg in ((tmp_path / "fifo", ValueError, "is a directory, a FIFO, a socket or a device"),
-                          (tmp_path, ValueError, "is a directory, a FIFO, a socket or a device"),
+    for bad, exc, msg in ((tmp_path / "fifo", ValueError, "is a FIFO, not a file to write"),
+                          (tmp_path, ValueError, "is a directory, not a file to write"),
                           ("", ValueError, "path: expected a file path, got an empty one"),
                           (tmp_path / "no" / "x.json", FileNotFoundError, "the folder .* does not exist")):
         with pytest.raises(exc, match=msg):
@@ -229,3 +230,15 @@ def test_record_history_takes_numpy_bools():
     import numpy as np
 
     assert cupy_memstrat.record_history(enabled=np.bool_(False)) is None
+
+
+def test_without_a_recording_the_snapshot_is_the_installed_strategys_memory_now(fake_cupy, tmp_path):
+    s = cupy_memstrat.use("managed")
+    x = _alloc(3 * MiB)
+    doc = cupy_memstrat.snapshot(str(tmp_path / "now.pickle"))  # a .pickle path: PyTorch's format
+    assert doc["device_traces"] == [[]] and len(doc["segments"]) == 1
+    assert doc["segments"][0]["allocated_size"] == s.stats(0).bytes_in_use == 3 * MiB
+    assert (tmp_path / "now.pickle").read_bytes()[:2] == b"\x80\x04"
+    j = cupy_memstrat.snapshot(str(tmp_path / "now.json"))
+    assert j["recording"] is False and j["events"] == [] and json.loads((tmp_path / "now.json").read_text()) == j
+    del x

@@ -167,12 +167,13 @@ def test_a_bad_format_or_an_old_snapshot_is_refused_and_nothing_is_written(fake_
 
 @pytest.mark.parametrize("content, err", [
     ("not json", "cannot read"),
+    ("\x80\x04\x95 pickled", "it is a pickle, not JSON (already exported?"),
     ('{"kind": "memory-history", "version": 1, "events": []}', "this snapshot is version 1"),
     ('{"benchmark": "alloc"}', "expected a cupy_memstrat.snapshot() (kind 'memory-history'), got None"),
     ("[1, 2]", "is not a report: expected a JSON object"),
 ])
 def test_export_refuses_what_is_not_a_snapshot(tmp_path, content, err):
-    (tmp_path / "in.json").write_text(content)
+    (tmp_path / "in.json").write_bytes(content.encode("latin-1"))
     r = subprocess.run([sys.executable, "-m", "cupy_memstrat", "export", str(tmp_path / "in.json"), "-o",
                         str(tmp_path / "out.pickle")], capture_output=True, text=True)
     assert r.returncode == 2 and err in r.stderr and r.stderr.startswith("export: "), r.stderr

@@ -95,7 +95,7 @@ def test_the_environment_variable_is_the_default_and_is_checked_at_use(fake_cupy
     ("", "expected a file path, got ''"),
     ("   ", "expected a file path"),
     (7, "expected a file path, got int 7"),
-    ("{dir}", "is a directory, a FIFO, a socket or a device, not a file to write"),
+    ("{dir}", "is a directory, not a file to write"),
     ("{dir}/missing/x.json", "the folder .* does not exist"),
 ])
 def test_a_bad_path_is_refused_at_use_and_nothing_changes(fake_cupy, tmp_path, bad, match):

@@ -149,12 +149,14 @@ def test_the_settings_come_from_the_environment_and_the_ini_file(pytester, env, 
      "*--gpumem-max-growth='ten': expected a growth such as '10%' or '1MiB', got 'ten'"),
     ('{"version": 1, "tests": []}', ["--gpumem-compare={f}", "--gpumem-max-growth=nan%"],
      "*expected a growth of 0% or more, got 'nan%'"),
-    (None, ["--gpumem-max-growth=10%"], "*--gpumem-max-growth needs a baseline to compare with*"),
+    (None, ["--gpumem-max-growth=10%"], "ERROR: --gpumem-max-growth='10%': a growth limit needs a baseline to "
+                                        "compare with: give --gpumem-compare=BASELINE.json*"),
+    ("\x80\x04 binary", ["--gpumem-compare={f}"], "*is not a text file, so not a --gpumem-json report"),
 ])
 def test_bad_settings_are_usage_errors_before_any_test_runs(pytester, env, tmp_path, content, args, match):
     f = tmp_path / "b.json"
     if content is not None:
-        f.write_text(content)
+        f.write_bytes(content.encode("latin-1"))
     _write(pytester)
     r = _run(pytester, *[a.format(f=f, missing=tmp_path / "missing.json") for a in args])
     assert r.ret == pytest.ExitCode.USAGE_ERROR

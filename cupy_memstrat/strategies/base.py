@@ -192,6 +192,7 @@ def _cupy_malloc_over(backend, malloc, free, granule: int = 1):
         return cupy_malloc, pfa, gc_safe
 
     def fake_malloc(size):
+        __tracebackhide__ = True  # pytest shows the user's frames, not ours
         device = backend.get_device()
         size = (size + granule - 1) & mask
         ptr = malloc(size, device) if size else 0
@@ -214,7 +215,7 @@ class Strategy:
         **options: the options of :attr:`option_specs`. Every strategy has
             ``track_origins``, default ``False``: record where each live
             allocation came from, for :meth:`live_allocations` (``True``: the
-            first frame outside CuPy and cupy_memstrat; N from 2 to 128: up to
+            first frame outside CuPy and cupy_memstrat; N from 1 to 128: up to
             N such frames); it costs a stack walk per allocation (docs/debugging.md).
             And ``oom_snapshot``, default ``None`` (or the environment
             variable ``CUPY_MEMSTRAT_OOM_SNAPSHOT``): a file path, checked
@@ -258,7 +259,7 @@ class Strategy:
             as_frames,
             False,
             "record where each live allocation was made: True, the first frame outside CuPy and "
-            "cupy_memstrat; N (2-128), up to N such frames",
+            "cupy_memstrat; N (1-128, 1 being True), up to N such frames",
         ),
         Option(
             "oom_snapshot",
@@ -642,6 +643,7 @@ class Strategy:
     def _recover_hook(self, size: int, device: int, exc: BaseException) -> int:
         """The hot path's ``allocate(size)`` raised ``exc``: recover and
         retry (:meth:`_recover`), returning the pointer, or raise."""
+        __tracebackhide__ = True  # pytest shows the user's frames, not ours
         return self._recover(size, device, exc, lambda: self._allocate(size))
 
     def _recover(self, size: int, device: int, exc: BaseException, retry, detail=None) -> int:
@@ -656,6 +658,7 @@ class Strategy:
         Args:
             detail: a callable returning text for the final error message.
         """
+        __tracebackhide__ = True  # pytest shows the user's frames, not ours
         b = self.backend
         for step in (1, 2):
             b.clear_last_error()
@@ -816,6 +819,7 @@ class Strategy:
 
     # -- failure paths (off the hot path) ------------------------------------
     def _allocation_failed(self, size: int, device: int, exc: BaseException, detail: str = ""):
+        __tracebackhide__ = True  # pytest shows the user's frames, not ours
         self.backend.clear_last_error()
         with self._fold_lock:
             self._counters[device].n_failed += 1
@@ -824,6 +828,7 @@ class Strategy:
         self._raise_out_of_memory(size, device, reason="cuda", cause=exc, detail=detail)
 
     def _raise_out_of_memory(self, size: int, device: int, *, reason: str, cause=None, detail: str = ""):
+        __tracebackhide__ = True  # pytest shows the user's frames, not ours
         st = self.stats(device)
         free = None
         try:
@@ -1023,6 +1028,7 @@ class Strategy:
                 pool raises ``OverflowError`` for a negative size).
             cupy.cuda.memory.OutOfMemoryError: as :meth:`raw_malloc`.
         """
+        __tracebackhide__ = True  # pytest shows the user's frames, not ours
         if size.__class__ is not int or size < 0 or size >= _SIZE_T_LIMIT:
             size = check_size(size)
         cupy_malloc = self._cupy_malloc

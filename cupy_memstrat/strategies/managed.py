@@ -129,8 +129,9 @@ class ManagedStats:
         return (
             f"managed on device {self.device}: {self.n_chunks} chunks of {format_size(self.chunk_bytes)} "
             f"({format_size(self.reserved_bytes)} reserved, {format_size(self.cached_bytes)} cached), "
-            f"{self.n_guard_refusals} guard refusals, {format_size(self.reclaimed_bytes)} reclaimed from "
-            f"destroyed streams in {self.n_reclaims} synchronisations"
+            f"{self.n_guard_refusals} guard refusal{'' if self.n_guard_refusals == 1 else 's'}, "
+            f"{format_size(self.reclaimed_bytes)} reclaimed from destroyed streams in {self.n_reclaims} "
+            f"synchronisation{'' if self.n_reclaims == 1 else 's'}"
         )
 
 
@@ -356,6 +357,7 @@ class ManagedStrategy(Strategy):
         before refusing, give memory back in CuPy's order: this strategy's
         cache and the others' (:meth:`_give_back`), then the same after
         ``gc.collect()`` twice (arrays held only by reference cycles)."""
+        __tracebackhide__ = True  # pytest shows the user's frames, not ours
         if self.config["oversubscribe"]:
             return
         b = self.backend
@@ -400,6 +402,7 @@ class ManagedStrategy(Strategy):
         """``cudaMallocManaged`` of ``nbytes`` (a multiple of 2 MiB) after the
         guard; on a CUDA out-of-memory, recover in CuPy's order and retry
         (:meth:`Strategy._recover`)."""
+        __tracebackhide__ = True  # pytest shows the user's frames, not ours
         b = self.backend
         with self._chunk_lock:
             self._guard(nbytes, size, device)

@@ -12,6 +12,7 @@ walk and the interning) is the same Python code, measured on this CPU.
 Usage: python tools/probes/origins_cost.py [--fake] [OUT.json]
 """
 
+import argparse
 import json
 import platform
 import statistics
@@ -28,8 +29,19 @@ SETTINGS = (False, True, 8, 32)
 
 
 def main(argv):
-    fake = "--fake" in argv
-    out = next((a for a in argv if not a.startswith("--")), None)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--fake", action="store_true", help="the fake backend (also taken where there is no GPU)")
+    p.add_argument("out", nargs="?", help="write the report here as JSON")
+    args = p.parse_args(argv)
+    fake, out = args.fake, args.out
+    if not fake:
+        try:
+            from cupy_memstrat.cuda import get_backend
+
+            get_backend()
+        except Exception as exc:  # noqa: BLE001 - no CUDA here: measure on the fake backend
+            print(f"no GPU ({str(exc).split(';')[0]}): measuring on the fake backend", file=sys.stderr)
+            fake = True
     backend = None
     if fake:
         from cupy_memstrat.testing import FakeBackend
