@@ -178,16 +178,26 @@ def _load_report(cmd: str, path: str, test: str | None, what: str):
     return report
 
 
-def _check_output_file(cmd: str, out: str, expected: str) -> bool:
-    """Refuse (printing why) an output path that is empty, a directory, or in a missing folder."""
+def _check_output_file(cmd: str, out: str, expected: str, source: str | None = None) -> bool:
+    """Refuse (printing why) an output path that is empty, a directory, a FIFO
+    or a device (writing would wait or go nowhere), in a missing folder, or
+    the input file ``source`` itself."""
     o = out.strip()
     if not o or os.path.isdir(o) or o.endswith(os.sep):
         print(f"{cmd}: -o {out!r}: expected {expected}"
               + (f" ({o!r} is a directory)" if o and os.path.isdir(o) else ""), file=sys.stderr)
         return False
+    if os.path.exists(o) and not os.path.isfile(o):
+        print(f"{cmd}: -o {out!r}: a FIFO, a socket or a device, not a file to write; expected {expected}",
+              file=sys.stderr)
+        return False
     folder = os.path.dirname(os.path.abspath(o))
     if not os.path.isdir(folder):  # said before anything is done
         print(f"{cmd}: -o {out!r}: the folder {folder!r} does not exist", file=sys.stderr)
+        return False
+    if source is not None and os.path.exists(o) and os.path.realpath(o) == os.path.realpath(source):
+        print(f"{cmd}: -o {out!r} is the input file {source!r}: writing it would destroy what is read",
+              file=sys.stderr)
         return False
     return True
 
@@ -195,7 +205,7 @@ def _check_output_file(cmd: str, out: str, expected: str) -> bool:
 def _cmd_export(args) -> int:
     from .memory_viz import write_torch
 
-    if not _check_output_file("export", args.output, "a file path such as 'snapshot.pickle'"):
+    if not _check_output_file("export", args.output, "a file path such as 'snapshot.pickle'", source=args.json):
         return 2
     doc = _load_report("export", args.json, args.test, "cupy_memstrat.snapshot() or pytest --gpumem-json")
     if doc is None:
@@ -203,8 +213,11 @@ def _cmd_export(args) -> int:
     doc.pop("title", None)
     try:
         write_torch(doc, args.output.strip())
-    except (ValueError, OSError) as exc:
+    except ValueError as exc:  # the input is no snapshot
         print(f"export: {args.json}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the output cannot be written (the message names it)
+        print(f"export: {exc}", file=sys.stderr)
         return 2
     out = args.output.strip()
     print(f"wrote {out} (PyTorch's memory snapshot): open it at https://pytorch.org/memory_viz, or make a page "
@@ -215,7 +228,7 @@ def _cmd_export(args) -> int:
 def _cmd_plot(args) -> int:
     from .bench.plot import plot
 
-    if not _check_output_file("plot", args.output, "an image file path such as 'figure.png'"):
+    if not _check_output_file("plot", args.output, "an image file path such as 'figure.png'", source=args.json):
         return 2
     report = _load_report("plot", args.json, args.test,
                           "bench --json, cupy_memstrat.snapshot() or pytest --gpumem-json")

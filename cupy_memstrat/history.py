@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 
-from .paths import check_writable_file
+from .paths import check_writable_file, write_file_atomically
 from .stats import capture_origin, origin_capture
 
 __all__ = ["record_history", "snapshot", "History"]
@@ -321,23 +321,14 @@ def oom_document(strategy, *, size: int, device: int, reason: str, message: str,
 
 
 def write_oom_snapshot(strategy, path, **oom) -> None:
-    """:func:`oom_document`, written as JSON to ``path`` (through a temporary
-    file beside it, so a reader never sees half a file).
+    """:func:`oom_document`, written as JSON to ``path``, whole or not at all
+    (:func:`cupy_memstrat.paths.write_file_atomically`: two errors at once
+    in two threads leave one of the two files, never a mix).
 
     Raises:
         OSError: ``path`` cannot be written.
     """
-    doc = oom_document(strategy, **oom)
-    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, path)
-    except OSError as exc:  # named by the path asked for, not the temporary file beside it
-        raise OSError(exc.errno, f"cannot write {os.fspath(path)!r}: {exc.strerror or exc}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_file_atomically(path, json.dumps(oom_document(strategy, **oom)).encode())
 
 
 def snapshot(path: str | None = None, format: str | None = None) -> dict:
@@ -391,6 +382,5 @@ def snapshot(path: str | None = None, format: str | None = None) -> dict:
             write_torch(doc, path)
         return to_torch(doc)
     if path is not None:
-        with open(path, "w") as f:
-            json.dump(doc, f)
+        write_file_atomically(path, json.dumps(doc).encode())
     return doc

@@ -57,7 +57,40 @@ def _frames_of_event(e: dict) -> list[dict]:
     return []
 
 
+_MAX_DEVICES = 1024
+_MAX_TIME = 1e11  # seconds (about the year 5000): a larger time is a mangled one
+
+
+class _Bad(ValueError):
+    pass
+
+
+def _need(e: dict, key: str, where: str):
+    if key not in e:
+        raise _Bad(f"not a valid snapshot: {where} lacks {key!r}")
+    return e[key]
+
+
+def _whole(x, where: str, most: int | None = None) -> None:
+    if type(x) is not int or x < 0 or (most is not None and x > most):
+        limit = f" and at most {most}" if most is not None else ""
+        raise _Bad(f"not a valid snapshot: {where} is {x!r}: expected a whole number >= 0{limit}")
+
+
+def _time(x, where: str) -> None:
+    if type(x) not in (int, float) or not 0 <= x < _MAX_TIME:  # (NaN fails too)
+        raise _Bad(f"not a valid snapshot: {where} is {x!r}: expected seconds, a number >= 0")
+
+
+def _listed(doc: dict, key: str) -> list:
+    v = _need(doc, key, "the snapshot")
+    if not isinstance(v, list) or not all(isinstance(e, dict) for e in v):
+        raise _Bad(f"not a valid snapshot: {key!r} is not a list of objects")
+    return v
+
+
 def _check(doc) -> None:
+    """Refuse, naming the first bad field, anything but a well-formed version-2 snapshot."""
     if not isinstance(doc, dict) or doc.get("kind") != "memory-history":
         kind = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
         raise ValueError(f"expected a cupy_memstrat.snapshot() (kind 'memory-history'), got {kind!r}")
@@ -67,9 +100,56 @@ def _check(doc) -> None:
             f"this snapshot is version {version!r}; PyTorch's viewer needs version 2 (segments and segment "
             "events), which this cupy-memstrat writes: record it again"
         )
-    for key in ("devices", "started", "events", "segments", "segment_events", "oom_events", "segment_kind"):
-        if key not in doc:
-            raise ValueError(f"this snapshot lacks {key!r}: it was not written by cupy_memstrat.snapshot()")
+    n = _need(doc, "devices", "the snapshot")
+    _whole(n, "'devices'", _MAX_DEVICES)
+    if n < 1:
+        raise _Bad("not a valid snapshot: 'devices' is 0: expected at least 1")
+    _time(_need(doc, "started", "the snapshot"), "'started'")
+    if doc.get("segment_kind") not in ("blocks", "chunks"):
+        raise _Bad(f"not a valid snapshot: 'segment_kind' is {doc.get('segment_kind')!r}: expected 'blocks' or 'chunks'")
+    for key, actions in (("events", ("alloc", "free")), ("segment_events", ("segment_alloc", "segment_free")),
+                         ("oom_events", None)):
+        for i, e in enumerate(_listed(doc, key)):
+            where = f"{key}[{i}]"
+            _time(_need(e, "t", where), f"{where}.t")
+            _whole(_need(e, "device", where), f"{where}.device", n - 1)
+            _whole(_need(e, "size", where), f"{where}.size")
+            if actions is None:
+                free = e.get("device_free", 0)
+                _whole(free if free is not None else 0, f"{where}.device_free")
+                continue
+            if _need(e, "action", where) not in actions:
+                raise _Bad(f"not a valid snapshot: {where}.action is {e['action']!r}: expected one of "
+                           f"{', '.join(actions)}")
+            _whole(_need(e, "ptr", where), f"{where}.ptr")
+            stream = e.get("stream")
+            if stream is not None and type(stream) is not int:
+                raise _Bad(f"not a valid snapshot: {where}.stream is {stream!r}: expected a stream handle or null")
+            frames = e.get("frames")
+            if frames is not None and not (isinstance(frames, list) and all(
+                    isinstance(f, list) and len(f) == 3 and isinstance(f[0], str) and type(f[1]) is int
+                    and isinstance(f[2], str) for f in frames)):
+                raise _Bad(f"not a valid snapshot: {where}.frames: expected [file, line, function] lists")
+    for i, seg in enumerate(_listed(doc, "segments")):
+        where = f"segments[{i}]"
+        _whole(_need(seg, "device", where), f"{where}.device", n - 1)
+        for key in ("address", "total_size"):
+            _whole(_need(seg, key, where), f"{where}.{key}")
+        blocks = _need(seg, "blocks", where)
+        if not isinstance(blocks, list) or not all(isinstance(b, dict) for b in blocks):
+            raise _Bad(f"not a valid snapshot: {where}.blocks is not a list of objects")
+        for j, b in enumerate(blocks):
+            bw = f"{where}.blocks[{j}]"
+            for key in ("address", "size", "requested_size"):
+                _whole(_need(b, key, bw), f"{bw}.{key}")
+            if _need(b, "state", bw) not in ("active_allocated", "inactive"):
+                raise _Bad(f"not a valid snapshot: {bw}.state is {b['state']!r}: expected 'active_allocated' or "
+                           "'inactive'")
+            frames = b.get("frames", [])
+            if not (isinstance(frames, list) and all(
+                    isinstance(f, dict) and isinstance(f.get("filename"), str) and type(f.get("line")) is int
+                    and isinstance(f.get("name"), str) for f in frames)):
+                raise _Bad(f"not a valid snapshot: {bw}.frames: expected {{filename, line, name}} objects")
 
 
 def to_torch(doc: dict) -> dict:
@@ -78,7 +158,8 @@ def to_torch(doc: dict) -> dict:
     with ``segments`` and ``device_traces`` (see the module docstring).
 
     Raises:
-        ValueError: ``doc`` is not a version-2 snapshot (the message says what it is).
+        ValueError: ``doc`` is not a well-formed version-2 snapshot (the
+            message names what it is, or the first bad field).
     """
     _check(doc)
     n = int(doc["devices"])
@@ -129,10 +210,13 @@ def to_torch(doc: dict) -> dict:
 def write_torch(doc: dict, path) -> None:
     """:func:`to_torch` of ``doc``, pickled (protocol 4) into ``path``.
 
+    The file is written whole or not at all (a temporary file beside it,
+    renamed over it).
+
     Raises:
         ValueError: as :func:`to_torch`.
-        OSError: ``path`` cannot be written.
+        OSError: ``path`` cannot be written (the message names it).
     """
-    data = to_torch(doc)
-    with open(path, "wb") as f:
-        pickle.dump(data, f, protocol=PICKLE_PROTOCOL)
+    from .paths import write_file_atomically
+
+    write_file_atomically(path, pickle.dumps(to_torch(doc), protocol=PICKLE_PROTOCOL))

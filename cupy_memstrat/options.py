@@ -76,12 +76,17 @@ def as_frames(value, what: str, most: int = 128):
     expected = f"expected true or false, or a number of frames from 1 to {most}"
     if isinstance(value, bool):
         return value
+    if type(value).__name__ in ("bool_", "bool") and type(value).__module__ == "numpy":  # numpy.bool
+        return bool(value)
     if isinstance(value, str):
         t = value.strip().lower()
         if t in _TRUE - {"1"} or t in _FALSE - {"0"}:
             return t in _TRUE
         if not (t.isascii() and t.isdigit()):
             raise ValueError(f"{what}: {expected}, got {value!r}")
+        if len(t.lstrip("0")) > 6:  # (int() of thousands of digits refuses on its own, unnamed)
+            shown = value if len(value) <= 40 else value[:20] + "..."
+            raise ValueError(f"{what}: {expected}, got {shown!r}")
         value = int(t)
     elif hasattr(value, "__index__") and not isinstance(value, float):
         value = value.__index__()
@@ -96,7 +101,8 @@ def as_frames(value, what: str, most: int = 128):
 def as_output_file(value, what: str):
     """A file to write later (``None``: none): a str or os.PathLike, checked
     now as :func:`cupy_memstrat.paths.check_writable_file` checks it (not a
-    directory, a FIFO or a device; its folder exists). Nothing is written."""
+    directory, a FIFO or a device; its folder exists), and kept as an
+    absolute path. Nothing is written."""
     import os
 
     from .paths import check_writable_file
@@ -112,7 +118,7 @@ def as_output_file(value, what: str):
         check_writable_file(path, what)
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from None
-    return path
+    return os.path.abspath(path)  # as the folder was checked: a later chdir does not move it
 
 
 def as_int(value, what: str) -> int:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 import cupy_memstrat
 
@@ -23,37 +25,45 @@ from .report import JSON_VERSION
 __all__ = ["Baseline", "Growth", "load_baseline", "parse_growth"]
 
 
+_PERCENT = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*%$")
+_MOST_PERCENT = 10**6
+
+
 @dataclass(frozen=True)
 class Growth:
-    """The allowed growth: ``share`` (0.1 for ``10%``) of the baseline's
-    value, or ``bytes`` on top of it."""
+    """The allowed growth: ``share`` (``Fraction(1, 10)`` for ``10%``) of
+    the baseline's value, or ``bytes`` on top of it. Compared exactly."""
 
-    share: float | None = None
+    share: Fraction | None = None
     bytes: int | None = None
     text: str = ""
 
-    def allowed(self, base: int) -> int:
-        """The most bytes allowed where the baseline had ``base``."""
+    def exceeded(self, now: int, base: int) -> bool:
+        """Whether ``now`` bytes grew more than allowed over ``base``."""
         if self.share is not None:
-            return int(base * (1 + self.share))
-        return base + (self.bytes or 0)
+            return now > base * (1 + self.share)  # exact: Fraction
+        return now > base + (self.bytes or 0)
 
 
 def parse_growth(raw: str) -> Growth:
-    """``"10%"`` (of the baseline's value) or a size (``"1MiB"``: bytes on
-    top of it). Raises ValueError for a negative or unparsable value."""
+    """``"10%"`` (of the baseline's value; ASCII digits, at most 1000000%)
+    or a size with a unit (``"1MiB"``, ``"512B"``: bytes on top of it).
+    Raises ValueError for a negative, unparsable or unit-less value."""
     v = raw.strip()
     if v.endswith("%"):
-        num = v[:-1].strip()
-        try:
-            share = float(num)
-        except ValueError:
-            raise ValueError(f"expected a growth such as '10%' or '1MiB', got {raw!r}") from None
-        if not share >= 0 or share == float("inf"):  # (NaN fails the first test)
-            raise ValueError(f"expected a growth of 0% or more, got {raw!r}")
+        m = _PERCENT.match(v)
+        if not m:
+            why = "a growth of 0% or more" if v.lstrip().startswith("-") else "a growth such as '10%' or '1MiB'"
+            raise ValueError(f"expected {why}, got {raw!r}")
+        share = Fraction(m.group(1))
+        if share > _MOST_PERCENT:
+            raise ValueError(f"expected a growth of at most {_MOST_PERCENT}%, got {raw!r}")
         return Growth(share=share / 100, text=v)
     if v.startswith("-"):
         raise ValueError(f"expected a growth of 0 bytes or more, got {raw!r}")
+    if v.isascii() and v.isdigit():
+        raise ValueError(f"{raw!r} has no unit: write '{v}%' for a share of the baseline's value or '{v}B' for "
+                         "bytes on top of it")
     try:
         n = cupy_memstrat.parse_size(v, what="growth")
     except (ValueError, TypeError):
@@ -80,13 +90,14 @@ class Baseline:
         problems = []
         now_peaks, base_peaks = rec.get("peak_bytes_per_device"), base.get("peak_bytes_per_device")
         if isinstance(now_peaks, list) and isinstance(base_peaks, list):
+            out["devices_compared"] = min(len(now_peaks), len(base_peaks))
             for d, (now, was) in enumerate(zip(now_peaks, base_peaks)):
-                if isinstance(now, int) and isinstance(was, int) and now > growth.allowed(was):
+                if isinstance(now, int) and isinstance(was, int) and growth.exceeded(now, was):
                     on = f" on device {d}" if len(now_peaks) > 1 else ""
                     problems.append(f"peak {fmt(now)}{on} grew {self._by(now, was, fmt)} over the baseline's "
                                     f"{fmt(was)} ({self.path}), more than the {growth.text} allowed ({source})")
         now_leak, was_leak = rec.get("leaked_bytes"), base.get("leaked_bytes")
-        if isinstance(now_leak, int) and isinstance(was_leak, int) and now_leak > growth.allowed(was_leak):
+        if isinstance(now_leak, int) and isinstance(was_leak, int) and growth.exceeded(now_leak, was_leak):
             problems.append(f"leak {fmt(now_leak)} grew {self._by(now_leak, was_leak, fmt)} over the baseline's "
                             f"{fmt(was_leak)} ({self.path}), more than the {growth.text} allowed ({source})")
         return out, problems
@@ -118,11 +129,33 @@ def load_baseline(path: str) -> Baseline:
         raise ValueError(f"cannot read the baseline {p!r}: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("tests"), list) or "version" not in doc:
         raise ValueError(f"the baseline {p!r} is not a pytest --gpumem-json report (no 'version' and 'tests')")
+    if type(doc["version"]) is not int:
+        raise ValueError(f"the baseline {p!r} has version {doc['version']!r}, not a number: it is not a "
+                         "--gpumem-json report")
     if doc["version"] != JSON_VERSION:
-        raise ValueError(f"the baseline {p!r} is a version {doc['version']!r} report; this pytest_gpumem reads "
+        raise ValueError(f"the baseline {p!r} is a version {doc['version']} report; this pytest_gpumem reads "
                          f"version {JSON_VERSION}: make the baseline again with this version")
     tests = {}
-    for t in doc["tests"]:
-        if isinstance(t, dict) and isinstance(t.get("nodeid"), str) and t.get("measured", True) is not False:
-            tests[t["nodeid"]] = t
+    for i, t in enumerate(doc["tests"]):
+        if not isinstance(t, dict) or not isinstance(t.get("nodeid"), str):
+            raise ValueError(f"the baseline {p!r}: tests[{i}] is not a test's record (no 'nodeid')")
+        if t.get("measured", True) is False or t.get("peak_bytes_per_device") is None:
+            continue  # not measured there: the test counts as new
+        _check_record(p, t)
+        tests[t["nodeid"]] = t
     return Baseline(path=p, tests=tests)
+
+
+def _bytes(x) -> bool:
+    return type(x) is int and 0 <= x < 1 << 64
+
+
+def _check_record(path: str, t: dict) -> None:
+    peaks = t["peak_bytes_per_device"]
+    if not (isinstance(peaks, list) and peaks and all(_bytes(x) for x in peaks)):
+        raise ValueError(f"the baseline {path!r}: the record of {t['nodeid']} has peak_bytes_per_device={peaks!r}: "
+                         "expected a list of byte counts, one per device")
+    leaked = t.get("leaked_bytes")
+    if leaked is not None and not _bytes(leaked):
+        raise ValueError(f"the baseline {path!r}: the record of {t['nodeid']} has leaked_bytes={leaked!r}: "
+                         "expected a byte count or null")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from fractions import Fraction
 
 import pytest
 
@@ -98,7 +99,7 @@ class _State:
         self.initial_strategy = None  # the session's strategy as first installed (the table's title)
         self.n_histories = 0  # timelines recorded for failing tests (--gpumem-history)
         self.baseline = _baseline.load_baseline(settings.compare) if settings.compare else None
-        self.growth = settings.max_growth or _baseline.Growth(share=0.10, text="10%")
+        self.growth = settings.max_growth or _baseline.Growth(share=Fraction(1, 10), text="10%")
 
     # -- the strategy ----------------------------------------------------------------
     def activate(self) -> None:

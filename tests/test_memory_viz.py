@@ -210,3 +210,59 @@ def test_export_takes_one_tests_timeline_from_a_pytest_report(fake_cupy, tmp_pat
     assert pickle.loads((tmp_path / "t.pickle").read_bytes()) == to_torch(report["tests"][1]["history"])
     r = subprocess.run(cmd, capture_output=True, text=True)  # two timelines: which one?
     assert r.returncode == 2 and "2 tests have a timeline" in r.stderr and "pick one with --test NODEID" in r.stderr
+
+
+def _good_snapshot(tmp_path):
+    _recorded("device")
+    doc = cupy_memstrat.snapshot(str(tmp_path / "good.json"))
+    return doc
+
+
+@pytest.mark.parametrize("mangle, err", [
+    (lambda d: d["events"][0].pop("ptr"), "not a valid snapshot: events[0] lacks 'ptr'"),
+    (lambda d: d["events"][0].update(t="soon"), "events[0].t is 'soon': expected seconds"),
+    (lambda d: d.update(events=None), "'events' is not a list of objects"),
+    (lambda d: d.update(started=None), "'started' is None: expected seconds"),
+    (lambda d: d.update(started=1e308), "'started' is 1e+308: expected seconds"),
+    (lambda d: d.update(oom_events=[{"t": 0}]), "oom_events[0] lacks 'device'"),
+    (lambda d: d.update(devices=10**12), "'devices' is 1000000000000: expected a whole number >= 0 and at most 1024"),
+    (lambda d: d.update(devices=-1), "'devices' is -1"),
+    (lambda d: d["events"][0].update(action="bogus"), "events[0].action is 'bogus': expected one of alloc, free"),
+    (lambda d: d["events"][0].update(device=3), "events[0].device is 3: expected a whole number >= 0 and at most 0"),
+    (lambda d: d["segments"][0]["blocks"][0].update(state="maybe"), "segments[0].blocks[0].state is 'maybe'"),
+    (lambda d: d["segments"][0].update(address=-4), "segments[0].address is -4"),
+])
+def test_export_refuses_a_mangled_snapshot_naming_the_field(fake_cupy, tmp_path, mangle, err):
+    doc = _good_snapshot(tmp_path)
+    mangle(doc)
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    r = subprocess.run([sys.executable, "-m", "cupy_memstrat", "export", str(tmp_path / "bad.json"), "-o",
+                        str(tmp_path / "out.pickle")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and err in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "out.pickle").exists()
+
+
+def test_export_refuses_a_fifo_or_its_own_input_as_output(fake_cupy, tmp_path):
+    import os
+
+    _good_snapshot(tmp_path)
+    os.mkfifo(tmp_path / "fifo")
+    good = str(tmp_path / "good.json")
+    for out, err in ((str(tmp_path / "fifo"), "a FIFO, a socket or a device, not a file to write"),
+                     (good, "is the input file"), (str(tmp_path / "." / "good.json"), "is the input file")):
+        r = subprocess.run([sys.executable, "-m", "cupy_memstrat", "export", good, "-o", out],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and err in r.stderr, r.stderr
+    assert json.loads(open(good).read())["kind"] == "memory-history"  # the input is untouched
+
+
+def test_a_write_that_fails_leaves_the_previous_file_and_names_the_output(fake_cupy, tmp_path):
+    _good_snapshot(tmp_path)
+    out = tmp_path / "prev.pickle"
+    out.write_text("previous")
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64)); "
+            "from cupy_memstrat import cli; sys.exit(cli.main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", code, "export", str(tmp_path / "good.json"), "-o", str(out)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"cannot write {str(out)!r}" in r.stderr, r.stderr
+    assert out.read_text() == "previous" and sorted(p.name for p in tmp_path.iterdir()) == ["good.json", "prev.pickle"]

@@ -162,3 +162,72 @@ def test_small():
     recs = {t["nodeid"].split("::")[-1]: t for t in json.loads((tmp_path / "r.json").read_text())["tests"]}
     assert recs["test_big"]["oom_snapshot"] == str(snap) and "oom_snapshot" not in recs["test_small"]
     assert json.loads(snap.read_text())["oom"]["requested_bytes"] == 2 << 30
+
+
+def test_errors_in_several_threads_at_once_leave_one_whole_file(fake_cupy, tmp_path):
+    import threading
+
+    path = str(tmp_path / "oom.json")
+    s = cupy_memstrat.create("device", backend=FakeBackend(memory="1GiB"), oom_snapshot=path)
+    keep = [s.raw_malloc(4096) for _ in range(2000)]  # a large live set: each write takes a while
+    errors, bad = [], []
+
+    def work():
+        for _ in range(10):
+            try:
+                s.raw_malloc(2 << 30)
+            except MemoryError as exc:
+                errors.append(exc)
+            try:
+                json.loads(open(path).read())
+            except FileNotFoundError:
+                pass
+            except ValueError as exc:  # half a file
+                bad.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 40 and all(e.snapshot == path for e in errors) and not bad
+    assert len(json.loads(open(path).read())["oom"]["live"]) == 2000
+    assert sorted(os.listdir(tmp_path)) == ["oom.json"]  # no temporary file left
+    del keep
+
+
+def test_a_relative_path_is_kept_as_given_at_use_whatever_the_directory_later(fake_cupy, tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    fake_cupy.chdir(tmp_path / "a")
+    s = cupy_memstrat.use("device", oom_snapshot="rel.json")
+    assert s.config["oom_snapshot"] == str(tmp_path / "a" / "rel.json")
+    fake_cupy.chdir(tmp_path / "b")
+    with pytest.raises(cupy.cuda.memory.OutOfMemoryError) as info:
+        _alloc(2 << 30)
+    assert info.value.snapshot == str(tmp_path / "a" / "rel.json") and (tmp_path / "a" / "rel.json").exists()
+    assert os.listdir(tmp_path / "b") == []
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("x\0y", "contains a NUL character"),
+    ("a" * 5000, r"\(5000 characters\): the name is too long for the file system"),
+])
+def test_paths_no_file_system_takes_are_refused_at_use(fake_cupy, tmp_path, bad, match):
+    fake_cupy.chdir(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        cupy_memstrat.use("device", oom_snapshot=bad)
+
+
+def test_the_checks_layer_keeps_track_origins_frames(fake_cupy):
+    s = cupy_memstrat.create("device:check=all,track_origins=4", backend=FakeBackend(memory="1GiB"))
+
+    def inner():
+        return s.raw_malloc(100)
+
+    def outer():
+        return inner()
+
+    outer()
+    frames = s.live_allocations()[0].origin.frames
+    assert [f[2] for f in frames[:3]] == ["inner", "outer", "test_the_checks_layer_keeps_track_origins_frames"]

@@ -85,6 +85,14 @@ def test_a_peak_that_grew_more_than_allowed_fails_and_names_both_numbers(pyteste
     r.stdout.fnmatch_lines(["*more than the 10% allowed (the default)*"])
 
 
+def test_the_growth_is_compared_exactly_at_the_limit():
+    from pytest_gpumem.baseline import parse_growth
+
+    g = parse_growth("13%")  # 12800 * 1.13 = 14464 exactly: not more than allowed (floating point said it was)
+    assert not g.exceeded(14464, 12800) and g.exceeded(14465, 12800)
+    assert all(not parse_growth(f"{p}%").exceeded(100 * (100 + p), 100 * 100) for p in range(0, 300))
+
+
 def test_a_size_of_growth_is_bytes_on_top_of_the_baseline(pytester, env, tmp_path):
     base = _baseline(pytester, tmp_path)
     _write(pytester, size="5 * MiB")
@@ -148,7 +156,18 @@ def test_the_settings_come_from_the_environment_and_the_ini_file(pytester, env, 
     ('{"version": 1, "tests": []}', ["--gpumem-compare={f}", "--gpumem-max-growth=ten"],
      "*--gpumem-max-growth='ten': expected a growth such as '10%' or '1MiB', got 'ten'"),
     ('{"version": 1, "tests": []}', ["--gpumem-compare={f}", "--gpumem-max-growth=nan%"],
-     "*expected a growth of 0% or more, got 'nan%'"),
+     "*expected a growth such as '10%' or '1MiB', got 'nan%'"),
+    ('{"version": 1, "tests": []}', ["--gpumem-compare={f}", "--gpumem-max-growth=1e306%"],
+     "*expected a growth such as '10%' or '1MiB', got '1e306%'"),
+    ('{"version": 1, "tests": []}', ["--gpumem-compare={f}", "--gpumem-max-growth=10"],
+     "*'10' has no unit: write '10%' for a share of the baseline's value or '10B' for bytes on top of it"),
+    ('{"version": "1", "tests": []}', ["--gpumem-compare={f}"], "*has version '1', not a number*"),
+    ('{"version": 1, "tests": [{"nodeid": "t.py::a", "peak_bytes_per_device": [true]}]}', ["--gpumem-compare={f}"],
+     "*the record of t.py::a has peak_bytes_per_device=?True?: expected a list of byte counts, one per device"),
+    ('{"version": 1, "tests": [{"nodeid": "t.py::a", "peak_bytes_per_device": [-5]}]}', ["--gpumem-compare={f}"],
+     "*the record of t.py::a has peak_bytes_per_device=?-5?: expected a list*"),
+    ('{"version": 1, "tests": [{"nodeid": "t.py::a", "peak_bytes_per_device": [5], "leaked_bytes": -1}]}',
+     ["--gpumem-compare={f}"], "*the record of t.py::a has leaked_bytes=-1: expected a byte count or null"),
     (None, ["--gpumem-max-growth=10%"], "ERROR: --gpumem-max-growth='10%': a growth limit needs a baseline to "
                                         "compare with: give --gpumem-compare=BASELINE.json*"),
     ("\x80\x04 binary", ["--gpumem-compare={f}"], "*is not a text file, so not a --gpumem-json report"),

@@ -67,3 +67,15 @@ def test_a_huge_spec_gets_a_short_error():
     with pytest.raises(ValueError) as exc:
         cupy_memstrat.validate("device:" + "x" * 100_000)
     assert len(str(exc.value)) < 200
+
+
+def test_track_origins_takes_frames_and_refuses_what_is_not_a_count(fake):
+    import numpy as np
+
+    for given, got in ((True, True), (1, True), ("1", True), (" 8 ", 8), ("08", 8), (np.int64(8), 8),
+                       (np.True_, True), (np.False_, False), ("no", False), (128, 128)):
+        assert cupy_memstrat.create("device", backend=fake, track_origins=given).config["track_origins"] == got
+    for bad in (0, "0", -1, 129, 10**9, 1.5, None, "9" * 5000, "eight"):
+        with pytest.raises(ValueError, match="option track_origins: expected true or false, or a number of frames "
+                                             "from 1 to 128"):
+            cupy_memstrat.create("device", backend=fake, track_origins=bad)

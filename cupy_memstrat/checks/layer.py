@@ -18,7 +18,7 @@ import weakref
 
 from ..options import Option, as_int, as_size
 from ..sizes import format_size
-from ..stats import capture_origin
+from ..stats import capture_origin, origin_capture
 from ..strategies.base import _FOLD_AT, Strategy, _warn as _warn_at
 from . import (
     CANARY_BYTE,
@@ -293,6 +293,8 @@ class CheckedStrategy(Strategy):
         expected = _expected
         state = self
         check_streams, after_free, legacy = self._check_free_streams, self._after_free, self._legacy_finding
+        # the wrapped strategy's track_origins=N frames, else the first (findings name the site)
+        capture = origin_capture(self.config.get("track_origins") or True)
 
         def malloc(size, device):
             if state._alarm:
@@ -322,7 +324,7 @@ class CheckedStrategy(Strategy):
                     ent = table[key] = [seq, ref(stream), sptr, None, device, seq]
                 else:
                     ent[0] = ent[5] = seq
-                origin = capture_origin(1)
+                origin = capture(1)
                 if streams_on and sptr < 2 and expected:
                     exp = expected.get(tid)
                     if exp is not None and exp[1] in (-1, device):
