@@ -53,6 +53,7 @@ class History:
         self.segment_events: collections.deque = collections.deque(maxlen=max_entries)
         self.oom_events: collections.deque = collections.deque(maxlen=max_entries)
         self.n_events = 0
+        self.segments_at_end: list | None = None  # the strategy's segments when the recording ended
         self.enabled = True
         self.t0 = time.perf_counter_ns()
         self.started = time.time()
@@ -114,7 +115,8 @@ class History:
             "baseline_bytes_in_use": list(self.baseline),
             "events": [_event(t - t0, a, p, n, d, st, o) for t, a, p, n, d, st, o in list(self.events)],
             "segment_kind": s.segment_kind,
-            "segments": s.memory_segments(),
+            # as the events left them: at the end of the recording, or now while it goes on
+            "segments": self.segments_at_end if self.segments_at_end is not None else s.memory_segments(),
             "segment_events": [{"t": (t - t0) / 1e9, "action": a, "ptr": p, "size": n, "device": d}
                                for t, a, p, n, d in list(self.segment_events)],
             "oom_events": [{"t": (t - t0) / 1e9, "size": n, "device": d, "device_free": f}
@@ -261,6 +263,7 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins:
     with _lock:
         h = _active
         if h is not None:
+            h.segments_at_end = h.strategy.memory_segments()  # what the last events left
             h.enabled = False
             if h.strategy._history is h:
                 h.strategy._history = None

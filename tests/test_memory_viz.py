@@ -266,3 +266,13 @@ def test_a_write_that_fails_leaves_the_previous_file_and_names_the_output(fake_c
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and f"cannot write {str(out)!r}" in r.stderr, r.stderr
     assert out.read_text() == "previous" and sorted(p.name for p in tmp_path.iterdir()) == ["good.json", "prev.pickle"]
+
+
+def test_a_finished_recording_keeps_the_segments_its_events_left(fake_cupy):
+    s, keep = _recorded("device")
+    cupy_memstrat.record_history(False)
+    later = _alloc(7 * MiB)  # after the recording: not in its events, so not in its segments
+    del keep
+    data = cupy_memstrat.snapshot(format="torch")
+    assert later.data.ptr not in {seg["address"] for seg in data["segments"]}
+    assert _replay_like_the_viewer(data, 0) > 20  # still consistent with the trace
