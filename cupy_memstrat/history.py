@@ -157,7 +157,9 @@ def _recording_allocator(strategy, h: History) -> _RecordingAllocator:
     if malloc is None:
         malloc, free = strategy._build_hot_path()
     events, clock, origins, live = h.events, time.perf_counter_ns, h.origins, strategy._live
-    capture = origin_capture(strategy._track_origins) or capture_origin  # the strategy's frames, else one
+    # the strategy's track_origins=N frames (as configured: the checking layer tracks one frame
+    # on its own whatever it was given), else one
+    capture = origin_capture(strategy.config.get("track_origins")) or capture_origin
     stream_of = getattr(strategy.backend, "current_stream", None)
 
     def stream(device):
@@ -362,8 +364,8 @@ def snapshot(path: str | None = None, format: str | None = None) -> dict:
         # (an int would be taken as a file descriptor, and closed)
         raise TypeError(f"path: expected a file path (str or os.PathLike) or None, got {type(path).__name__} {path!r}")
     if format is None:
-        suffix = os.path.splitext(os.fspath(path))[1].lower() if path is not None else ""
-        format = "torch" if suffix in (".pickle", ".pkl") else "json"
+        name = os.path.basename(os.fsdecode(os.fspath(path))).lower() if path is not None else ""
+        format = "torch" if name.endswith((".pickle", ".pkl")) else "json"
     if format not in ("json", "torch"):
         raise ValueError(f"format: expected 'json' or 'torch' (PyTorch's memory viewer), got {format!r}")
     h = _active or _last

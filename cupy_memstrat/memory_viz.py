@@ -71,9 +71,9 @@ def _need(e: dict, key: str, where: str):
     return e[key]
 
 
-def _whole(x, where: str, most: int | None = None) -> None:
+def _whole(x, where: str, most: int | None = (1 << 64) - 1) -> None:
     if type(x) is not int or x < 0 or (most is not None and x > most):
-        limit = f" and at most {most}" if most is not None else ""
+        limit = f" and at most {most}" if most is not None and most < (1 << 64) - 1 else " (at most 64 bits)"
         raise _Bad(f"not a valid snapshot: {where} is {x!r}: expected a whole number >= 0{limit}")
 
 
@@ -95,7 +95,7 @@ def _check(doc) -> None:
         kind = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
         raise ValueError(f"expected a cupy_memstrat.snapshot() (kind 'memory-history'), got {kind!r}")
     version = doc.get("version")
-    if version != 2:
+    if type(version) is not int or version != 2:
         raise ValueError(
             f"this snapshot is version {version!r}; PyTorch's viewer needs version 2 (segments and segment "
             "events), which this cupy-memstrat writes: record it again"
@@ -135,6 +135,15 @@ def _check(doc) -> None:
         _whole(_need(seg, "device", where), f"{where}.device", n - 1)
         for key in ("address", "total_size"):
             _whole(_need(seg, key, where), f"{where}.{key}")
+        for key in ("allocated_size", "active_size"):
+            if key in seg:
+                _whole(seg[key], f"{where}.{key}")
+        stream = seg.get("stream", 0)
+        if type(stream) is not int:
+            raise _Bad(f"not a valid snapshot: {where}.stream is {stream!r}: expected a stream handle")
+        if seg.get("segment_type", "large") not in ("small", "large"):
+            raise _Bad(f"not a valid snapshot: {where}.segment_type is {seg['segment_type']!r}: expected 'small' or "
+                       "'large'")
         blocks = _need(seg, "blocks", where)
         if not isinstance(blocks, list) or not all(isinstance(b, dict) for b in blocks):
             raise _Bad(f"not a valid snapshot: {where}.blocks is not a list of objects")

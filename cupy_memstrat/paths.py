@@ -39,6 +39,8 @@ def check_writable_file(path, what: str = "path") -> None:
             raise FileNotFoundError(f"{what}: cannot write {p!r}: the folder {folder!r} does not exist") from None
         return
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"{what}: {p!r} is a symbolic link in a loop, not a file to write") from None
         if exc.errno == errno.ENAMETOOLONG:
             shown = p if len(p) <= 80 else p[:60] + "..." + p[-12:]
             raise ValueError(f"{what}: cannot write {shown!r} ({len(p)} characters): the name is too long for "
@@ -53,20 +55,36 @@ def check_writable_file(path, what: str = "path") -> None:
 def write_file_atomically(path, data: bytes) -> None:
     """Write ``data`` to ``path`` whole or not at all: into a new temporary
     file beside it (unique per call, so concurrent writers never mix), then
-    renamed over it. A symbolic link stays, and its target gets the file.
-    The file gets the permissions a plain ``open()`` would give it.
+    renamed over it. A symbolic link stays, and its target gets the file. An
+    existing file keeps its permissions; a new one gets what a plain
+    ``open()`` would give it. Where the folder takes no new file but the
+    file itself is writable, the file is written in place (not atomically).
 
     Raises:
-        OSError: the file cannot be written; the message names ``path``.
+        OSError: the file cannot be written, or ``path`` is a symbolic link
+            in a loop; the message names ``path``.
     """
     shown = os.fspath(path)
     real = os.path.realpath(shown)
+    if os.path.islink(real):  # realpath stops inside a loop of links
+        raise OSError(errno.ELOOP, f"cannot write {shown!r}: a symbolic link in a loop")
+    try:
+        mode = stat.S_IMODE(os.stat(real).st_mode)
+    except OSError:
+        mode = 0o666 & ~_UMASK
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".cupy_memstrat-", suffix=".tmp", dir=os.path.dirname(real))
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".cupy_memstrat-", suffix=".tmp", dir=os.path.dirname(real))
+        except PermissionError:
+            if not (os.path.isfile(real) and os.access(real, os.W_OK)):
+                raise
+            with open(real, "wb") as f:  # a read-only folder, a writable file: in place
+                f.write(data)
+            return
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.chmod(tmp, 0o666 & ~_UMASK)
+        os.chmod(tmp, mode)
         os.replace(tmp, real)
         tmp = None
     except OSError as exc:

@@ -61,9 +61,13 @@ def parse_growth(raw: str) -> Growth:
         return Growth(share=share / 100, text=v)
     if v.startswith("-"):
         raise ValueError(f"expected a growth of 0 bytes or more, got {raw!r}")
-    if v.isascii() and v.isdigit():
-        raise ValueError(f"{raw!r} has no unit: write '{v}%' for a share of the baseline's value or '{v}B' for "
-                         "bytes on top of it")
+    try:
+        float(v)
+    except ValueError:
+        pass
+    else:  # a bare number: a share or bytes?
+        raise ValueError(f"{raw!r} has no unit: write '{v}%' for a share of the baseline's value or a size such "
+                         "as '1MiB' or '512B' for bytes on top of it")
     try:
         n = cupy_memstrat.parse_size(v, what="growth")
     except (ValueError, TypeError):
@@ -95,16 +99,20 @@ class Baseline:
                 if isinstance(now, int) and isinstance(was, int) and growth.exceeded(now, was):
                     on = f" on device {d}" if len(now_peaks) > 1 else ""
                     problems.append(f"peak {fmt(now)}{on} grew {self._by(now, was, fmt)} over the baseline's "
-                                    f"{fmt(was)} ({self.path}), more than the {growth.text} allowed ({source})")
+                                    f"{fmt(was)} ({was:,} B; {self.path}), more than the {growth.text} allowed "
+                                    f"({source})")
         now_leak, was_leak = rec.get("leaked_bytes"), base.get("leaked_bytes")
         if isinstance(now_leak, int) and isinstance(was_leak, int) and growth.exceeded(now_leak, was_leak):
             problems.append(f"leak {fmt(now_leak)} grew {self._by(now_leak, was_leak, fmt)} over the baseline's "
-                            f"{fmt(was_leak)} ({self.path}), more than the {growth.text} allowed ({source})")
+                            f"{fmt(was_leak)} ({was_leak:,} B; {self.path}), more than the {growth.text} allowed "
+                            f"({source})")
         return out, problems
 
     @staticmethod
     def _by(now: int, was: int, fmt) -> str:
-        return f"by {(now - was) / was:.1%}" if was else f"by {fmt(now - was)} (from nothing)"
+        if not was:
+            return f"by {fmt(now - was)} (from nothing)"
+        return f"by {(now - was) / was:.2%} ({now - was:,} B)"
 
 
 def load_baseline(path: str) -> Baseline:
@@ -130,7 +138,7 @@ def load_baseline(path: str) -> Baseline:
     if not isinstance(doc, dict) or not isinstance(doc.get("tests"), list) or "version" not in doc:
         raise ValueError(f"the baseline {p!r} is not a pytest --gpumem-json report (no 'version' and 'tests')")
     if type(doc["version"]) is not int:
-        raise ValueError(f"the baseline {p!r} has version {doc['version']!r}, not a number: it is not a "
+        raise ValueError(f"the baseline {p!r} has version {doc['version']!r}, not a whole number: it is not a "
                          "--gpumem-json report")
     if doc["version"] != JSON_VERSION:
         raise ValueError(f"the baseline {p!r} is a version {doc['version']} report; this pytest_gpumem reads "

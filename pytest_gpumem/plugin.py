@@ -892,8 +892,8 @@ def _baseline_summary(state, recs) -> list[str]:
     out = [f"gpumem: compared {len(compared)} test{'' if len(compared) == 1 else 's'} with the baseline {b.path} "
            f"(max growth {state.growth.text}): {len(grown)} grew more"]
     if new:
-        out.append(f"gpumem: {len(new)} test{'' if len(new) == 1 else 's'} not in the baseline (not compared): "
-                   f"{names(new)}")
+        out.append(f"gpumem: {len(new)} test{'' if len(new) == 1 else 's'} not in the baseline, or not measured "
+                   f"there (not compared): {names(new)}")
     if gone:
         out.append(f"gpumem: {len(gone)} test{'' if len(gone) == 1 else 's'} of the baseline did not run: "
                    f"{names(gone)}")

@@ -236,6 +236,7 @@ def test_without_a_recording_the_snapshot_is_the_installed_strategys_memory_now(
     s = cupy_memstrat.use("managed")
     x = _alloc(3 * MiB)
     doc = cupy_memstrat.snapshot(str(tmp_path / "now.pickle"))  # a .pickle path: PyTorch's format
+    assert "device_traces" in cupy_memstrat.snapshot(str(tmp_path / ".PKL"))  # a name that is all suffix too
     assert doc["device_traces"] == [[]] and len(doc["segments"]) == 1
     assert doc["segments"][0]["allocated_size"] == s.stats(0).bytes_in_use == 3 * MiB
     assert (tmp_path / "now.pickle").read_bytes()[:2] == b"\x80\x04"

@@ -231,6 +231,10 @@ def _good_snapshot(tmp_path):
     (lambda d: d["events"][0].update(device=3), "events[0].device is 3: expected a whole number >= 0 and at most 0"),
     (lambda d: d["segments"][0]["blocks"][0].update(state="maybe"), "segments[0].blocks[0].state is 'maybe'"),
     (lambda d: d["segments"][0].update(address=-4), "segments[0].address is -4"),
+    (lambda d: d["segments"][0].update(segment_type=[1]), "segments[0].segment_type is [1]"),
+    (lambda d: d["segments"][0].update(stream="s"), "segments[0].stream is 's'"),
+    (lambda d: d["events"][0].update(size=2**70), "events[0].size is 1180591620717411303424"),
+    (lambda d: d.update(version=2.0), "this snapshot is version 2.0"),
 ])
 def test_export_refuses_a_mangled_snapshot_naming_the_field(fake_cupy, tmp_path, mangle, err):
     doc = _good_snapshot(tmp_path)

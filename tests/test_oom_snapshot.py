@@ -231,3 +231,34 @@ def test_the_checks_layer_keeps_track_origins_frames(fake_cupy):
     outer()
     frames = s.live_allocations()[0].origin.frames
     assert [f[2] for f in frames[:3]] == ["inner", "outer", "test_the_checks_layer_keeps_track_origins_frames"]
+
+
+def test_files_keep_their_permissions_and_links_in_a_loop_are_refused(fake_cupy, tmp_path):
+    from cupy_memstrat.paths import write_file_atomically
+
+    p = tmp_path / "private.json"
+    p.write_text("old")
+    os.chmod(p, 0o600)
+    write_file_atomically(p, b"{}")
+    assert p.read_text() == "{}" and (os.stat(p).st_mode & 0o777) == 0o600
+    os.symlink(tmp_path / "loopB", tmp_path / "loopA")
+    os.symlink(tmp_path / "loopA", tmp_path / "loopB")
+    with pytest.raises(ValueError, match="is a symbolic link in a loop, not a file to write"):
+        cupy_memstrat.use("device", oom_snapshot=str(tmp_path / "loopA"))
+    with pytest.raises(OSError, match="a symbolic link in a loop"):
+        write_file_atomically(tmp_path / "loopA", b"{}")
+    assert os.path.islink(tmp_path / "loopA")
+
+
+def test_a_recording_under_the_checks_layer_keeps_the_frames(fake_cupy):
+    cupy_memstrat.use("device:check=all,track_origins=4")
+    cupy_memstrat.record_history()
+
+    def inner():
+        return _alloc(100)
+
+    x = inner()
+    (ev,) = [e for e in cupy_memstrat.snapshot()["events"] if e["action"] == "alloc"]
+    assert [f[2] for f in ev["frames"][:3]] == ["_alloc", "inner", "test_a_recording_under_the_checks_layer_keeps_"
+                                                                   "the_frames"]
+    del x

@@ -69,8 +69,8 @@ def test_a_peak_that_grew_more_than_allowed_fails_and_names_both_numbers(pyteste
     _write(pytester, size="5 * MiB")  # 25% more
     r = _run(pytester, f"--gpumem-compare={base}", "--gpumem-max-growth=10%", f"--gpumem-json={tmp_path / 'r.json'}")
     r.assert_outcomes(passed=2, failed=1)
-    r.stdout.fnmatch_lines([f"*peak 5.0 MiB grew by 25.0% over the baseline's 4.0 MiB ({base}), more than the 10% "
-                            "allowed (--gpumem-max-growth)*",
+    r.stdout.fnmatch_lines([f"*peak 5.0 MiB grew by 25.00% (1,048,576 B) over the baseline's 4.0 MiB (4,194,304 B; "
+                            f"{base}), more than the 10% allowed (--gpumem-max-growth)*",
                             f"gpumem: compared 3 tests with the baseline {base} (max growth 10%): 1 grew more"])
     recs = {t["nodeid"].split("::")[-1]: t for t in json.loads((tmp_path / "r.json").read_text())["tests"]}
     assert recs["test_peak"]["verdict"] == "growth"
@@ -106,7 +106,7 @@ def test_a_leak_that_grew_fails(pytester, env, tmp_path):
     _write(pytester, leak="MiB")  # the baseline leaked nothing
     r = _run(pytester, f"--gpumem-compare={base}", "--gpumem-leaks=warn", "-W", "ignore::pytest.PytestWarning")
     r.assert_outcomes(passed=2, failed=1)
-    r.stdout.fnmatch_lines([f"*leak 1.0 MiB grew by 1.0 MiB (from nothing) over the baseline's 0 B ({base})*"])
+    r.stdout.fnmatch_lines([f"*leak 1.0 MiB grew by 1.0 MiB (from nothing) over the baseline's 0 B (0 B; {base})*"])
 
 
 def test_new_and_removed_tests_are_listed_not_failed(pytester, env, tmp_path):
@@ -114,7 +114,8 @@ def test_new_and_removed_tests_are_listed_not_failed(pytester, env, tmp_path):
     _write(pytester, extra="def test_new():\n    x = alloc(100 * MiB)\n")
     r = _run(pytester, f"--gpumem-compare={base}", "-k", "not leak")
     r.assert_outcomes(passed=3, deselected=1)
-    r.stdout.fnmatch_lines(["gpumem: 1 test not in the baseline (not compared): test_mem.py::test_new",
+    r.stdout.fnmatch_lines(["gpumem: 1 test not in the baseline, or not measured there (not compared): "
+                            "test_mem.py::test_new",
                             "gpumem: 1 test of the baseline did not run: test_mem.py::test_leak"])
 
 
@@ -124,7 +125,7 @@ def test_each_device_is_compared_with_its_own_peak(pytester, env, tmp_path):
     _write(pytester, size="8 * MiB")  # device 0's peak of test_two_devices stays 1 MiB, device 1's doubles
     r = _run(pytester, f"--gpumem-compare={base}", "--gpumem-max-growth=50%", "-k", "two_devices")
     r.assert_outcomes(failed=1, deselected=2)
-    r.stdout.fnmatch_lines(["*peak 8.0 MiB on device 1 grew by 100.0% over the baseline's 4.0 MiB*"])
+    r.stdout.fnmatch_lines(["*peak 8.0 MiB on device 1 grew by 100.00% (4,194,304 B) over the baseline's 4.0 MiB*"])
 
 
 def test_under_xdist_the_workers_compare_and_the_controller_lists(pytester, env, tmp_path):
@@ -133,7 +134,7 @@ def test_under_xdist_the_workers_compare_and_the_controller_lists(pytester, env,
     _write(pytester, size="5 * MiB", extra="def test_new():\n    pass\n")
     r = _run(pytester, "-n", "2", f"--gpumem-compare={base}", subprocess=True)
     r.assert_outcomes(passed=3, failed=1)
-    r.stdout.fnmatch_lines(["*peak 5.0 MiB grew by 25.0%*", "*1 test not in the baseline (not compared)*"])
+    r.stdout.fnmatch_lines(["*peak 5.0 MiB grew by 25.00%*", "*1 test not in the baseline, or not measured there*"])
 
 
 def test_the_settings_come_from_the_environment_and_the_ini_file(pytester, env, tmp_path):
@@ -160,8 +161,10 @@ def test_the_settings_come_from_the_environment_and_the_ini_file(pytester, env, 
     ('{"version": 1, "tests": []}', ["--gpumem-compare={f}", "--gpumem-max-growth=1e306%"],
      "*expected a growth such as '10%' or '1MiB', got '1e306%'"),
     ('{"version": 1, "tests": []}', ["--gpumem-compare={f}", "--gpumem-max-growth=10"],
-     "*'10' has no unit: write '10%' for a share of the baseline's value or '10B' for bytes on top of it"),
-    ('{"version": "1", "tests": []}', ["--gpumem-compare={f}"], "*has version '1', not a number*"),
+     "*'10' has no unit: write '10%' for a share of the baseline's value or a size such as '1MiB'*"),
+    ('{"version": 1, "tests": []}', ["--gpumem-compare={f}", "--gpumem-max-growth=0.13"],
+     "*'0.13' has no unit*"),
+    ('{"version": "1", "tests": []}', ["--gpumem-compare={f}"], "*has version '1', not a whole number*"),
     ('{"version": 1, "tests": [{"nodeid": "t.py::a", "peak_bytes_per_device": [true]}]}', ["--gpumem-compare={f}"],
      "*the record of t.py::a has peak_bytes_per_device=?True?: expected a list of byte counts, one per device"),
     ('{"version": 1, "tests": [{"nodeid": "t.py::a", "peak_bytes_per_device": [-5]}]}', ["--gpumem-compare={f}"],
