@@ -97,13 +97,19 @@ def _out_of_memory_class():
                 self.reason = reason
                 self.snapshot = snapshot
 
-            def __reduce__(self):
-                return (MemoryError, (str(self),))
+            def __reduce__(self):  # across processes (a Dask worker's error at the client): the same class
+                return (_rebuild_out_of_memory, (str(self), self.requested, self.device, self.stats, self.strategy,
+                                                 self.reason, self.snapshot))
 
         OutOfMemoryError.__module__ = __name__
         OutOfMemoryError.__qualname__ = "OutOfMemoryError"
         _oom_class = OutOfMemoryError
     return _oom_class
+
+
+def _rebuild_out_of_memory(message, requested, device, stats, strategy, reason, snapshot):
+    return _out_of_memory_class()(message, requested=requested, device=device, stats=stats, strategy=strategy,
+                                  reason=reason, snapshot=snapshot)
 
 
 def __getattr__(name):

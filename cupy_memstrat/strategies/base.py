@@ -312,6 +312,9 @@ class Strategy:
         # the recording (cupy_memstrat.record_history) that wants segment and out-of-memory
         # events, off the hot path; None when nothing records
         self._history = None
+        #: None, or a callable returning text added to this strategy's out-of-memory messages
+        #: (cupy_memstrat.dask's plugin names the worker and the task)
+        self.oom_context = None
 
     # -- options ---------------------------------------------------------------
     @classmethod
@@ -844,6 +847,11 @@ class Strategy:
         )
         if isinstance(self.backend, _cuda.RealBackend):
             msg += _cupy_pool_hint(device)
+        if self.oom_context is not None:
+            try:
+                msg += str(self.oom_context())
+            except Exception:  # noqa: BLE001 - the context must not hide the error
+                pass
         h = self._history
         if h is not None:  # a recording takes the event (PyTorch's "oom" trace entry)
             h.oom(size, device, free or 0)

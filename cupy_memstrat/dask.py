@@ -1,0 +1,318 @@
+"""Dask: every worker under a strategy, with per-worker and per-task GPU memory.
+
+Built on ``distributed`` itself: :class:`MemstratPlugin` is a
+``distributed.WorkerPlugin`` (a fixed name: registering it again replaces it on
+every worker, and workers that join later get it too), and this module is
+also a ``--preload`` module for the worker command line::
+
+    client.register_plugin(MemstratPlugin("managed:prefetch=on_new"))
+    dask worker SCHEDULER --preload cupy_memstrat.dask --memstrat-strategy=async
+
+On each worker the plugin installs the strategy with :func:`cupy_memstrat.use`
+before the worker's tasks allocate (``setup``), records per task the peak
+bytes in use and the bytes left at its end through the worker's transition
+hook, and gives memory back and puts CuPy's allocator back at ``teardown``.
+:func:`stats`, :func:`task_peaks` and :func:`snapshot` gather from the client.
+
+Per-task peaks are exact when a worker runs one task at a time (one thread
+per worker, as dask-cuda runs one per GPU); where tasks overlap on a worker,
+each overlapping task's record says so (``overlapped``) and its peak is the
+worker's peak while it ran.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass
+
+import cupy_memstrat
+
+try:
+    from distributed import WorkerPlugin
+except ImportError as exc:  # pragma: no cover - the "dask" extra is not installed
+    raise ImportError(
+        "cupy_memstrat.dask needs distributed: pip install 'cupy-memstrat[dask]'"
+    ) from exc
+
+__all__ = ["MemstratPlugin", "TaskMemory", "stats", "task_peaks", "snapshot", "PLUGIN_NAME", "dask_setup"]
+
+#: the plugin's name on every worker: registering another MemstratPlugin replaces it
+PLUGIN_NAME = "cupy-memstrat"
+
+
+@dataclass(frozen=True)
+class TaskMemory:
+    """GPU memory of one task on one worker (bytes, on the worker's current
+    device): ``peak_bytes`` over what was in use when it started,
+    ``left_bytes`` still in use at its end that was not at its start (its
+    result, or what it leaked), ``in_use_before`` at its start. ``overlapped``:
+    another task ran on the worker at the same time (the peak is then the
+    worker's, not the task's alone). ``state``: ``"memory"`` or ``"error"``.
+    ``seconds``: from the start of its execution to its end."""
+
+    key: str
+    prefix: str
+    worker: str
+    device: int
+    peak_bytes: int
+    left_bytes: int
+    in_use_before: int
+    overlapped: bool
+    state: str
+    seconds: float
+
+
+def _key_text(key) -> str:
+    return key if isinstance(key, str) else str(key)
+
+
+class MemstratPlugin(WorkerPlugin):
+    """Install a cupy_memstrat strategy on every worker and measure its tasks.
+
+    Args:
+        spec: a strategy spec (``"async"``, ``"managed:prefetch=on_new"``);
+            default ``"pool"``, CuPy's pool with this library's statistics.
+        track_tasks: record each task's peak and what it left (default True).
+        max_keys: task records kept per worker, the newest (default 10 000);
+            per key prefix the totals are kept for every prefix.
+        **options: strategy options, as for :func:`cupy_memstrat.use`.
+
+    Raises:
+        ValueError, TypeError: a bad spec or option, at the client, before
+            anything is sent to a worker (:func:`cupy_memstrat.validate`).
+    """
+
+    name = PLUGIN_NAME
+    idempotent = False  # registered again: the new one replaces the old on every worker
+
+    def __init__(self, spec: str = "pool", *, track_tasks: bool = True, max_keys: int = 10_000, **options):
+        cupy_memstrat.validate(spec, **options)  # refused here, at the client
+        if not isinstance(track_tasks, bool):
+            raise TypeError(f"track_tasks: expected True or False, got {type(track_tasks).__name__} {track_tasks!r}")
+        if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
+            raise ValueError(f"max_keys: expected an int >= 1, got {max_keys!r}")
+        self.spec, self.options = spec, dict(options)
+        self.track_tasks, self.max_keys = track_tasks, max_keys
+        self._reset_runtime()
+
+    def _reset_runtime(self):
+        self.strategy = None
+        self.worker_address = None
+        self._previous = None
+        self._lock = threading.Lock()
+        self._running: dict[str, tuple[float, int, int]] = {}  # key -> (start, device, in use at start)
+        self._overlapped: set[str] = set()
+        self._tasks: collections.OrderedDict = collections.OrderedDict()
+        self._prefixes: dict[str, dict] = {}
+
+    def __getstate__(self):  # sent to workers without the runtime state
+        return {"spec": self.spec, "options": self.options, "track_tasks": self.track_tasks,
+                "max_keys": self.max_keys}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._reset_runtime()
+
+    # -- the worker's side ------------------------------------------------------------------
+    def setup(self, worker) -> None:
+        import cupy
+
+        self.worker_address = worker.address
+        self._previous = cupy.cuda.get_allocator()
+        mod = getattr(self._previous, "__module__", "") or ""
+        if mod.startswith("rmm"):  # dask-cuda's RMMSetup (rmm_allocator_external_lib_list) set it
+            msg = (f"cupy_memstrat.dask: on worker {worker.address} CuPy allocates through RMM ({self._previous!r}, "
+                   f"set by dask-cuda's RMM plugin); {self.spec!r} replaces it for CuPy here (RMM stays for "
+                   "other libraries)")
+            logging.getLogger("distributed.worker.cupy_memstrat").warning(msg)  # in client.get_worker_logs()
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        self.strategy = cupy_memstrat.use(self.spec, **self.options)
+        self.strategy.oom_context = self._oom_context
+        worker.metrics["cupy_memstrat"] = self._metric
+
+    def teardown(self, worker) -> None:
+        import cupy
+
+        s = self.strategy
+        if s is None:
+            return
+        s.oom_context = None
+        worker.metrics.pop("cupy_memstrat", None)
+        if cupy_memstrat.current() is s:
+            cupy.cuda.set_allocator(self._previous)
+        s.trim()
+
+    def _oom_context(self) -> str:
+        try:
+            from distributed.worker import thread_state
+
+            key = getattr(thread_state, "key", None)
+        except ImportError:  # pragma: no cover
+            key = None
+        task = f", task {_key_text(key)!r}" if key is not None else ""
+        return f" (Dask worker {self.worker_address}{task})"
+
+    def _metric(self, worker) -> dict:
+        """Each heartbeat: the worker's GPU bytes (``ws.metrics["cupy_memstrat"]`` on the scheduler)."""
+        s = self.strategy
+        st = s.stats()
+        return {"strategy": s.name, "device": st.device, "bytes_in_use": st.bytes_in_use,
+                "bytes_reserved": st.bytes_reserved, "peak_bytes_in_use": st.peak_bytes_in_use,
+                "peak_bytes_reserved": st.peak_bytes_reserved}
+
+    def transition(self, key, start, finish, **kwargs) -> None:
+        if not self.track_tasks or self.strategy is None:
+            return
+        if finish == "executing":
+            s = self.strategy
+            with self._lock:
+                d = s.backend.get_device()
+                if self._running:
+                    self._overlapped.update(self._running)
+                    self._overlapped.add(_key_text(key))
+                else:
+                    s.reset_peak(d)  # alone: the peak from here is this task's
+                self._running[_key_text(key)] = (time.perf_counter(), d, s.stats(d).bytes_in_use)
+        elif start in ("executing", "long-running") and finish in ("memory", "error"):
+            k = _key_text(key)
+            with self._lock:
+                began = self._running.pop(k, None)
+                if began is None:
+                    return
+                t0, d, before = began
+                st = self.strategy.stats(d)
+                rec = TaskMemory(
+                    key=k, prefix=_prefix(key), worker=self.worker_address, device=d,
+                    peak_bytes=max(0, st.peak_bytes_in_use - before), left_bytes=max(0, st.bytes_in_use - before),
+                    in_use_before=before, overlapped=k in self._overlapped, state=finish,
+                    seconds=time.perf_counter() - t0,
+                )
+                self._overlapped.discard(k)
+                self._tasks[k] = rec
+                self._tasks.move_to_end(k)
+                while len(self._tasks) > self.max_keys:
+                    self._tasks.popitem(last=False)
+                p = self._prefixes.setdefault(rec.prefix, {"prefix": rec.prefix, "tasks": 0, "peak_bytes": 0,
+                                                           "left_bytes": 0, "errors": 0})
+                p["tasks"] += 1
+                p["peak_bytes"] = max(p["peak_bytes"], rec.peak_bytes)
+                p["left_bytes"] += rec.left_bytes
+                p["errors"] += finish == "error"
+
+    def records(self) -> dict:
+        """This worker's records (picklable): ``stats``, ``tasks`` and ``prefixes``."""
+        with self._lock:
+            return {"stats": self.strategy.stats() if self.strategy is not None else None,
+                    "strategy": self.strategy.name if self.strategy is not None else None,
+                    "tasks": [asdict(r) for r in self._tasks.values()],
+                    "prefixes": [dict(p) for p in self._prefixes.values()]}
+
+
+def _prefix(key) -> str:
+    from dask.utils import key_split
+
+    return key_split(key)
+
+
+# -- the client's side ---------------------------------------------------------------------
+
+
+def _records_on_worker(dask_worker=None):
+    plugin = dask_worker.plugins.get(PLUGIN_NAME) if dask_worker is not None else None
+    if plugin is None:
+        return None
+    return plugin.records()
+
+
+def _gather(client) -> dict:
+    got = client.run(_records_on_worker)
+    missing = sorted(a for a, r in got.items() if r is None)
+    if missing:
+        raise RuntimeError(
+            f"cupy_memstrat.dask: the MemstratPlugin is not registered on worker{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(missing)}: call client.register_plugin(MemstratPlugin(SPEC)) first"
+        )
+    return got
+
+
+def stats(client) -> dict:
+    """``{worker address: Stats}``: each worker's statistics for its current
+    device (under dask-cuda's ``LocalCUDACluster``, its own GPU).
+
+    Raises:
+        RuntimeError: a worker has no :class:`MemstratPlugin`.
+    """
+    return {a: r["stats"] for a, r in _gather(client).items()}
+
+
+def task_peaks(client, n: int = 20, *, by: str = "key") -> list[dict]:
+    """The ``n`` tasks (``by="key"``) or key prefixes (``by="prefix"``) with
+    the highest peak, over every worker, highest first: :class:`TaskMemory`
+    fields as dicts (prefixes: ``prefix``, ``tasks``, ``peak_bytes``,
+    ``left_bytes``, ``errors``, per worker).
+
+    Raises:
+        ValueError: a bad ``n`` or ``by``.
+        RuntimeError: a worker has no :class:`MemstratPlugin`.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n: expected an int >= 1, got {n!r}")
+    if by not in ("key", "prefix"):
+        raise ValueError(f"by: expected 'key' or 'prefix', got {by!r}")
+    rows = []
+    for addr, r in _gather(client).items():
+        if by == "key":
+            rows.extend(r["tasks"])
+        else:
+            rows.extend(dict(p, worker=addr) for p in r["prefixes"])
+    rows.sort(key=lambda t: -t["peak_bytes"])
+    return rows[:n]
+
+
+def snapshot(client, folder) -> list[str]:
+    """Each worker's :func:`cupy_memstrat.snapshot` (its recording, or its
+    memory now), written into ``folder`` (made if missing) as
+    ``worker-HOST-PORT.json``; ``python -m cupy_memstrat plot`` and
+    ``export`` read each. Returns the paths written.
+
+    Raises:
+        RuntimeError: a worker has no :class:`MemstratPlugin`.
+        OSError: ``folder`` cannot be made or written.
+    """
+    import json
+
+    from .paths import write_file_atomically
+
+    _gather(client)
+    docs = client.run(lambda: cupy_memstrat.snapshot())
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for addr, doc in sorted(docs.items()):
+        name = "worker-" + addr.split("://")[-1].replace(":", "-").replace("/", "-") + ".json"
+        path = os.path.join(folder, name)
+        write_file_atomically(path, json.dumps(doc).encode())
+        paths.append(path)
+    return paths
+
+
+# -- the worker command line: dask worker --preload cupy_memstrat.dask --memstrat-strategy=SPEC ----------
+
+try:
+    import click
+except ImportError:  # pragma: no cover - distributed brings click
+    click = None
+
+if click is not None:
+
+    @click.command()
+    @click.option("--memstrat-strategy", default=None,
+                  help="the cupy_memstrat strategy spec for this worker (default: $CUPY_MEMSTRAT, else pool)")
+    async def dask_setup(worker, memstrat_strategy):
+        """Register :class:`MemstratPlugin` on this worker at start-up."""
+        spec = memstrat_strategy or os.environ.get(cupy_memstrat.api.ENV_VAR) or "pool"
+        await worker.plugin_add(MemstratPlugin(spec), name=PLUGIN_NAME, catch_errors=False)

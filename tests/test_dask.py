@@ -1,0 +1,198 @@
+"""cupy_memstrat.dask on a real distributed.LocalCluster (processes, two
+workers) whose workers run on the fake backend (CUPY_MEMSTRAT_BACKEND=fake):
+the plugin, per-task GPU memory, gathering, out of memory on a worker, the
+worker command line's --preload."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+distributed = pytest.importorskip("distributed", reason="distributed is not installed (pip install 'cupy-memstrat[dask]')")
+pytest.importorskip("cupy", reason="CuPy is not installed")
+
+import cupy_memstrat  # noqa: E402
+import cupy_memstrat.dask as cmd  # noqa: E402
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def client():
+    saved = {k: os.environ.get(k) for k in ("CUPY_MEMSTRAT_BACKEND", "CUPY_MEMSTRAT")}
+    os.environ["CUPY_MEMSTRAT_BACKEND"] = "fake:memory=1GiB"  # the workers inherit it
+    os.environ.pop("CUPY_MEMSTRAT", None)
+    try:
+        with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                                      silence_logs=50) as cluster, distributed.Client(cluster) as c:
+            yield c
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _make(n):
+    import cupy
+
+    x = cupy.empty(n, dtype=cupy.uint8)
+    y = cupy.empty(n // 2, dtype=cupy.uint8)  # the peak: n + n/2
+    del y
+    return int(x.nbytes)
+
+
+def _on_each_worker(c, fn, *args):
+    """One task per worker (pinned), results in worker order."""
+    return c.gather([c.submit(fn, *args, workers=[a], pure=False, allow_other_workers=False)
+                     for a in sorted(c.scheduler_info()["workers"])])
+
+
+def test_every_worker_runs_the_strategy_and_each_task_is_measured(client):
+    client.register_plugin(cmd.MemstratPlugin("device"))
+    st = cmd.stats(client)
+    assert len(st) == 2 and all(s.strategy == "device" and s.bytes_in_use == 0 for s in st.values())
+    assert client.gather([client.submit(_make, (i + 1) * MiB, pure=False) for i in range(6)]) == [
+        (i + 1) * MiB for i in range(6)]
+    peaks = cmd.task_peaks(client, 3)
+    assert [(p["prefix"], p["peak_bytes"], p["left_bytes"], p["overlapped"], p["state"]) for p in peaks] == [
+        ("make", 9 * MiB, 0, False, "memory"), ("make", 15 * MiB // 2, 0, False, "memory"),
+        ("make", 6 * MiB, 0, False, "memory")]
+    assert {p["worker"] for p in cmd.task_peaks(client, 6)} == set(st)
+    by_prefix = cmd.task_peaks(client, 10, by="prefix")
+    assert sum(p["tasks"] for p in by_prefix if p["prefix"] == "make") == 6
+    assert max(p["peak_bytes"] for p in by_prefix) == 9 * MiB
+
+
+def test_a_task_that_leaves_memory_behind_is_named(client):
+    client.register_plugin(cmd.MemstratPlugin("device"))
+
+    def leak(n):
+        import builtins
+
+        import cupy
+
+        builtins.__dict__.setdefault("_cupy_memstrat_test_keep", []).append(cupy.empty(n, dtype=cupy.uint8))
+        return n
+
+    client.submit(leak, 3 * MiB, pure=False, key="leaky-1").result()
+    (row,) = [r for r in cmd.task_peaks(client, 50) if r["key"] == "leaky-1"]
+    assert row["left_bytes"] == 3 * MiB and row["prefix"] == "leaky"
+    assert sum(s.bytes_in_use for s in cmd.stats(client).values()) == 3 * MiB
+
+
+def test_out_of_memory_on_a_worker_names_the_worker_and_the_task_and_the_worker_goes_on(client):
+    client.register_plugin(cmd.MemstratPlugin("device"))
+
+    def boom():
+        import cupy
+
+        cupy.empty(4 << 30, dtype=cupy.uint8)
+
+    f = client.submit(boom, pure=False, key="boom-1")
+    with pytest.raises(cupy_memstrat.OutOfMemoryError) as info:
+        f.result()
+    e = info.value
+    assert e.requested == 4 << 30 and e.strategy == "device" and e.stats is not None
+    assert "(Dask worker tcp://" in str(e) and "task 'boom-1'" in str(e)
+    (row,) = [r for r in cmd.task_peaks(client, 50) if r["key"] == "boom-1"]
+    assert row["state"] == "error"
+    assert client.submit(_make, MiB, pure=False).result() == MiB  # the next task allocates normally
+
+
+def test_registering_again_replaces_the_strategy_on_every_worker(client):
+    client.register_plugin(cmd.MemstratPlugin("device"))
+    client.register_plugin(cmd.MemstratPlugin("managed", prefetch="on_new"))
+    assert {s.strategy for s in cmd.stats(client).values()} == {"managed"}
+    assert _on_each_worker(client, _make, MiB) == [MiB, MiB]
+
+
+def test_a_bad_spec_is_refused_at_the_client_and_nothing_is_sent(client):
+    client.register_plugin(cmd.MemstratPlugin("device"))
+    for bad, exc, match in (("devcie", ValueError, "unknown strategy 'devcie' .did you mean 'device'"),
+                            ("async:release_threshold=lots", ValueError, "release_threshold"),
+                            (7, TypeError, "expected a name")):
+        with pytest.raises(exc, match=match):
+            cmd.MemstratPlugin(bad)
+    with pytest.raises(ValueError, match="max_keys: expected an int >= 1, got 0"):
+        cmd.MemstratPlugin("device", max_keys=0)
+    assert {s.strategy for s in cmd.stats(client).values()} == {"device"}  # the workers kept theirs
+
+
+def test_a_strategy_a_worker_cannot_install_is_reported_and_the_cluster_goes_on(client):
+    client.register_plugin(cmd.MemstratPlugin("device"))
+    with pytest.raises(ValueError, match="device 3 does not exist"):  # valid as a spec, refused on the workers
+        client.register_plugin(cmd.MemstratPlugin("managed", preferred_location=3))
+    # the workers keep serving, without a strategy (CuPy's allocator as before): register a good one
+    client.register_plugin(cmd.MemstratPlugin("device"))
+    assert client.submit(_make, MiB, pure=False).result() == MiB
+
+
+def test_stats_before_registering_says_what_to_do(client):
+    client.unregister_worker_plugin(cmd.PLUGIN_NAME)
+    with pytest.raises(RuntimeError, match=r"the MemstratPlugin is not registered on workers tcp://.*: call "
+                                           r"client.register_plugin\(MemstratPlugin\(SPEC\)\) first"):
+        cmd.stats(client)
+    client.register_plugin(cmd.MemstratPlugin("device"))
+    assert len(cmd.stats(client)) == 2
+    for bad, match in ((0, "n: expected an int >= 1, got 0"), (True, "n: expected an int >= 1")):
+        with pytest.raises(ValueError, match=match):
+            cmd.task_peaks(client, bad)
+    with pytest.raises(ValueError, match="by: expected 'key' or 'prefix', got 'task'"):
+        cmd.task_peaks(client, 5, by="task")
+
+
+def test_snapshot_writes_each_workers_memory_for_export(client, tmp_path):
+    client.register_plugin(cmd.MemstratPlugin("managed"))
+    paths = cmd.snapshot(client, str(tmp_path / "snaps"))
+    assert len(paths) == 2 and all(os.path.basename(p).startswith("worker-127.0.0.1-") for p in paths)
+    for p in paths:
+        doc = json.loads(open(p).read())
+        assert doc["kind"] == "memory-history" and doc["strategy"]["name"] == "managed"
+        r = subprocess.run([sys.executable, "-m", "cupy_memstrat", "export", p, "-o", p + ".pickle"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+
+
+def test_the_scheduler_gets_each_workers_gpu_bytes_in_its_heartbeats(client):
+    client.register_plugin(cmd.MemstratPlugin("device"))
+
+    def seen(dask_scheduler):
+        return {a: ws.metrics.get("cupy_memstrat") for a, ws in dask_scheduler.workers.items()}
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        got = client.run_on_scheduler(seen)
+        if all(m and m["strategy"] == "device" for m in got.values()):  # (the last heartbeat may be older)
+            break
+        time.sleep(0.2)
+    assert all(m["strategy"] == "device" and m["bytes_in_use"] >= 0 and "bytes_reserved" in m for m in got.values())
+
+
+def test_the_worker_command_line_preload_installs_the_strategy(tmp_path):
+    env = dict(os.environ, CUPY_MEMSTRAT_BACKEND="fake:memory=1GiB")
+    env.pop("CUPY_MEMSTRAT", None)
+    log = open(tmp_path / "worker.log", "w")
+    with distributed.LocalCluster(n_workers=0, processes=True, dashboard_address=":0", silence_logs=50) as cluster:
+        worker = subprocess.Popen([sys.executable, "-m", "dask", "worker", cluster.scheduler_address,
+                                   "--nthreads", "1", "--no-nanny", "--no-dashboard", "--preload", "cupy_memstrat.dask",
+                                   "--memstrat-strategy=async"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            with distributed.Client(cluster) as c:
+                c.wait_for_workers(1, timeout=60)
+                assert [s.strategy for s in cmd.stats(c).values()] == ["async"]
+
+                def make(n):  # defined here: sent by value (this worker cannot import the test module)
+                    import cupy
+
+                    return int(cupy.empty(n, dtype=cupy.uint8).nbytes)
+
+                assert c.submit(make, MiB, pure=False).result(timeout=60) == MiB
+        finally:
+            worker.terminate()
+            worker.wait(30)
+            log.close()
