@@ -23,12 +23,14 @@ worker's peak while it ran.
 from __future__ import annotations
 
 import collections
+import difflib
 import logging
+import operator
 import os
 import threading
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import cupy_memstrat
 
@@ -43,6 +45,9 @@ __all__ = ["MemstratPlugin", "TaskMemory", "stats", "task_peaks", "snapshot", "P
 
 #: the plugin's name on every worker: registering another MemstratPlugin replaces it
 PLUGIN_NAME = "cupy-memstrat"
+_OWN_OPTIONS = ("track_tasks", "max_keys")
+_MOST_KEYS = 10**7
+_active: dict[str, object] = {}  # worker address -> its plugin, in this process
 
 
 @dataclass(frozen=True)
@@ -91,17 +96,23 @@ class MemstratPlugin(WorkerPlugin):
     idempotent = False  # registered again: the new one replaces the old on every worker
 
     def __init__(self, spec: str = "pool", *, track_tasks: bool = True, max_keys: int = 10_000, **options):
-        cupy_memstrat.validate(spec, **options)  # refused here, at the client
+        _check_spec(spec, options)  # refused here, at the client
+        if type(track_tasks).__name__ in ("bool_", "bool") and type(track_tasks).__module__ == "numpy":
+            track_tasks = bool(track_tasks)
         if not isinstance(track_tasks, bool):
             raise TypeError(f"track_tasks: expected True or False, got {type(track_tasks).__name__} {track_tasks!r}")
-        if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
-            raise ValueError(f"max_keys: expected an int >= 1, got {max_keys!r}")
+        if isinstance(max_keys, bool) or not hasattr(max_keys, "__index__") or not 1 <= operator.index(max_keys) <= (
+                _MOST_KEYS):
+            raise ValueError(f"max_keys: expected an int from 1 to {_MOST_KEYS}, got {max_keys!r}")
+        max_keys = operator.index(max_keys)
         self.spec, self.options = spec, dict(options)
         self.track_tasks, self.max_keys = track_tasks, max_keys
         self._reset_runtime()
 
     def _reset_runtime(self):
         self.strategy = None
+        self.setup_error: str | None = None  # why this worker could not install the strategy
+        self._peaks: dict[int, tuple[int, int]] = {}  # device -> (in use, reserved): the worker's peaks
         self.worker_address = None
         self._previous = None
         self._lock = threading.Lock()
@@ -123,6 +134,12 @@ class MemstratPlugin(WorkerPlugin):
         import cupy
 
         self.worker_address = worker.address
+        others = [a for a, p in _active.items() if a != worker.address and p is not self]
+        if others:  # LocalCluster(processes=False): one CuPy allocator for several workers
+            self.setup_error = (f"workers {', '.join(sorted(others + [worker.address]))} share one process, and CuPy "
+                                "has one allocator per process: each would count the others' memory; run them in "
+                                "processes of their own (LocalCluster(processes=True), the default)")
+            raise RuntimeError(f"cupy_memstrat.dask: {self.setup_error}")
         self._previous = cupy.cuda.get_allocator()
         mod = getattr(self._previous, "__module__", "") or ""
         if mod.startswith("rmm"):  # dask-cuda's RMMSetup (rmm_allocator_external_lib_list) set it
@@ -131,13 +148,20 @@ class MemstratPlugin(WorkerPlugin):
                    "other libraries)")
             logging.getLogger("distributed.worker.cupy_memstrat").warning(msg)  # in client.get_worker_logs()
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
-        self.strategy = cupy_memstrat.use(self.spec, **self.options)
+        try:
+            self.strategy = cupy_memstrat.use(self.spec, **self.options)
+        except Exception as exc:
+            self.setup_error = f"{type(exc).__name__}: {exc}"
+            raise
         self.strategy.oom_context = self._oom_context
         worker.metrics["cupy_memstrat"] = self._metric
+        _active[worker.address] = self
 
     def teardown(self, worker) -> None:
         import cupy
 
+        if _active.get(worker.address) is self:
+            del _active[worker.address]
         s = self.strategy
         if s is None:
             return
@@ -157,10 +181,18 @@ class MemstratPlugin(WorkerPlugin):
         task = f", task {_key_text(key)!r}" if key is not None else ""
         return f" (Dask worker {self.worker_address}{task})"
 
+    def worker_stats(self, device: int | None = None):
+        """The strategy's Stats with the worker's own peaks (each task's start
+        resets the strategy's peak; the worker's highest is kept here)."""
+        st = self.strategy.stats(device)
+        in_use, reserved = self._peaks.get(st.device, (0, 0))
+        return replace(st, peak_bytes_in_use=max(in_use, st.peak_bytes_in_use),
+                       peak_bytes_reserved=max(reserved, st.peak_bytes_reserved))
+
     def _metric(self, worker) -> dict:
         """Each heartbeat: the worker's GPU bytes (``ws.metrics["cupy_memstrat"]`` on the scheduler)."""
         s = self.strategy
-        st = s.stats()
+        st = self.worker_stats()
         return {"strategy": s.name, "device": st.device, "bytes_in_use": st.bytes_in_use,
                 "bytes_reserved": st.bytes_reserved, "peak_bytes_in_use": st.peak_bytes_in_use,
                 "peak_bytes_reserved": st.peak_bytes_reserved}
@@ -175,14 +207,18 @@ class MemstratPlugin(WorkerPlugin):
                 if self._running:
                     self._overlapped.update(self._running)
                     self._overlapped.add(_key_text(key))
-                else:
-                    s.reset_peak(d)  # alone: the peak from here is this task's
+                else:  # alone: the peak from here is this task's; the worker's is kept first
+                    st = s.stats(d)
+                    in_use, reserved = self._peaks.get(d, (0, 0))
+                    self._peaks[d] = (max(in_use, st.peak_bytes_in_use), max(reserved, st.peak_bytes_reserved))
+                    s.reset_peak(d)
                 self._running[_key_text(key)] = (time.perf_counter(), d, s.stats(d).bytes_in_use)
-        elif start in ("executing", "long-running") and finish in ("memory", "error"):
+        elif start in ("executing", "long-running") and finish != "long-running":
             k = _key_text(key)
             with self._lock:
                 began = self._running.pop(k, None)
-                if began is None:
+                if began is None or finish not in ("memory", "error"):  # cancelled, rescheduled: no record
+                    self._overlapped.discard(k)
                     return
                 t0, d, before = began
                 st = self.strategy.stats(d)
@@ -207,8 +243,9 @@ class MemstratPlugin(WorkerPlugin):
     def records(self) -> dict:
         """This worker's records (picklable): ``stats``, ``tasks`` and ``prefixes``."""
         with self._lock:
-            return {"stats": self.strategy.stats() if self.strategy is not None else None,
+            return {"stats": self.worker_stats() if self.strategy is not None else None,
                     "strategy": self.strategy.name if self.strategy is not None else None,
+                    "error": self.setup_error,
                     "tasks": [asdict(r) for r in self._tasks.values()],
                     "prefixes": [dict(p) for p in self._prefixes.values()]}
 
@@ -229,13 +266,48 @@ def _records_on_worker(dask_worker=None):
     return plugin.records()
 
 
+def _check_spec(spec, options: dict) -> None:
+    """The spec and options as :func:`cupy_memstrat.validate` checks them,
+    at the client, but ``oom_snapshot``: a path on the workers' machines,
+    checked there."""
+    from .options import parse_spec
+
+    opts = {k: v for k, v in options.items() if k != "oom_snapshot"}
+    name, given = parse_spec(spec)  # (TypeError for a non-str spec)
+    given.pop("oom_snapshot", None)
+    for where in (options.get("oom_snapshot"), (parse_spec(spec)[1]).get("oom_snapshot")):
+        if where is not None and (not isinstance(where, (str, os.PathLike)) or not os.fspath(where).strip()):
+            raise ValueError(f"oom_snapshot: expected a file path (on the workers), got {where!r}")
+    _, config = cupy_memstrat.validate(name)
+    for k in opts:
+        if k not in config:
+            near = difflib.get_close_matches(k, list(config) + list(_OWN_OPTIONS), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(f"MemstratPlugin: unknown option {k!r}{hint}; its own: {', '.join(_OWN_OPTIONS)}; "
+                             f"strategy {name!r}'s: {', '.join(sorted(config))}")
+    cupy_memstrat.validate(name, **given, **opts)
+
+
 def _gather(client) -> dict:
-    got = client.run(_records_on_worker)
+    got = client.run(_records_on_worker, on_error="return")
+    gone = sorted(a for a, r in got.items() if isinstance(r, BaseException))
+    if gone:
+        raise RuntimeError(
+            f"cupy_memstrat.dask: cannot reach worker{'s' if len(gone) > 1 else ''} {', '.join(gone)} "
+            f"({type(got[gone[0]]).__name__}: one may have just died or be restarting); try again"
+        )
     missing = sorted(a for a, r in got.items() if r is None)
     if missing:
         raise RuntimeError(
             f"cupy_memstrat.dask: the MemstratPlugin is not registered on worker{'s' if len(missing) > 1 else ''} "
-            f"{', '.join(missing)}: call client.register_plugin(MemstratPlugin(SPEC)) first"
+            f"{', '.join(missing)}: call client.register_plugin(MemstratPlugin(SPEC)) first (a --preload that "
+            "failed says why in the worker's log)"
+        )
+    failed = sorted(a for a, r in got.items() if r["strategy"] is None)
+    if failed:
+        raise RuntimeError(
+            f"cupy_memstrat.dask: worker{'s' if len(failed) > 1 else ''} {', '.join(failed)} could not install the "
+            f"strategy ({got[failed[0]]['error']}); register a MemstratPlugin they can run"
         )
     return got
 
@@ -288,6 +360,8 @@ def snapshot(client, folder) -> list[str]:
 
     from .paths import write_file_atomically
 
+    if not isinstance(folder, (str, os.PathLike)) or isinstance(os.fspath(folder), bytes) or not os.fspath(folder):
+        raise ValueError(f"folder: expected a folder path (str or os.PathLike), got {folder!r}")
     _gather(client)
     docs = client.run(lambda: cupy_memstrat.snapshot())
     os.makedirs(folder, exist_ok=True)
@@ -314,5 +388,11 @@ if click is not None:
                   help="the cupy_memstrat strategy spec for this worker (default: $CUPY_MEMSTRAT, else pool)")
     async def dask_setup(worker, memstrat_strategy):
         """Register :class:`MemstratPlugin` on this worker at start-up."""
-        spec = memstrat_strategy or os.environ.get(cupy_memstrat.api.ENV_VAR) or "pool"
-        await worker.plugin_add(MemstratPlugin(spec), name=PLUGIN_NAME, catch_errors=False)
+        env = os.environ.get(cupy_memstrat.api.ENV_VAR, "")
+        spec = memstrat_strategy or env.strip() or "pool"
+        try:
+            plugin = MemstratPlugin(spec)
+        except (ValueError, TypeError) as exc:
+            where = "--memstrat-strategy" if memstrat_strategy else f"environment variable {cupy_memstrat.api.ENV_VAR}"
+            raise ValueError(f"cupy_memstrat.dask: {where}={spec!r}: {exc}") from None
+        await worker.plugin_add(plugin, name=PLUGIN_NAME, catch_errors=False)

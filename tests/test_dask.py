@@ -118,8 +118,14 @@ def test_a_bad_spec_is_refused_at_the_client_and_nothing_is_sent(client):
                             (7, TypeError, "expected a name")):
         with pytest.raises(exc, match=match):
             cmd.MemstratPlugin(bad)
-    with pytest.raises(ValueError, match="max_keys: expected an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="max_keys: expected an int from 1 to 10000000, got 0"):
         cmd.MemstratPlugin("device", max_keys=0)
+    with pytest.raises(ValueError, match=r"MemstratPlugin: unknown option 'max_key' \(did you mean 'max_keys'\?\); "
+                                         r"its own: track_tasks, max_keys; strategy 'pool''s: oom_snapshot, "
+                                         "track_origins"):
+        cmd.MemstratPlugin("pool", max_key=5)
+    # a path on the workers' machines: not checked against the client's file system
+    assert cmd.MemstratPlugin("pool", oom_snapshot="/no/such/folder/on/the/client/oom.json").spec == "pool"
     assert {s.strategy for s in cmd.stats(client).values()} == {"device"}  # the workers kept theirs
 
 
@@ -196,3 +202,70 @@ def test_the_worker_command_line_preload_installs_the_strategy(tmp_path):
             worker.terminate()
             worker.wait(30)
             log.close()
+
+
+def _pin(c):
+    return sorted(c.scheduler_info()["workers"])[0]
+
+
+def test_a_cancelled_task_does_not_spoil_the_next_records_and_the_worker_keeps_its_peak(client):
+    client.register_plugin(cmd.MemstratPlugin("device"))
+    a = _pin(client)
+
+    def slow(n):
+        import time as t
+
+        import cupy
+
+        x = cupy.empty(n, dtype=cupy.uint8)
+        t.sleep(3)
+        return int(x.nbytes)
+
+    f = client.submit(slow, MiB, key="slow-1", workers=[a], pure=False)
+    time.sleep(1)
+    f.cancel()
+    time.sleep(1)
+    client.submit(_make, 100 * MiB, key="big-1", workers=[a], pure=False).result()
+    client.submit(_make, MiB, key="small-1", workers=[a], pure=False).result()
+    rows = {r["key"]: r for r in cmd.task_peaks(client, 100) if r["worker"] == a}
+    assert "slow-1" not in rows
+    assert (rows["big-1"]["peak_bytes"], rows["big-1"]["overlapped"]) == (150 * MiB, False)
+    assert (rows["small-1"]["peak_bytes"], rows["small-1"]["overlapped"]) == (3 * MiB // 2, False)
+    time.sleep(2.5)  # the cancelled task ends; its array goes
+    assert cmd.stats(client)[a].peak_bytes_in_use >= 150 * MiB  # the worker's peak, not the last task's
+
+
+def test_a_worker_that_could_not_install_the_strategy_is_named(client):
+    with pytest.raises(ValueError, match="device 3 does not exist"):
+        client.register_plugin(cmd.MemstratPlugin("managed", preferred_location=3))
+    for fn in (cmd.stats, lambda c: cmd.task_peaks(c, 3), lambda c: cmd.snapshot(c, "/tmp/never")):
+        with pytest.raises(RuntimeError, match=r"workers tcp://.* could not install the strategy \(ValueError: "
+                                               r"managed: option preferred_location.*device 3 does not exist"):
+            fn(client)
+    client.register_plugin(cmd.MemstratPlugin("device"))
+    with pytest.raises(ValueError, match="folder: expected a folder path"):
+        cmd.snapshot(client, "")
+
+
+def test_workers_that_share_one_process_are_refused():
+    import cupy
+
+    prev = cupy.cuda.get_allocator()
+    saved = os.environ.get("CUPY_MEMSTRAT_BACKEND")
+    os.environ["CUPY_MEMSTRAT_BACKEND"] = "fake:memory=1GiB"
+    from cupy_memstrat import cuda as C
+
+    old_backend = C._backend
+    C._backend = None
+    try:
+        with distributed.LocalCluster(n_workers=2, processes=False, dashboard_address=":0", silence_logs=50) as cl, \
+                distributed.Client(cl) as c:
+            with pytest.raises(RuntimeError, match="share one process, and CuPy has one allocator per process"):
+                c.register_plugin(cmd.MemstratPlugin("device"))
+    finally:
+        cupy.cuda.set_allocator(prev)
+        C._backend = old_backend
+        if saved is None:
+            os.environ.pop("CUPY_MEMSTRAT_BACKEND", None)
+        else:
+            os.environ["CUPY_MEMSTRAT_BACKEND"] = saved
