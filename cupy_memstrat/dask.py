@@ -48,6 +48,10 @@ PLUGIN_NAME = "cupy-memstrat"
 _OWN_OPTIONS = ("track_tasks", "max_keys")
 _MOST_KEYS = 10**7
 _active: dict[str, object] = {}  # worker address -> its plugin, in this process
+# worker task states after which a task's thread no longer runs it (Worker State), but "released" from
+# executing: a cancel, reported as executing -> released while the thread goes on, until "cancelled -> ..."
+_THREAD_DONE = frozenset({"memory", "error", "released", "forgotten", "rescheduled", "waiting", "ready",
+                          "constrained", "fetch", "flight", "missing"})
 
 
 @dataclass(frozen=True)
@@ -101,8 +105,10 @@ class MemstratPlugin(WorkerPlugin):
             track_tasks = bool(track_tasks)
         if not isinstance(track_tasks, bool):
             raise TypeError(f"track_tasks: expected True or False, got {type(track_tasks).__name__} {track_tasks!r}")
-        if isinstance(max_keys, bool) or not hasattr(max_keys, "__index__") or not 1 <= operator.index(max_keys) <= (
-                _MOST_KEYS):
+        if isinstance(max_keys, bool) or not hasattr(max_keys, "__index__"):
+            raise TypeError(f"max_keys: expected an int from 1 to {_MOST_KEYS}, got {type(max_keys).__name__} "
+                            f"{max_keys!r}")
+        if not 1 <= operator.index(max_keys) <= _MOST_KEYS:
             raise ValueError(f"max_keys: expected an int from 1 to {_MOST_KEYS}, got {max_keys!r}")
         max_keys = operator.index(max_keys)
         self.spec, self.options = spec, dict(options)
@@ -118,6 +124,7 @@ class MemstratPlugin(WorkerPlugin):
         self._lock = threading.Lock()
         self._running: dict[str, tuple[float, int, int]] = {}  # key -> (start, device, in use at start)
         self._overlapped: set[str] = set()
+        self._cancelled: set[str] = set()  # cancelled while executing, their threads still running
         self._tasks: collections.OrderedDict = collections.OrderedDict()
         self._prefixes: dict[str, dict] = {}
 
@@ -134,9 +141,13 @@ class MemstratPlugin(WorkerPlugin):
         import cupy
 
         self.worker_address = worker.address
-        others = [a for a, p in _active.items() if a != worker.address and p is not self]
+        from distributed import Worker
+
+        others = {a for a, p in _active.items() if a != worker.address and p is not self}
+        others |= {w.address for w in list(Worker._instances) if w is not worker and w.address
+                   and getattr(w.status, "name", "") not in ("closed", "closing", "failed")}
         if others:  # LocalCluster(processes=False): one CuPy allocator for several workers
-            self.setup_error = (f"workers {', '.join(sorted(others + [worker.address]))} share one process, and CuPy "
+            self.setup_error = (f"workers {', '.join(sorted(others | {worker.address}))} share one process, and CuPy "
                                 "has one allocator per process: each would count the others' memory; run them in "
                                 "processes of their own (LocalCluster(processes=True), the default)")
             raise RuntimeError(f"cupy_memstrat.dask: {self.setup_error}")
@@ -213,9 +224,18 @@ class MemstratPlugin(WorkerPlugin):
                     self._peaks[d] = (max(in_use, st.peak_bytes_in_use), max(reserved, st.peak_bytes_reserved))
                     s.reset_peak(d)
                 self._running[_key_text(key)] = (time.perf_counter(), d, s.stats(d).bytes_in_use)
-        elif start in ("executing", "long-running") and finish != "long-running":
+        elif finish in _THREAD_DONE or start == "cancelled":
             k = _key_text(key)
             with self._lock:
+                if k in self._cancelled:  # its thread went on after the cancel: running until it reports
+                    if start == "cancelled":
+                        self._cancelled.discard(k)
+                        self._running.pop(k, None)
+                        self._overlapped.discard(k)
+                    return
+                if start in ("executing", "long-running") and finish == "released" and k in self._running:
+                    self._cancelled.add(k)  # cancelled while executing (Dask reports executing -> released)
+                    return
                 began = self._running.pop(k, None)
                 if began is None or finish not in ("memory", "error"):  # cancelled, rescheduled: no record
                     self._overlapped.discard(k)
@@ -279,12 +299,16 @@ def _check_spec(spec, options: dict) -> None:
         if where is not None and (not isinstance(where, (str, os.PathLike)) or not os.fspath(where).strip()):
             raise ValueError(f"oom_snapshot: expected a file path (on the workers), got {where!r}")
     _, config = cupy_memstrat.validate(name)
+    for k in given:
+        if k in _OWN_OPTIONS:
+            raise ValueError(f"MemstratPlugin: {k} is the plugin's own option, not the strategy's: pass it as "
+                             f"MemstratPlugin({name!r}, {k}=...), not in the spec")
     for k in opts:
         if k not in config:
             near = difflib.get_close_matches(k, list(config) + list(_OWN_OPTIONS), n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise ValueError(f"MemstratPlugin: unknown option {k!r}{hint}; its own: {', '.join(_OWN_OPTIONS)}; "
-                             f"strategy {name!r}'s: {', '.join(sorted(config))}")
+                             f"the options of strategy {name!r}: {', '.join(sorted(config))}")
     cupy_memstrat.validate(name, **given, **opts)
 
 
@@ -305,9 +329,10 @@ def _gather(client) -> dict:
         )
     failed = sorted(a for a, r in got.items() if r["strategy"] is None)
     if failed:
+        why = "; ".join(f"{a}: {got[a]['error']}" for a in failed)
         raise RuntimeError(
             f"cupy_memstrat.dask: worker{'s' if len(failed) > 1 else ''} {', '.join(failed)} could not install the "
-            f"strategy ({got[failed[0]]['error']}); register a MemstratPlugin they can run"
+            f"strategy ({why}); register a MemstratPlugin they can run"
         )
     return got
 
@@ -332,8 +357,9 @@ def task_peaks(client, n: int = 20, *, by: str = "key") -> list[dict]:
         ValueError: a bad ``n`` or ``by``.
         RuntimeError: a worker has no :class:`MemstratPlugin`.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if isinstance(n, bool) or not hasattr(n, "__index__") or operator.index(n) < 1:
         raise ValueError(f"n: expected an int >= 1, got {n!r}")
+    n = operator.index(n)
     if by not in ("key", "prefix"):
         raise ValueError(f"by: expected 'key' or 'prefix', got {by!r}")
     rows = []
@@ -363,7 +389,11 @@ def snapshot(client, folder) -> list[str]:
     if not isinstance(folder, (str, os.PathLike)) or isinstance(os.fspath(folder), bytes) or not os.fspath(folder):
         raise ValueError(f"folder: expected a folder path (str or os.PathLike), got {folder!r}")
     _gather(client)
-    docs = client.run(lambda: cupy_memstrat.snapshot())
+    docs = client.run(lambda: cupy_memstrat.snapshot(), on_error="return")
+    gone = sorted(a for a, d in docs.items() if isinstance(d, BaseException))
+    if gone:
+        raise RuntimeError(f"cupy_memstrat.dask: worker {gone[0]} failed its snapshot "
+                           f"({type(docs[gone[0]]).__name__}: {docs[gone[0]]}); nothing was written")
     os.makedirs(folder, exist_ok=True)
     paths = []
     for addr, doc in sorted(docs.items()):
@@ -395,4 +425,9 @@ if click is not None:
         except (ValueError, TypeError) as exc:
             where = "--memstrat-strategy" if memstrat_strategy else f"environment variable {cupy_memstrat.api.ENV_VAR}"
             raise ValueError(f"cupy_memstrat.dask: {where}={spec!r}: {exc}") from None
-        await worker.plugin_add(plugin, name=PLUGIN_NAME, catch_errors=False)
+        try:
+            await worker.plugin_add(plugin, name=PLUGIN_NAME, catch_errors=False)
+        except Exception as exc:  # a spec this worker cannot install: say where it came from
+            where = "--memstrat-strategy" if memstrat_strategy else f"environment variable {cupy_memstrat.api.ENV_VAR}"
+            raise RuntimeError(f"cupy_memstrat.dask: {where}={spec!r} cannot be installed here: "
+                               f"{type(exc).__name__}: {exc}") from None

@@ -121,7 +121,7 @@ def test_a_bad_spec_is_refused_at_the_client_and_nothing_is_sent(client):
     with pytest.raises(ValueError, match="max_keys: expected an int from 1 to 10000000, got 0"):
         cmd.MemstratPlugin("device", max_keys=0)
     with pytest.raises(ValueError, match=r"MemstratPlugin: unknown option 'max_key' \(did you mean 'max_keys'\?\); "
-                                         r"its own: track_tasks, max_keys; strategy 'pool''s: oom_snapshot, "
+                                         r"its own: track_tasks, max_keys; the options of strategy 'pool': oom_snapshot, "
                                          "track_origins"):
         cmd.MemstratPlugin("pool", max_key=5)
     # a path on the workers' machines: not checked against the client's file system
@@ -239,8 +239,9 @@ def test_a_worker_that_could_not_install_the_strategy_is_named(client):
     with pytest.raises(ValueError, match="device 3 does not exist"):
         client.register_plugin(cmd.MemstratPlugin("managed", preferred_location=3))
     for fn in (cmd.stats, lambda c: cmd.task_peaks(c, 3), lambda c: cmd.snapshot(c, "/tmp/never")):
-        with pytest.raises(RuntimeError, match=r"workers tcp://.* could not install the strategy \(ValueError: "
-                                               r"managed: option preferred_location.*device 3 does not exist"):
+        with pytest.raises(RuntimeError, match=r"workers tcp://.* could not install the strategy \(tcp://[^:]*:\d+: "
+                                               r"ValueError: managed: option preferred_location.*device 3 does not "
+                                               r"exist"):
             fn(client)
     client.register_plugin(cmd.MemstratPlugin("device"))
     with pytest.raises(ValueError, match="folder: expected a folder path"):
@@ -262,9 +263,45 @@ def test_workers_that_share_one_process_are_refused():
                 distributed.Client(cl) as c:
             with pytest.raises(RuntimeError, match="share one process, and CuPy has one allocator per process"):
                 c.register_plugin(cmd.MemstratPlugin("device"))
+            assert cupy.cuda.get_allocator() == prev  # no worker took over this process's allocator
     finally:
         cupy.cuda.set_allocator(prev)
         C._backend = old_backend
+        if saved is None:
+            os.environ.pop("CUPY_MEMSTRAT_BACKEND", None)
+        else:
+            os.environ["CUPY_MEMSTRAT_BACKEND"] = saved
+
+
+def test_a_task_cancelled_while_its_thread_runs_on_counts_as_running(tmp_path):
+    saved = os.environ.get("CUPY_MEMSTRAT_BACKEND")
+    os.environ["CUPY_MEMSTRAT_BACKEND"] = "fake:memory=1GiB"
+    try:
+        with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address=":0",
+                                      silence_logs=50) as cl, distributed.Client(cl) as c:
+            c.register_plugin(cmd.MemstratPlugin("device"))
+
+            def grow():
+                import time as t
+
+                import cupy
+
+                t.sleep(1.5)
+                x = cupy.empty(100 << 20, dtype=cupy.uint8)  # after the cancel: its thread goes on
+                t.sleep(0.5)
+                return int(x.nbytes)
+
+            f = c.submit(grow, key="grow-1", pure=False)
+            time.sleep(0.5)
+            f.cancel()
+            c.submit(_make, MiB, key="small-1", pure=False).result()
+            (row,) = [r for r in cmd.task_peaks(c, 10) if r["key"] == "small-1"]
+            assert row["overlapped"] is True  # its peak may be the cancelled task's: it says so
+            time.sleep(2)
+            c.submit(_make, MiB, key="small-2", pure=False).result()
+            (row,) = [r for r in cmd.task_peaks(c, 10) if r["key"] == "small-2"]
+            assert (row["overlapped"], row["peak_bytes"]) == (False, 3 * MiB // 2)
+    finally:
         if saved is None:
             os.environ.pop("CUPY_MEMSTRAT_BACKEND", None)
         else:
