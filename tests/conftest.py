@@ -59,3 +59,43 @@ def restore_cupy_allocator():
     prev = cupy.cuda.get_allocator()
     yield cupy
     cupy.cuda.set_allocator(prev)
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch, hot_path):
+    """CuPy on a process-wide 1 GiB fake backend: no recording or CUPY_MEMSTRAT_OOM_SNAPSHOT
+    left over; afterwards a recording in progress is stopped and CuPy's allocator put back."""
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    from cupy_memstrat import cuda as C
+    from cupy_memstrat import history
+
+    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
+    monkeypatch.delenv("CUPY_MEMSTRAT_OOM_SNAPSHOT", raising=False)
+    monkeypatch.setattr(C, "_backend", None)
+    monkeypatch.setattr(history, "_active", None)
+    monkeypatch.setattr(history, "_last", None)
+    prev = cupy.cuda.get_allocator()
+    yield monkeypatch
+    if history._active is not None:
+        history.record_history(False)
+    cupy.cuda.set_allocator(prev)
+
+
+@pytest.fixture
+def fake_env(monkeypatch):
+    """An inner pytest session on a simulated 1 GiB device: nothing of the outer
+    environment's GPUMEM_* settings leaks in; the process's backend and CuPy
+    allocator are put back afterwards."""
+    import os
+
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    from cupy_memstrat import cuda as C
+
+    for k in list(os.environ):
+        if k.startswith("GPUMEM"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
+    monkeypatch.setattr(C, "_backend", None)
+    prev = cupy.cuda.get_allocator()
+    yield monkeypatch
+    cupy.cuda.set_allocator(prev)

@@ -5,24 +5,11 @@ import json
 import pytest
 
 import cupy_memstrat
-import cupy_memstrat.cuda as C
-from cupy_memstrat import history
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 MiB = 1 << 20
 
 
-@pytest.fixture
-def fake_cupy(monkeypatch, hot_path):
-    """A process-wide fake backend, no recording left over, CuPy's allocator put back."""
-    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
-    monkeypatch.setattr(C, "_backend", None)
-    monkeypatch.setattr(history, "_active", None)
-    monkeypatch.setattr(history, "_last", None)
-    prev = cupy.cuda.get_allocator()
-    yield monkeypatch
-    history._active = None
-    cupy.cuda.set_allocator(prev)
 
 
 def _alloc(n):

@@ -12,8 +12,6 @@ import sys
 import pytest
 
 import cupy_memstrat
-import cupy_memstrat.cuda as C
-from cupy_memstrat import history
 from cupy_memstrat.memory_viz import to_torch
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
@@ -22,17 +20,6 @@ ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segmen
 STATES = {"active_allocated", "inactive"}
 
 
-@pytest.fixture
-def fake_cupy(monkeypatch, hot_path):
-    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
-    monkeypatch.setattr(C, "_backend", None)
-    monkeypatch.setattr(history, "_active", None)
-    monkeypatch.setattr(history, "_last", None)
-    prev = cupy.cuda.get_allocator()
-    yield monkeypatch
-    if history._active is not None:
-        cupy_memstrat.record_history(False)
-    cupy.cuda.set_allocator(prev)
 
 
 def _alloc(n):

@@ -9,7 +9,6 @@ import pytest
 
 import cupy_memstrat
 import cupy_memstrat.cuda as C
-from cupy_memstrat import history
 from cupy_memstrat.memory_viz import to_torch
 from cupy_memstrat.testing import FakeBackend
 
@@ -18,18 +17,6 @@ MiB = 1 << 20
 NAMES = ["device", "managed", "async", "pool"]
 
 
-@pytest.fixture
-def fake_cupy(monkeypatch, hot_path):
-    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
-    monkeypatch.delenv("CUPY_MEMSTRAT_OOM_SNAPSHOT", raising=False)
-    monkeypatch.setattr(C, "_backend", None)
-    monkeypatch.setattr(history, "_active", None)
-    monkeypatch.setattr(history, "_last", None)
-    prev = cupy.cuda.get_allocator()
-    yield monkeypatch
-    if history._active is not None:
-        cupy_memstrat.record_history(False)
-    cupy.cuda.set_allocator(prev)
 
 
 def _alloc(n):

@@ -3,11 +3,9 @@ against the --gpumem-json report of an earlier run, with pytester on the
 fake backend (1 GiB, or two devices)."""
 
 import json
-import os
 
 import pytest
 
-import cupy_memstrat.cuda as C
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 
@@ -36,16 +34,6 @@ def test_two_devices():
 """
 
 
-@pytest.fixture
-def env(monkeypatch):
-    for k in list(os.environ):
-        if k.startswith("GPUMEM"):
-            monkeypatch.delenv(k)
-    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
-    monkeypatch.setattr(C, "_backend", None)
-    prev = cupy.cuda.get_allocator()
-    yield monkeypatch
-    cupy.cuda.set_allocator(prev)
 
 
 def _write(pytester, size="4 * MiB", leak="0", extra=""):
@@ -64,7 +52,7 @@ def _baseline(pytester, tmp_path, **kw):
     return tmp_path / "base.json"
 
 
-def test_a_peak_that_grew_more_than_allowed_fails_and_names_both_numbers(pytester, env, tmp_path):
+def test_a_peak_that_grew_more_than_allowed_fails_and_names_both_numbers(pytester, fake_env, tmp_path):
     base = _baseline(pytester, tmp_path)
     _write(pytester, size="5 * MiB")  # 25% more
     r = _run(pytester, f"--gpumem-compare={base}", "--gpumem-max-growth=10%", f"--gpumem-json={tmp_path / 'r.json'}")
@@ -93,7 +81,7 @@ def test_the_growth_is_compared_exactly_at_the_limit():
     assert all(not parse_growth(f"{p}%").exceeded(100 * (100 + p), 100 * 100) for p in range(0, 300))
 
 
-def test_a_size_of_growth_is_bytes_on_top_of_the_baseline(pytester, env, tmp_path):
+def test_a_size_of_growth_is_bytes_on_top_of_the_baseline(pytester, fake_env, tmp_path):
     base = _baseline(pytester, tmp_path)
     _write(pytester, size="5 * MiB")
     _run(pytester, f"--gpumem-compare={base}", "--gpumem-max-growth=1MiB").assert_outcomes(passed=3)
@@ -101,7 +89,7 @@ def test_a_size_of_growth_is_bytes_on_top_of_the_baseline(pytester, env, tmp_pat
     r.assert_outcomes(passed=2, failed=1)
 
 
-def test_a_leak_that_grew_fails(pytester, env, tmp_path):
+def test_a_leak_that_grew_fails(pytester, fake_env, tmp_path):
     base = _baseline(pytester, tmp_path)
     _write(pytester, leak="MiB")  # the baseline leaked nothing
     r = _run(pytester, f"--gpumem-compare={base}", "--gpumem-leaks=warn", "-W", "ignore::pytest.PytestWarning")
@@ -109,7 +97,7 @@ def test_a_leak_that_grew_fails(pytester, env, tmp_path):
     r.stdout.fnmatch_lines([f"*leak 1.0 MiB grew by 1.0 MiB (from nothing) over the baseline's 0 B (0 B; {base})*"])
 
 
-def test_new_and_removed_tests_are_listed_not_failed(pytester, env, tmp_path):
+def test_new_and_removed_tests_are_listed_not_failed(pytester, fake_env, tmp_path):
     base = _baseline(pytester, tmp_path)
     _write(pytester, extra="def test_new():\n    x = alloc(100 * MiB)\n")
     r = _run(pytester, f"--gpumem-compare={base}", "-k", "not leak")
@@ -119,8 +107,8 @@ def test_new_and_removed_tests_are_listed_not_failed(pytester, env, tmp_path):
                             "gpumem: 1 test of the baseline did not run: test_mem.py::test_leak"])
 
 
-def test_each_device_is_compared_with_its_own_peak(pytester, env, tmp_path):
-    env.setenv("CUPY_MEMSTRAT_BACKEND", "fake:devices=2,memory=1GiB")
+def test_each_device_is_compared_with_its_own_peak(pytester, fake_env, tmp_path):
+    fake_env.setenv("CUPY_MEMSTRAT_BACKEND", "fake:devices=2,memory=1GiB")
     base = _baseline(pytester, tmp_path)
     _write(pytester, size="8 * MiB")  # device 0's peak of test_two_devices stays 1 MiB, device 1's doubles
     r = _run(pytester, f"--gpumem-compare={base}", "--gpumem-max-growth=50%", "-k", "two_devices")
@@ -128,7 +116,7 @@ def test_each_device_is_compared_with_its_own_peak(pytester, env, tmp_path):
     r.stdout.fnmatch_lines(["*peak 8.0 MiB on device 1 grew by 100.00% (4,194,304 B) over the baseline's 4.0 MiB*"])
 
 
-def test_under_xdist_the_workers_compare_and_the_controller_lists(pytester, env, tmp_path):
+def test_under_xdist_the_workers_compare_and_the_controller_lists(pytester, fake_env, tmp_path):
     pytest.importorskip("xdist")
     base = _baseline(pytester, tmp_path)
     _write(pytester, size="5 * MiB", extra="def test_new():\n    pass\n")
@@ -137,10 +125,10 @@ def test_under_xdist_the_workers_compare_and_the_controller_lists(pytester, env,
     r.stdout.fnmatch_lines(["*peak 5.0 MiB grew by 25.00%*", "*1 test not in the baseline, or not measured there*"])
 
 
-def test_the_settings_come_from_the_environment_and_the_ini_file(pytester, env, tmp_path):
+def test_the_settings_come_from_the_environment_and_the_ini_file(pytester, fake_env, tmp_path):
     base = _baseline(pytester, tmp_path)
     _write(pytester, size="5 * MiB")
-    env.setenv("GPUMEM_COMPARE", str(base))
+    fake_env.setenv("GPUMEM_COMPARE", str(base))
     pytester.makeini("[pytest]\ngpumem_max_growth = 20%\n")
     r = _run(pytester)
     r.assert_outcomes(passed=2, failed=1)
@@ -175,7 +163,7 @@ def test_the_settings_come_from_the_environment_and_the_ini_file(pytester, env, 
                                         "compare with: give --gpumem-compare=BASELINE.json*"),
     ("\x80\x04 binary", ["--gpumem-compare={f}"], "*is not a text file, so not a --gpumem-json report"),
 ])
-def test_bad_settings_are_usage_errors_before_any_test_runs(pytester, env, tmp_path, content, args, match):
+def test_bad_settings_are_usage_errors_before_any_test_runs(pytester, fake_env, tmp_path, content, args, match):
     f = tmp_path / "b.json"
     if content is not None:
         f.write_bytes(content.encode("latin-1"))

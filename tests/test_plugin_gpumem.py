@@ -24,19 +24,6 @@ def alloc(n):
 """
 
 
-@pytest.fixture
-def fake_env(monkeypatch):
-    """The inner session runs on a simulated 1 GiB device; nothing of the
-    outer environment's GPUMEM_* settings leaks in; the process's backend
-    and CuPy allocator are put back afterwards."""
-    for k in list(os.environ):
-        if k.startswith("GPUMEM"):
-            monkeypatch.delenv(k)
-    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
-    monkeypatch.setattr(C, "_backend", None)
-    prev = cupy.cuda.get_allocator()
-    yield monkeypatch
-    cupy.cuda.set_allocator(prev)
 
 
 def run(pytester, *args):
