@@ -565,7 +565,7 @@ arena_pop(Accounting *self, Py_ssize_t d, PyObject *key, intptr_t h, PyObject *s
         int have = arena_lists(self, d, key, &small, &large);
         if (have <= 0)
             return NULL;
-        if (h != 2 && key == self->last_key) {  /* cache it: arenas are never removed */
+        if (h != 2 && key == self->last_key) {  /* cache it (forget() drops it when an arena leaves) */
             PyObject *per_device = PyList_GET_ITEM(self->arenas, d);
             PyObject *arena = PyDict_GetItemWithError(per_device, key);
             if (arena != NULL) {
@@ -1311,6 +1311,12 @@ Accounting_forget(Accounting *self, PyObject *Py_UNUSED(ignored))
 {
     Py_CLEAR(self->last_owner);
     self->last_base = 0;
+    /* and the last stream's arena: a destroyed stream's arena leaves the
+     * tables, and CUDA may give its handle to a new stream at once */
+    self->last_h = -1;
+    self->last_d = -1;
+    Py_CLEAR(self->last_key);
+    Py_CLEAR(self->last_arena);
     Py_RETURN_NONE;
 }
 
@@ -1348,7 +1354,8 @@ static PyMethodDef Accounting_methods[] = {
      "give_back(ptr, size, device, stacklevel=1): ordered mode: return a block whose accounting is done "
      "to its stream's pool (or the cache)."},
     {"forget", (PyCFunction)Accounting_forget, METH_NOARGS,
-     "forget(): drop the cached owner of the last freed block's chunk (call when a chunk goes back to CUDA)."},
+     "forget(): drop the cached owner of the last freed block's chunk and the last stream's arena (call when a "
+     "chunk goes back to CUDA or an arena leaves the tables)."},
     {"malloc", (PyCFunction)(void (*)(void))Accounting_malloc, METH_FASTCALL,
      "malloc(size, device) -> ptr: allocate size bytes (> 0) on device, the current device."},
     {"free", (PyCFunction)(void (*)(void))Accounting_free, METH_FASTCALL,

@@ -27,8 +27,14 @@ Streams (CuPy's current stream, per thread and device):
 * :meth:`FakeBackend.stream` makes a stream; ``with s:`` makes it current;
   ``s.destroy()`` (or the stream object dying, as CuPy's ``Stream`` does)
   destroys its handle. Each device has a null stream (handle 0).
-* Work on a destroyed handle fails with ``cudaErrorInvalidResourceHandle``
-  (real CUDA gives undefined behaviour: the fake makes it visible).
+* The next new stream of that device gets a destroyed stream's handle back
+  (latest destroyed first), even while the destroyed stream's work is still
+  queued, and is not ordered after that work (measured on the H200; CUDA does
+  not always reuse, the fake always does). :meth:`FakeBackend.busy_destroyed_streams`
+  counts destroyed streams whose work is not done.
+* Work on a destroyed handle not yet given back fails with
+  ``cudaErrorInvalidResourceHandle`` (real CUDA gives undefined behaviour: the
+  fake makes it visible).
 
 Stream-ordered pools (``cudaMallocFromPoolAsync`` path, docs/async.md):
 
@@ -138,15 +144,19 @@ class FakeStream:
         self.device_id = device
         self.ptr = ptr
         self.non_blocking = non_blocking
+        self._destroyed = False
 
     @property
     def destroyed(self) -> bool:
-        return self.ptr in self._backend._destroyed_streams
+        return self._destroyed
 
     def destroy(self) -> None:
         """``cudaStreamDestroy`` (the default streams, handles 0-2, cannot be destroyed)."""
-        if self.ptr > 2:
-            self._backend._destroyed_streams.add(self.ptr)
+        b = self._backend
+        if self.ptr > 2 and self.ptr not in b._destroyed_streams and not self._destroyed:
+            self._destroyed = True
+            b._destroyed_streams.add(self.ptr)
+            b._destroyed_order.append(self.ptr)
 
     def synchronize(self) -> None:
         self._backend.stream_synchronize(self.ptr)
@@ -253,6 +263,8 @@ class FakeBackend:
         self.per_thread_default_stream = bool(per_thread_default_stream)
         self._ptds = [FakeStream(self, d, _cuda.STREAM_PER_THREAD) for d in range(devices)]
         self._destroyed_streams: set[int] = set()
+        self._destroyed_order: list[int] = []  # handles a new stream may get back (see stream())
+        self._n_ghosts = 0
         self._stream_device: dict[int, int] = {}
         self._next_handle = 0x1000
         self._pools: dict[int, _FakePool] = {}
@@ -393,10 +405,46 @@ class FakeBackend:
         if not 0 <= device < len(self._capacity):
             self._fail(_cuda.ERROR_INVALID_DEVICE)
         with self._lock:
-            self._next_handle += 0x100
-            self._stream_device[self._next_handle] = device
-            self._stream_flags[self._next_handle] = 1 if non_blocking else 0
-            return FakeStream(self, device, self._next_handle, non_blocking)
+            handle = self._reusable_handle(device)
+            if not handle:
+                self._next_handle += 0x100
+                handle = self._next_handle
+            self._stream_device[handle] = device
+            self._stream_flags[handle] = 1 if non_blocking else 0
+            return FakeStream(self, device, handle, non_blocking)
+
+    def _reusable_handle(self, device: int) -> int:
+        # CUDA may give a new stream the handle of a destroyed one at once,
+        # while the destroyed stream's queued work still runs, and the new
+        # stream's work is not ordered after it (measured on the H200:
+        # tools/probes/dead_stream_trace.py). The fake always does so, latest
+        # destroyed first; the old work stays queued under a key of its own
+        # until a synchronisation or finish() completes it.
+        for handle in reversed(self._destroyed_order):
+            if self._stream_device.get(handle) == device:
+                self._destroyed_order.remove(handle)
+                self._destroyed_streams.discard(handle)
+                left = self._submitted.pop(handle, 0) - self._completed.pop(handle, 0)
+                if left > 0:
+                    self._n_ghosts += 1
+                    self._submitted[(device, "destroyed", self._n_ghosts)] = left
+                return handle
+        return 0
+
+    def busy_destroyed_streams(self, device: int | None = None) -> int:
+        """How many destroyed streams still have queued work (their handles
+        given to new streams or not): a block of theirs handed to another
+        stream now could still be written by that work."""
+        with self._lock:
+            n = 0
+            for key, sub in self._submitted.items():
+                if self._completed.get(key, 0) >= sub:
+                    continue
+                if isinstance(key, tuple):
+                    n += len(key) == 3 and key[1] == "destroyed" and (device is None or key[0] == device)
+                elif key in self._destroyed_streams and (device is None or self._stream_device.get(key) == device):
+                    n += 1
+            return n
 
     # -- work on streams (the checking layer) ------------------------------------
     # A stream's queue is a count of items submitted and completed; nothing

@@ -91,6 +91,35 @@ def test_managed_hands_a_destroyed_streams_chunks_to_a_new_stream_after_one_sync
     assert s.trim() == 6 * MiB and s.managed_stats(0).reserved_bytes == 0
 
 
+@pytest.mark.parametrize("size", [4096, 4 * MiB])
+def test_managed_gives_a_new_stream_with_a_destroyed_streams_handle_none_of_its_blocks_unsynchronised(fake, size):
+    """The dead-stream pattern: CUDA may give a new stream the handle of a
+    destroyed one while the destroyed one's kernel still runs, and the new
+    stream's work is not ordered after it (measured on the H200; the fake
+    always gives the handle back). An arena found by handle would hand B the
+    block A's kernel still writes: the arena leaves with its stream."""
+    s = cupy_memstrat.create("managed", backend=fake)
+    for _ in range(3):
+        A = fake.stream(non_blocking=True)
+        p = _alloc_on(s, A, size)
+        fake.launch(A)  # a long kernel writing p
+        with A:
+            s.raw_free(p)
+        a = A.ptr
+        del A
+        gc.collect()
+        B = fake.stream(non_blocking=True)
+        assert B.ptr == a and fake.busy_destroyed_streams() == 1
+        q = _alloc_on(s, B, size)
+        assert q != p or fake.busy_destroyed_streams() == 0  # A's block only once A's kernel is done
+        fake.device_synchronize(0)
+        with B:
+            s.raw_free(q)
+        del B
+        gc.collect()
+    assert s.stats(0).bytes_in_use == 0 and s.managed_stats(0).reserved_bytes <= 2 * max(size, 2 * MiB)
+
+
 def test_managed_keeps_a_live_streams_cache_and_synchronises_nothing(fake):
     s = cupy_memstrat.create("managed", backend=fake)
     A, B = fake.stream(non_blocking=True), fake.stream(non_blocking=True)
@@ -114,15 +143,39 @@ def test_managed_takes_a_dead_streams_partly_used_chunk_back_once_its_last_block
     syncs = fake.n_device_synchronize_calls
     first = _alloc_on(s, B, 4096)  # A's chunk holds a live block: not B's, a new chunk
     assert first & -(2 * MiB) != keep & -(2 * MiB) and fake.n_malloc_calls == 2
-    assert fake.n_device_synchronize_calls == syncs + 1
-    _alloc_on(s, B, 100_000)  # nothing was freed into A's arena since: no synchronisation
-    assert fake.n_device_synchronize_calls == syncs + 1 and fake.n_malloc_calls == 3
+    assert fake.n_device_synchronize_calls == syncs  # nothing to take back: nothing to wait for
+    _alloc_on(s, B, 100_000)
+    assert fake.n_device_synchronize_calls == syncs and fake.n_malloc_calls == 3
     s.raw_free(keep)  # the collector frees the last one, long after A died
     got = _alloc_on(s, B, 300_000)  # a miss: A's chunk, now wholly free, is taken back
     assert got & -(2 * MiB) == keep & -(2 * MiB) and fake.n_malloc_calls == 3
-    assert fake.n_device_synchronize_calls == syncs + 2 and s.managed_stats(0).n_reclaims == 2
+    assert fake.n_device_synchronize_calls == syncs + 1 and s.managed_stats(0).n_reclaims == 1
     _alloc_on(s, B, 600_000)
-    assert fake.n_device_synchronize_calls == syncs + 2  # A's arena is forgotten: nothing to wait for
+    assert fake.n_device_synchronize_calls == syncs + 1  # A's arena is forgotten: nothing to wait for
+
+
+def test_managed_takes_back_a_dead_streams_wholly_free_chunk_and_leaves_its_partly_used_one(fake):
+    s = cupy_memstrat.create("managed", backend=fake)
+    A = fake.stream(non_blocking=True)
+    blocks = [_alloc_on(s, A, 4096) for _ in range(600)]  # two chunks of the 4 KiB class: 512 + 88
+    first, second = {p & -(2 * MiB) for p in blocks[:512]}, {p & -(2 * MiB) for p in blocks[512:]}
+    assert len(first) == len(second) == 1 and first != second
+    keep = blocks.pop()  # in the second chunk
+    with A:
+        for p in blocks:
+            s.raw_free(p)
+    del A
+    gc.collect()
+    B = fake.stream(non_blocking=True)
+    syncs = fake.n_device_synchronize_calls
+    got = _alloc_on(s, B, 4096)
+    assert got & -(2 * MiB) in first and fake.n_malloc_calls == 2  # the wholly free chunk, no new one
+    assert fake.n_device_synchronize_calls == syncs + 1 and s.managed_stats(0).reclaimed_bytes == 2 * MiB
+    s.raw_free(keep)  # the second chunk's last block
+    more = [_alloc_on(s, B, 4096) for _ in range(512)]  # B's chunk is full after 511 more: a miss
+    assert {p & -(2 * MiB) for p in more} == first | second and fake.n_malloc_calls == 2
+    assert s.managed_stats(0).reclaimed_bytes == 4 * MiB and fake.n_device_synchronize_calls == syncs + 2
+    assert len(set(more) | {got}) == 513  # no block handed out twice
 
 
 def test_managed_memory_stays_bounded_when_every_run_makes_new_streams(fake):

@@ -43,6 +43,12 @@
 #                                         the managed export), then tools/probes/managed_reclaim.py and
 #                                         tools/probes/origins_cost.py (JSON into $OUT): what the
 #                                         destroyed-stream reclaim (issue 15) and issue 21 need on the GPU
+#   tools/device_run.sh session           pending, plus tools/probes/async_multistream.py and bench streams,
+#                                         managed and workloads; the JSON as session_json.tgz, the viewer
+#                                         pages as viz.tgz
+#   tools/device_run.sh call2             tools/probes/dead_stream_trace.py, tests/gpu, tools/probes/dask_gpu.py
+#                                         (carry .whl: dask, distributed, dask-cuda), the reclaim probe, bench
+#                                         streams and workloads; the JSON and figure as call2_json.tgz
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -155,6 +161,44 @@ if [ "$part" = pending ]; then
   python3 tools/probes/managed_reclaim.py "$OUT/managed-reclaim.json"
   step "probe: what track_origins costs"
   python3 tools/probes/origins_cost.py "$OUT/origins-cost.json"
+fi
+
+if [ "$part" = session ]; then
+  # pending + bench streams, managed, workloads + the async multi-stream probe; the JSON in one tgz
+  J=/tmp/session_json; mkdir -p $J /tmp/viz
+  python3 -m cupy_memstrat info --json > "$J/info.json"; python3 -m cupy_memstrat info | head -20
+  GPUMEM_VIZ_OUT=/tmp/viz gpu_tests
+  tar -czf "$OUT/viz.tgz" -C /tmp viz
+  step "probe: destroyed streams' chunks under managed"
+  python3 tools/probes/managed_reclaim.py "$J/managed-reclaim.json"
+  step "probe: async on the multi-stream pipeline"
+  python3 tools/probes/async_multistream.py "$J/async-multistream.json"
+  step "probe: what track_origins costs"
+  python3 tools/probes/origins_cost.py "$J/origins-cost.json"
+  for g in streams managed workloads; do
+    step "bench $g"
+    python3 -m cupy_memstrat bench $g --json "$J/bench-$g.json"
+  done
+  tar -czf "$OUT/session_json.tgz" -C /tmp session_json
+fi
+
+if [ "$part" = call2 ]; then
+  # the dead-stream trace, tests/gpu, Dask on the GPU (wheels in .whl), the reclaim probe,
+  # bench streams and workloads; the JSON in one tgz
+  J=/tmp/call2_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"; python3 -m cupy_memstrat info | head -20
+  step "probe: the dead-stream pattern, round by round"
+  timeout 120 python3 tools/probes/dead_stream_trace.py "$J/dead-stream-trace.json" | tail -40
+  gpu_tests
+  step "probe: Dask on the GPU (LocalCUDACluster)"
+  timeout 200 python3 tools/probes/dask_gpu.py "$J" --rounds 5
+  step "probe: destroyed streams' chunks under managed"
+  timeout 120 python3 tools/probes/managed_reclaim.py "$J/managed-reclaim.json"
+  for g in streams workloads; do
+    step "bench $g"
+    python3 -m cupy_memstrat bench $g --json "$J/bench-$g.json"
+  done
+  tar -czf "$OUT/call2_json.tgz" -C /tmp call2_json
 fi
 
 if [ "$part" = safety ]; then

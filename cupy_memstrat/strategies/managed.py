@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import collections
 import gc
 import operator
 import threading
@@ -294,15 +295,23 @@ class ManagedStrategy(Strategy):
         self._arenas: list[dict[int, tuple[list, dict]]] = [{} for _ in range(n)]
         self._owner: dict[int, tuple[list, dict]] = {}
         # Destroyed streams' arenas (see _reclaim): a weak reference to the
-        # cupy.cuda.Stream behind each stream key (handles > 2), whose callback
-        # queues (device, key, ref) on _died; _dead[d][key] = the arena's free
-        # bytes at its last reclaim (-1: none yet). Chunks taken back wait,
-        # owned by no arena, in _spare_small[d] (whole shared chunks, any
-        # class) and _spare_large[d] (run bytes -> runs) for any stream.
+        # cupy.cuda.Stream behind each stream key (handles > 2). Its callback,
+        # which runs before CUDA can give the handle to a new stream, takes the
+        # arena out of _lists/_arenas at once: CUDA may give a new stream the
+        # dead one's handle while the dead one's work still runs, and the new
+        # stream's work is not ordered after it (measured on the H200,
+        # docs/streams.md), so no stream may find the arena by that handle any
+        # more. It queues (device, lists, arena) on _died; _reclaim moves them
+        # to _dead[d][id(lists)] = [lists, arena, free bytes at the last
+        # reclaim (-1: none yet)]. Frees of the dead stream's live blocks still
+        # go to its arena (_owner). Chunks taken back wait, owned by no arena,
+        # in _spare_small[d] (whole shared chunks, any class) and
+        # _spare_large[d] (run bytes -> runs) for any stream.
         self._watched: list[dict[int, weakref.ref]] = [{} for _ in range(n)]
-        self._died: list[tuple[int, int, weakref.ref]] = []
-        self._dead: list[dict[int, int]] = [{} for _ in range(n)]
+        self._died: list[tuple[int, tuple, tuple]] = []
+        self._dead: list[dict[int, list]] = [{} for _ in range(n)]
         self._spare_small: list[list[int]] = [[] for _ in range(n)]
+        self._empty_arenas: list[list[tuple]] = [[] for _ in range(n)]  # forgotten arenas' tables, empty
         self._spare_large: list[dict[int, list[int]]] = [{} for _ in range(n)]
         self._n_reclaims = [0] * n
         self._reclaimed = [0] * n
@@ -433,10 +442,15 @@ class ManagedStrategy(Strategy):
             with self._chunk_lock:
                 lists = self._lists[device].get(key)
                 if lists is None:
-                    small = [[] for _ in SIZE_CLASSES]
-                    lists = (small, {})
+                    recycled = self._empty_arenas[device]
+                    if recycled:  # a destroyed stream's arena, forgotten empty: no new tables
+                        lists, view = recycled.pop()
+                    else:
+                        small = [[] for _ in SIZE_CLASSES]
+                        lists = (small, {})
+                        view = ([small[ci] for ci in _CLASS_INDEX], {})
                     self._lists[device][key] = lists
-                    self._arenas[device][key] = ([small[ci] for ci in _CLASS_INDEX], {})
+                    self._arenas[device][key] = view
         return lists
 
     def _refill(self, ci: int, size: int, device: int, key: int) -> int:
@@ -467,16 +481,26 @@ class ManagedStrategy(Strategy):
         stream = self.backend.current_stream(device)
         if getattr(stream, "ptr", None) != key:
             return
-        died = self._died
+        died, watched, lists, arenas = self._died, self._watched[device], self._lists[device], self._arenas[device]
+        me = weakref.ref(self)  # not the strategy itself: the callback must not keep it alive
 
-        def gone(ref, device=device, key=key, died=died):  # from the collector: a list append only
-            died.append((device, key, ref))
+        def gone(ref, device=device, key=key):
+            # From the collector or the last reference's drop, before the stream
+            # is destroyed: dict and list operations only (no lock, nothing CUDA).
+            if watched.get(key) is not ref:
+                return
+            del watched[key]
+            mine, view = lists.pop(key, None), arenas.pop(key, None)
+            strategy = me()
+            if strategy is not None:
+                strategy._forget_last_owner()  # the C hot path's cached arena of this handle
+            if mine is not None:
+                died.append((device, mine, view))
 
         try:
-            self._watched[device][key] = weakref.ref(stream, gone)
+            watched[key] = weakref.ref(stream, gone)
         except TypeError:  # a stream type without weak references: its arena stays as it is
             return
-        self._dead[device].pop(key, None)  # CUDA gave the handle to a new stream: its arena is live
 
     def _arena_free_bytes(self, lists: tuple[list, dict]) -> int:
         small, large = lists
@@ -524,56 +548,80 @@ class ManagedStrategy(Strategy):
         died = self._died
         while died:
             try:
-                d, key, ref = died.pop()
+                d, lists, view = died.pop()
             except IndexError:  # another thread took the last one
                 break
-            if self._watched[d].get(key) is ref:  # not a new stream with the same handle
-                del self._watched[d][key]
-                if key in self._lists[d]:
-                    self._dead[d][key] = -1
+            self._dead[d][id(lists)] = [lists, view, -1]
         dead = self._dead[device]
         if not dead:
             return
         with self._chunk_lock:
             todo = []
-            for key, last in list(dead.items()):
-                lists = self._lists[device].get(key)
-                if lists is None:
-                    dead.pop(key, None)
-                    continue
-                free = self._arena_free_bytes(lists)
-                if free > 0 and free > last:
-                    todo.append(key)
+            for entry in list(dead.values()):
+                free = self._arena_free_bytes(entry[0])
+                if free > 0 and free > entry[2]:
+                    todo.append((entry[0], entry[1]))
             if todo:
                 self._take_back(device, todo)
             owned = {id(v) for v in list(self._owner.values())}
-            for key in list(dead):
-                if id(self._arenas[device].get(key)) not in owned:  # owns nothing: forget it
-                    dead.pop(key, None)
-                    self._lists[device].pop(key, None)
-                    self._arenas[device].pop(key, None)
+            for k, entry in list(dead.items()):
+                if id(entry[1]) not in owned:  # owns nothing: forget it, its tables made again of use
+                    dead.pop(k, None)
+                    small, large = entry[0]
+                    if len(self._empty_arenas[device]) < 64 and not any(small) and not any(large.values()):
+                        self._empty_arenas[device].append((entry[0], entry[1]))
                 else:
-                    dead[key] = self._arena_free_bytes(self._lists[device][key])
+                    entry[2] = self._arena_free_bytes(entry[0])
 
-    def _take_back(self, device: int, keys: list[int]) -> None:
+    def _take_back(self, device: int, arenas: list[tuple[tuple[list, dict], tuple]]) -> None:
+        """Out of destroyed streams' arenas (``(lists, hot-path view)`` pairs;
+        no stream allocates from them any more, frees may still append): every
+        free large run, and every shared chunk whose slots are all free; then
+        one device synchronisation, and they are spare. Nothing to take: no
+        synchronisation."""
         bases, chunks, owner = self._small_bases[device], self._chunks[device], self._owner
-        slots: dict[int, list[tuple[list, int]]] = {}
+        mask = _CHUNK_MASK
+
+        def base_of(ptr: int) -> int:
+            base = ptr & mask
+            return base if base in chunks else bases[bisect.bisect_right(bases, ptr) - 1]
+
+        # the shared chunks each arena owns, per class index
+        mine: dict[int, dict[int, list[int]]] = {id(view): {} for _, view in arenas}
+        for base, view in list(owner.items()):
+            per_class = mine.get(id(view))
+            if per_class is not None:
+                ci = chunks[base][1] if base in chunks else -1
+                if ci >= 0:
+                    per_class.setdefault(ci, []).append(base)
+        whole: list[int] = []
         runs: list[tuple[int, int]] = []
-        for key in keys:
-            small, large = self._lists[device][key]
-            for lst in small:
-                while lst:
-                    try:
-                        ptr = lst.pop()
-                    except IndexError:
-                        break
-                    slots.setdefault(bases[bisect.bisect_right(bases, ptr) - 1], []).append((lst, ptr))
+        for (small, large), view in arenas:
+            for ci, owned in mine[id(view)].items():
+                lst, per = small[ci], CHUNK_BYTES // SIZE_CLASSES[ci]
+                taken = lst[:]  # only appends can happen meanwhile (frees), at the end
+                if len(taken) < per:
+                    continue  # fewer free slots than one chunk holds: none is wholly free
+                if len(taken) == per * len(owned):  # every slot free: every chunk (the usual case)
+                    full = set(owned)
+                else:
+                    counts = collections.Counter(map(mask.__rand__, taken))  # counted in C
+                    if any(b not in chunks for b in counts):  # a chunk CUDA did not align to 2 MiB
+                        counts = collections.Counter(map(base_of, taken))
+                    full = {b for b, n in counts.items() if n == per}
+                if full:
+                    del lst[: len(taken)]
+                    if len(full) < len(owned):  # the slots of partly used chunks stay
+                        lst.extend(p for p in taken if base_of(p) not in full)
+                    whole.extend(full)
             for nbytes, lst in list(large.items()):
                 while lst:
                     try:
                         runs.append((nbytes, lst.pop()))
                     except IndexError:
                         break
+        if not whole and not runs:
+            return
         b = self.backend
         b.clear_last_error()
         b.device_synchronize(device)  # the dead streams' queued work is done
@@ -582,20 +630,17 @@ class ManagedStrategy(Strategy):
             owner.pop(ptr, None)
             self._spare_large[device].setdefault(nbytes, []).append(ptr)
             reclaimed += nbytes
-        for base, held in slots.items():
-            if len(held) == CHUNK_BYTES // SIZE_CLASSES[chunks[base][1]]:
-                owner.pop(base, None)
-                self._spare_small[device].append(base)
-                reclaimed += CHUNK_BYTES
-            else:  # partly in use: the slots stay with their arena
-                for lst, ptr in sorted(held, key=lambda h: -h[1]):
-                    lst.append(ptr)
+        for base in whole:
+            owner.pop(base, None)
+            self._spare_small[device].append(base)
+            reclaimed += CHUNK_BYTES
         self._forget_last_owner()
         self._n_reclaims[device] += 1
         self._reclaimed[device] += reclaimed
 
     def _forget_last_owner(self) -> None:
-        forget = getattr(self._free, "__self__", None)  # the C hot path caches the last chunk's owner
+        # the C hot path caches the last chunk's owner and the last stream's arena
+        forget = getattr(self._free, "__self__", None)
         if forget is not None and hasattr(forget, "forget"):
             forget.forget()
 
@@ -618,7 +663,7 @@ class ManagedStrategy(Strategy):
                 self._free_chunk(spare.pop(), device)
                 cached -= CHUNK_BYTES
                 released += CHUNK_BYTES
-            arenas = list(self._lists[device].values())
+            arenas = self._every_arena(device)
             # large blocks first (whole blocks, biggest first)
             runs = sorted({n for _, large in arenas for n in list(large)}, reverse=True)
             for nbytes in runs:
@@ -658,6 +703,14 @@ class ManagedStrategy(Strategy):
                             lst.append(ptr)
         return released
 
+    def _every_arena(self, device: int) -> list[tuple[list, dict]]:
+        """The lists of every arena on ``device``: live streams' and destroyed
+        streams' not yet forgotten (queued or in ``_dead``)."""
+        out = list(self._lists[device].values())
+        out += [lists for d, lists, _ in list(self._died) if d == device]
+        out += [entry[0] for entry in list(self._dead[device].values())]
+        return out
+
     def _free_chunk(self, ptr: int, device: int) -> None:
         nbytes, ci = self._chunks[device].pop(ptr)
         self._owner.pop(ptr, None)
@@ -679,7 +732,7 @@ class ManagedStrategy(Strategy):
     def _cached_bytes(self, device: int) -> int:
         total = CHUNK_BYTES * len(self._spare_small[device])
         total += sum(n * len(lst) for n, lst in list(self._spare_large[device].items()))
-        for small, large in list(self._lists[device].values()):
+        for small, large in self._every_arena(device):
             total += sum(SIZE_CLASSES[ci] * len(lst) for ci, lst in enumerate(small))
             total += sum(n * len(lst) for n, lst in list(large.items()))
         return total
