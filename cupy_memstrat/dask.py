@@ -215,15 +215,15 @@ class MemstratPlugin(WorkerPlugin):
             s = self.strategy
             with self._lock:
                 d = s.backend.get_device()
+                st = s.stats(d)  # one read: reset_peak changes no byte count in use
                 if self._running:
                     self._overlapped.update(self._running)
                     self._overlapped.add(_key_text(key))
                 else:  # alone: the peak from here is this task's; the worker's is kept first
-                    st = s.stats(d)
                     in_use, reserved = self._peaks.get(d, (0, 0))
                     self._peaks[d] = (max(in_use, st.peak_bytes_in_use), max(reserved, st.peak_bytes_reserved))
                     s.reset_peak(d)
-                self._running[_key_text(key)] = (time.perf_counter(), d, s.stats(d).bytes_in_use)
+                self._running[_key_text(key)] = (time.perf_counter(), d, st.bytes_in_use)
         elif finish in _THREAD_DONE or start == "cancelled":
             k = _key_text(key)
             with self._lock:
