@@ -49,6 +49,8 @@
 #   tools/device_run.sh call2             tools/probes/dead_stream_trace.py, tests/gpu, tools/probes/dask_gpu.py
 #                                         (carry .whl: dask, distributed, dask-cuda), the reclaim probe, bench
 #                                         streams and workloads; the JSON and figure as call2_json.tgz
+#   tools/device_run.sh call3             tests/gpu, tools/probes/dask_gpu.py (n 24576, 9 rounds; carry .whl),
+#                                         the reclaim probe, bench streams, workloads and managed (call3_json.tgz)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -199,6 +201,23 @@ if [ "$part" = call2 ]; then
     python3 -m cupy_memstrat bench $g --json "$J/bench-$g.json"
   done
   tar -czf "$OUT/call2_json.tgz" -C /tmp call2_json
+fi
+
+if [ "$part" = call3 ]; then
+  # tests/gpu, Dask on the GPU (a larger workload, 9 rounds of the tracking cost), the reclaim
+  # probe, bench streams, workloads and managed; the JSON in one tgz
+  J=/tmp/call3_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"; python3 -m cupy_memstrat info | head -20
+  gpu_tests
+  step "probe: Dask on the GPU (LocalCUDACluster)"
+  timeout 240 python3 tools/probes/dask_gpu.py "$J" --n 24576 --rounds 9
+  step "probe: destroyed streams' chunks under managed"
+  timeout 120 python3 tools/probes/managed_reclaim.py "$J/managed-reclaim.json"
+  for g in streams workloads managed; do
+    step "bench $g"
+    python3 -m cupy_memstrat bench $g --json "$J/bench-$g.json"
+  done
+  tar -czf "$OUT/call3_json.tgz" -C /tmp call3_json
 fi
 
 if [ "$part" = safety ]; then
