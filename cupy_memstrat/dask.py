@@ -117,6 +117,7 @@ class MemstratPlugin(WorkerPlugin):
 
     def _reset_runtime(self):
         self.strategy = None
+        self._collector = None  # the Prometheus collector registered in this worker's process
         self.setup_error: str | None = None  # why this worker could not install the strategy
         self._peaks: dict[int, tuple[int, int]] = {}  # device -> (in use, reserved): the worker's peaks
         self.worker_address = None
@@ -167,6 +168,7 @@ class MemstratPlugin(WorkerPlugin):
         self.strategy.oom_context = self._oom_context
         worker.metrics["cupy_memstrat"] = self._metric
         _active[worker.address] = self
+        self._collector = _prometheus_register(self)
 
     def teardown(self, worker) -> None:
         import cupy
@@ -178,6 +180,8 @@ class MemstratPlugin(WorkerPlugin):
             return
         s.oom_context = None
         worker.metrics.pop("cupy_memstrat", None)
+        _prometheus_unregister(self._collector)
+        self._collector = None
         if cupy_memstrat.current() is s:
             cupy.cuda.set_allocator(self._previous)
         s.trim()
@@ -268,6 +272,80 @@ class MemstratPlugin(WorkerPlugin):
                     "error": self.setup_error,
                     "tasks": [asdict(r) for r in self._tasks.values()],
                     "prefixes": [dict(p) for p in self._prefixes.values()]}
+
+
+class _Collector:
+    """The worker's GPU memory for its Prometheus endpoint (``/metrics`` on the
+    worker's dashboard port, which ``distributed`` serves from
+    ``prometheus_client.REGISTRY`` when ``prometheus-client`` is installed):
+    gauges named as ``distributed`` names its own worker metrics, with the
+    namespace of ``distributed.dashboard.prometheus.namespace`` (default
+    ``dask``):
+
+    * ``dask_worker_cupy_memstrat_bytes{kind, strategy, device}``: ``kind`` is
+      ``in_use``, ``reserved``, ``peak_in_use`` or ``peak_reserved`` (bytes;
+      the peaks are the worker's, across its tasks);
+    * ``dask_worker_cupy_memstrat_failed_allocations_total{strategy, device}``
+      and ``..._oom_recoveries_total``: counts since the strategy was installed.
+    """
+
+    def __init__(self, plugin):
+        import weakref
+
+        import dask.config
+
+        self._plugin = weakref.ref(plugin)
+        ns = dask.config.get("distributed.dashboard.prometheus.namespace", "dask")
+        self._prefix = "_".join(x for x in (ns, "worker", "cupy_memstrat") if x)
+
+    def describe(self):  # no samples at registration (prometheus_client calls collect() otherwise)
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        plugin = self._plugin()
+        if plugin is None or plugin.strategy is None:
+            return
+        try:
+            st = plugin.worker_stats()
+        except Exception:  # noqa: BLE001 - a scrape must not fail the worker's endpoint
+            return
+        labels = [plugin.strategy.name, str(st.device)]
+        g = GaugeMetricFamily(f"{self._prefix}_bytes", "GPU memory of the worker's cupy_memstrat strategy (bytes)",
+                              labels=["kind", "strategy", "device"])
+        for kind, v in (("in_use", st.bytes_in_use), ("reserved", st.bytes_reserved),
+                        ("peak_in_use", st.peak_bytes_in_use), ("peak_reserved", st.peak_bytes_reserved)):
+            g.add_metric([kind, *labels], v)
+        yield g
+        for name, doc, v in (("failed_allocations", "allocations the strategy could not make", st.n_failed),
+                             ("oom_recoveries", "allocations made after giving memory back", st.n_oom_recoveries)):
+            c = CounterMetricFamily(f"{self._prefix}_{name}", doc, labels=["strategy", "device"])
+            c.add_metric(labels, v)
+            yield c
+
+
+def _prometheus_register(plugin):
+    """Register the plugin's collector in this process's ``prometheus_client``
+    registry (nothing when ``prometheus-client`` is not installed)."""
+    try:
+        import prometheus_client
+    except ImportError:
+        return None
+    collector = _Collector(plugin)
+    prometheus_client.REGISTRY.register(collector)
+    return collector
+
+
+def _prometheus_unregister(collector) -> None:
+    if collector is None:
+        return
+    import prometheus_client
+
+    try:
+        prometheus_client.REGISTRY.unregister(collector)
+    except KeyError:  # already gone
+        pass
 
 
 def _prefix(key) -> str:

@@ -307,3 +307,32 @@ def test_a_task_cancelled_while_its_thread_runs_on_counts_as_running(tmp_path):
             os.environ.pop("CUPY_MEMSTRAT_BACKEND", None)
         else:
             os.environ["CUPY_MEMSTRAT_BACKEND"] = saved
+
+
+def test_the_workers_prometheus_endpoint_shows_their_gpu_memory(client):
+    """distributed serves each worker's /metrics from prometheus_client's registry; the
+    plugin adds its gauges there, read here over HTTP from the real endpoint."""
+    import re
+    import urllib.request
+
+    pytest.importorskip("prometheus_client")
+    client.register_plugin(cmd.MemstratPlugin("device"))
+    client.gather(client.map(_make, [3 * MiB, MiB], pure=False))
+    ports = client.run(lambda dask_worker: dask_worker.http_server.port)
+    st = cmd.stats(client)
+    for addr, port in ports.items():
+        host = addr.split("://")[1].rsplit(":", 1)[0]
+        text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
+        got = {m[0]: float(m[1]) for m in re.findall(
+            r'^dask_worker_cupy_memstrat_bytes\{device="0",kind="(\w+)",strategy="device"\} (\S+)$', text, re.M)}
+        assert set(got) == {"in_use", "reserved", "peak_in_use", "peak_reserved"}, text[-2000:]
+        assert got["in_use"] == st[addr].bytes_in_use == 0
+        assert got["peak_in_use"] == st[addr].peak_bytes_in_use > 0
+        assert re.search(r'^dask_worker_cupy_memstrat_failed_allocations_total\{device="0",strategy="device"\} 0\.0$',
+                         text, re.M)
+    client.unregister_worker_plugin(cmd.PLUGIN_NAME)  # teardown takes the gauges away
+    for addr, port in ports.items():
+        host = addr.split("://")[1].rsplit(":", 1)[0]
+        text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
+        assert "dask_worker_cupy_memstrat_bytes" not in text
+        assert "dask_worker_tasks" in text  # distributed's own metrics are still served
