@@ -119,7 +119,7 @@ class MemstratPlugin(WorkerPlugin):
         self.strategy = None
         self._collector = None  # the Prometheus collector registered in this worker's process
         self.setup_error: str | None = None  # why this worker could not install the strategy
-        self._peaks: dict[int, tuple[int, int]] = {}  # device -> (in use, reserved): the worker's peaks
+        self._peaks: dict[int, int] = {}  # device -> the worker's peak in use before the last task's reset
         self.worker_address = None
         self._previous = None
         self._lock = threading.Lock()
@@ -200,9 +200,10 @@ class MemstratPlugin(WorkerPlugin):
         """The strategy's Stats with the worker's own peaks (each task's start
         resets the strategy's peak; the worker's highest is kept here)."""
         st = self.strategy.stats(device)
-        in_use, reserved = self._peaks.get(st.device, (0, 0))
-        return replace(st, peak_bytes_in_use=max(in_use, st.peak_bytes_in_use),
-                       peak_bytes_reserved=max(reserved, st.peak_bytes_reserved))
+        peak = max(self._peaks.get(st.device, 0), st.peak_bytes_in_use)
+        # what is in use is also reserved: the peak reserved is at least the peak in use (for
+        # device, whose reserved bytes are its bytes in use, the per-task reset lowered it)
+        return replace(st, peak_bytes_in_use=peak, peak_bytes_reserved=max(peak, st.peak_bytes_reserved))
 
     def _metric(self, worker) -> dict:
         """Each heartbeat: the worker's GPU bytes (``ws.metrics["cupy_memstrat"]`` on the scheduler)."""
@@ -219,15 +220,14 @@ class MemstratPlugin(WorkerPlugin):
             s = self.strategy
             with self._lock:
                 d = s.backend.get_device()
-                st = s.stats(d)  # one read: reset_peak changes no byte count in use
+                now, peak = s.in_use(d)  # nothing read from CUDA, no Stats made: this runs per task
                 if self._running:
                     self._overlapped.update(self._running)
                     self._overlapped.add(_key_text(key))
                 else:  # alone: the peak from here is this task's; the worker's is kept first
-                    in_use, reserved = self._peaks.get(d, (0, 0))
-                    self._peaks[d] = (max(in_use, st.peak_bytes_in_use), max(reserved, st.peak_bytes_reserved))
-                    s.reset_peak(d)
-                self._running[_key_text(key)] = (time.perf_counter(), d, st.bytes_in_use)
+                    self._peaks[d] = max(self._peaks.get(d, 0), peak)
+                    s.reset_peak(d, reserved=False)  # the reserved peak stays the strategy's own
+                self._running[_key_text(key)] = (time.perf_counter(), d, now)
         elif finish in _THREAD_DONE or start == "cancelled":
             k = _key_text(key)
             with self._lock:
@@ -245,10 +245,10 @@ class MemstratPlugin(WorkerPlugin):
                     self._overlapped.discard(k)
                     return
                 t0, d, before = began
-                st = self.strategy.stats(d)
+                now, peak = self.strategy.in_use(d)
                 rec = TaskMemory(
                     key=k, prefix=_prefix(key), worker=self.worker_address, device=d,
-                    peak_bytes=max(0, st.peak_bytes_in_use - before), left_bytes=max(0, st.bytes_in_use - before),
+                    peak_bytes=max(0, peak - before), left_bytes=max(0, now - before),
                     in_use_before=before, overlapped=k in self._overlapped, state=finish,
                     seconds=time.perf_counter() - t0,
                 )

@@ -209,3 +209,24 @@ def test_a_strategy_that_never_allocated_is_not_kept(fake):
     ref = weakref.ref(cupy_memstrat.create("device", backend=fake))
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("name", ["device", "managed", "async", "pool"])
+def test_in_use_and_a_reset_of_the_peak_in_use_alone(fake, name):
+    """What a per-task hook reads (the Dask plugin): in use and its peak as stats() has
+    them; reset_peak(reserved=False) leaves the peak reserved as it was."""
+    s = cupy_memstrat.create(name, backend=fake)
+    a, b = s.raw_malloc(3 << 20), s.raw_malloc(1 << 20)
+    s.raw_free(a)
+    st = s.stats(0)
+    assert s.in_use(0) == (st.bytes_in_use, st.peak_bytes_in_use) == (1 << 20, 4 << 20)
+    s.reset_peak(0, reserved=False)
+    after = s.stats(0)
+    assert s.in_use(0) == (1 << 20, 1 << 20)
+    if not s.reserved_is_in_use:  # device (and pool on the fake) reserve what is in use, no more
+        assert after.peak_bytes_reserved == st.peak_bytes_reserved
+    s.reset_peak(0)
+    assert s.stats(0).peak_bytes_reserved == s.stats(0).bytes_reserved
+    s.raw_free(b)
+    with pytest.raises(ValueError, match="device: expected 0 <= device < 1, got 3"):
+        s.in_use(3)

@@ -51,6 +51,8 @@
 #                                         streams and workloads; the JSON and figure as call2_json.tgz
 #   tools/device_run.sh call3             tests/gpu, tools/probes/dask_gpu.py (n 24576, 9 rounds; carry .whl),
 #                                         the reclaim probe, bench streams, workloads and managed (call3_json.tgz)
+#   tools/device_run.sh call4             tools/probes/dask_gpu.py (carry .whl), then CuPy's subset under CuPy's
+#                                         pool and managed (carry .cupy_tests)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -218,6 +220,18 @@ if [ "$part" = call3 ]; then
     python3 -m cupy_memstrat bench $g --json "$J/bench-$g.json"
   done
   tar -czf "$OUT/call3_json.tgz" -C /tmp call3_json
+fi
+
+if [ "$part" = call4 ]; then
+  # Dask on the GPU again (the per-task hook without CUDA reads; the Prometheus endpoint), then
+  # CuPy's v14.2.0 subset under CuPy's pool and managed (carry .whl and .cupy_tests)
+  J=/tmp/call4_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"
+  step "probe: Dask on the GPU (LocalCUDACluster)"
+  timeout 240 python3 tools/probes/dask_gpu.py "$J" --n 24576 --rounds 9
+  tar -czf "$OUT/call4_json.tgz" -C /tmp call4_json
+  set -- default managed
+  part=cupy
 fi
 
 if [ "$part" = safety ]; then

@@ -797,9 +797,9 @@ class CheckedStrategy(Strategy):
             st, bytes_reserved=inner.bytes_reserved, peak_bytes_reserved=inner.peak_bytes_reserved,
         )
 
-    def reset_peak(self, device: int | None = None) -> None:
-        super().reset_peak(device)
-        self.inner.reset_peak(device)
+    def reset_peak(self, device: int | None = None, *, reserved: bool = True) -> None:
+        super().reset_peak(device, reserved=reserved)
+        self.inner.reset_peak(device, reserved=reserved)
 
     def trim(self, keep_bytes=0, device: int | None = None) -> int:
         """Verify and give back the quarantined blocks (of ``device``), then

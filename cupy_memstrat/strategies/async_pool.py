@@ -662,11 +662,14 @@ class AsyncPoolStrategy(Strategy):
             n_frees_after_stream_destroyed=self._n_orphan_frees[d],
         )
 
-    def reset_peak(self, device: int | None = None) -> None:
-        """Reset this strategy's peaks and the pool's high-water marks
-        (reserved and used) on ``device`` (default: current) to present values."""
+    def reset_peak(self, device: int | None = None, *, reserved: bool = True) -> None:
+        """Reset this strategy's peaks and, with ``reserved``, the pool's
+        high-water marks (reserved and used) on ``device`` (default: current)
+        to present values."""
         d = self._device_or_current(device)
-        super().reset_peak(d)
+        super().reset_peak(d, reserved=reserved)
+        if not reserved:
+            return
         pool = self._pools[d]
         self._peak_reserved[d] = 0
         if pool:

@@ -925,14 +925,30 @@ class Strategy:
             fields["peak_bytes_reserved"] = fields["peak_bytes_in_use"]
         return Stats(device=device, strategy=self.name, **fields)
 
-    def reset_peak(self, device: int | None = None) -> None:
-        """Set the peaks (in use, reserved) of ``device`` (default: current)
-        to the present values."""
+    def in_use(self, device: int | None = None) -> tuple[int, int]:
+        """``(bytes in use, peak bytes in use)`` on ``device`` (default:
+        current), the two numbers of :meth:`stats` a per-task hook needs,
+        without reading anything from CUDA (the Dask plugin reads them at
+        every task's start and end).
+
+        Raises:
+            TypeError, ValueError: ``device`` is not a valid device ordinal.
+        """
+        device = self._device_or_current(device)
+        with self._fold_lock:
+            c = self._fold(device)
+            return c.in_use, c.peak_in_use
+
+    def reset_peak(self, device: int | None = None, *, reserved: bool = True) -> None:
+        """Set the peaks of ``device`` (default: current) to the present
+        values: the peak in use, and with ``reserved`` (default) the peak
+        reserved too (``reserved=False`` touches nothing in CUDA)."""
         device = self._device_or_current(device)
         with self._fold_lock:
             c = self._fold(device)
             c.peak_in_use = c.in_use
-            c.peak_reserved = c.reserved
+            if reserved:
+                c.peak_reserved = c.reserved
 
     def live_allocations(self, device: int | None = None) -> list[Allocation]:
         """Live allocations, largest first, on ``device`` or on every device

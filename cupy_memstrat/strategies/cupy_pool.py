@@ -115,12 +115,12 @@ class CuPyPoolStrategy(Strategy):
             self._peak_reserved[st.device] = peak
         return replace(st, bytes_reserved=reserved, peak_bytes_reserved=peak)
 
-    def reset_peak(self, device: int | None = None) -> None:
+    def reset_peak(self, device: int | None = None, *, reserved: bool = True) -> None:
         """As :meth:`Strategy.reset_peak`; the reserved peak restarts from the
         pool's present ``total_bytes()``."""
         d = self._device_or_current(device)
-        super().reset_peak(d)
-        if self._pool is not None:
+        super().reset_peak(d, reserved=reserved)
+        if reserved and self._pool is not None:
             with self._reserved_lock:
                 self._peak_reserved[d] = self._pool_total(d)
 

@@ -7,7 +7,8 @@ per-task table (task_peaks by key prefix and the top tasks), each worker's
 stats and heartbeat metrics, and a figure of the tasks' peaks. Then the cost
 of per-task tracking: the same workload under MemstratPlugin("async") with
 track_tasks=True and False in interleaved rounds, median seconds and ratio.
-Then an out-of-memory task on the worker, and a normal one after it.
+Then an out-of-memory task on the worker, and a normal one after it. Each
+worker's Prometheus endpoint (/metrics) is read after each strategy's run.
 
 Usage: python tools/probes/dask_gpu.py OUT_DIR [--n 16384] [--chunk 4096] [--rounds 7]
 Writes OUT_DIR/dask-gpu.json and OUT_DIR/dask-task-peaks.png.
@@ -19,6 +20,7 @@ import json
 import os
 import statistics
 import time
+import urllib.request
 
 
 def workload(client, n, chunk, seed=7):
@@ -57,7 +59,7 @@ def main():
 
     report["machine"]["packages"].update(dask=dask.__version__, distributed=distributed.__version__,
                                          dask_cuda=dask_cuda.__version__)
-    with LocalCUDACluster(CUDA_VISIBLE_DEVICES="0", threads_per_worker=1, dashboard_address=None,
+    with LocalCUDACluster(CUDA_VISIBLE_DEVICES="0", threads_per_worker=1, dashboard_address=":0",
                           silence_logs=40) as cluster, Client(cluster) as client:
         t0 = time.perf_counter()
         ref = cupy.asnumpy(workload(client, args.n, args.chunk))
@@ -80,6 +82,16 @@ def main():
                 "top_tasks": cmd.task_peaks(client, 12),
                 "n_tasks": sum(r["tasks"] for r in cmd.task_peaks(client, 1000, by="prefix")),
             }
+            ports = client.run(lambda dask_worker: dask_worker.http_server.port)
+            scraped = {}
+            for addr, port in ports.items():  # each worker's Prometheus endpoint
+                host = addr.split("://")[1].rsplit(":", 1)[0]
+                try:
+                    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
+                    scraped[addr] = [ln for ln in text.splitlines() if "cupy_memstrat" in ln and not ln.startswith("#")]
+                except Exception as exc:  # noqa: BLE001 - recorded, not fatal
+                    scraped[addr] = f"{type(exc).__name__}: {exc}"
+            report["runs"][spec]["prometheus"] = scraped
             snaps = cmd.snapshot(client, os.path.join("/tmp", f"dask-snaps-{spec}"))
             report["runs"][spec]["snapshot_files"] = [os.path.basename(s) for s in snaps]
             print(spec, f"{secs:.2f} s", "identical" if np.array_equal(got, ref) else f"max rel diff {diff:.2e}",
