@@ -21,6 +21,8 @@ What it simulates (``cudaMalloc`` path):
 * ``free`` of an unknown or already-freed pointer fails with
   ``cudaErrorInvalidValue`` (and sets the last error); ``free(0)`` is a no-op.
 * ``free`` finds the owning device from the pointer, whatever device is current.
+  It does not complete the device's queued work (real ``cudaFree`` waits for
+  the device; the checking layer's tests rely on work staying queued).
 
 Streams (CuPy's current stream, per thread and device):
 

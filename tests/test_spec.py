@@ -79,3 +79,11 @@ def test_track_origins_takes_frames_and_refuses_what_is_not_a_count(fake):
         with pytest.raises(ValueError, match="option track_origins: expected true or false, or a number of frames "
                                              "from 1 to 128"):
             cupy_memstrat.create("device", backend=fake, track_origins=bad)
+
+
+def test_a_misspelt_option_in_a_spec_gets_a_did_you_mean():
+    with pytest.raises(ValueError, match=r"strategy 'managed': unknown option 'prefetc' \(did you mean 'prefetch'\?\); "
+                                         r"valid options: .*prefetch"):
+        cupy_memstrat.validate("managed:prefetc=on_new")
+    with pytest.raises(ValueError, match=r"unknown option 'zzz'; valid options"):  # nothing close: no guess
+        cupy_memstrat.validate("async:zzz=1")

@@ -35,6 +35,7 @@ chooses, read when a strategy builds its hot path (its first allocation).
 
 from __future__ import annotations
 
+import difflib
 import gc
 import importlib
 import operator
@@ -334,8 +335,10 @@ class Strategy:
         unknown = sorted(set(options) - set(specs))
         if unknown:
             valid = ", ".join(sorted(specs)) or "(none)"
+            close = difflib.get_close_matches(str(unknown[0]), list(specs), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(
-                f"strategy {cls.name!r}: unknown option {unknown[0]!r}; valid options: {valid}"
+                f"strategy {cls.name!r}: unknown option {unknown[0]!r}{hint}; valid options: {valid}"
             )
         config = {}
         for name, spec in specs.items():
