@@ -47,6 +47,11 @@ Stream-ordered pools (``cudaMemPool_t``), used by the ``async`` strategy;
     (CuPy's own ``cupy_backends.cuda.stream.get_stream_ptr``, where CuPy
     keeps each thread's current streams), or None where there is none (the
     C path then calls ``current_stream_ptr``).
+``stream_owns_handle(stream) -> bool``
+    whether the stream object destroys its handle when it dies (a
+    ``cupy.cuda.Stream``: True); False for a wrapper of a stream someone else
+    owns (``cupy.cuda.ExternalStream``, e.g. around a PyTorch stream), which
+    a program may make afresh for the same live stream at every step.
 ``stream_destroyed(stream) -> bool``
     True only where the backend knows the handle was destroyed. CUDA has no
     safe way to ask: ``cudaStreamQuery`` on a destroyed handle crashed the
@@ -411,6 +416,11 @@ class RealBackend:
 
     def current_stream_ptr(self, device: int) -> int:
         return self._get_current_stream(device).ptr
+
+    def stream_owns_handle(self, stream) -> bool:
+        from cupy.cuda.stream import ExternalStream
+
+        return not isinstance(stream, ExternalStream)
 
     def current_stream_ptr_capsule(self):
         """CuPy's C function ``get_stream_ptr(device)``

@@ -141,6 +141,8 @@ class FakeStream:
     (the handle), ``device_id``; ``with s:`` makes it the current stream of
     its device in this thread; destroyed by :meth:`destroy` or when it dies."""
 
+    owns_handle = True  # destroys its handle when it dies (cupy.cuda.Stream)
+
     def __init__(self, backend: "FakeBackend", device: int, ptr: int, non_blocking: bool = False):
         self._backend = backend
         self.device_id = device
@@ -178,6 +180,15 @@ class FakeStream:
 
     def __repr__(self) -> str:
         return f"<FakeStream 0x{self.ptr:x} on device {self.device_id}>"
+
+
+class _FakeExternalStream(FakeStream):
+    """:meth:`FakeBackend.external_stream`: a stream someone else owns."""
+
+    owns_handle = False
+
+    def destroy(self) -> None:
+        pass
 
 
 class _FakePool:
@@ -426,10 +437,16 @@ class FakeBackend:
             if self._stream_device.get(handle) == device:
                 self._destroyed_order.remove(handle)
                 self._destroyed_streams.discard(handle)
-                left = self._submitted.pop(handle, 0) - self._completed.pop(handle, 0)
+                done = self._completed.pop(handle, 0)
+                left = self._submitted.pop(handle, 0) - done
+                ghost = None
                 if left > 0:
                     self._n_ghosts += 1
-                    self._submitted[(device, "destroyed", self._n_ghosts)] = left
+                    ghost = (device, "destroyed", self._n_ghosts)
+                    self._submitted[ghost] = left
+                for ev, rec in list(self._events.items()):  # events recorded on the old stream stay its own
+                    if rec is not None and rec[0] == handle:
+                        self._events[ev] = None if ghost is None or rec[1] <= done else (ghost, rec[1] - done)
                 return handle
         return 0
 
@@ -559,6 +576,16 @@ class FakeBackend:
     def current_stream_ptr(self, device: int) -> int:
         """The handle of the calling thread's current stream on ``device``."""
         return self.current_stream(device).ptr
+
+    def external_stream(self, stream) -> "FakeStream":
+        """A wrapper of ``stream`` (an object with ``.ptr``) that does not own
+        it, as ``cupy.cuda.ExternalStream`` wraps a stream someone else made:
+        ``with`` makes it current; it destroys nothing when it dies."""
+        return _FakeExternalStream(self, stream.device_id, stream.ptr, getattr(stream, "non_blocking", False))
+
+    def stream_owns_handle(self, stream) -> bool:
+        """Whether ``stream`` destroys its handle when it dies."""
+        return bool(getattr(stream, "owns_handle", True))
 
     def current_stream_ptr_capsule(self):
         """None: the fake has no C function for :meth:`current_stream_ptr`."""

@@ -668,3 +668,71 @@ def test_an_empty_view_records_nothing(restore_cupy_allocator, fake):
 def test_device_refuses_a_fractional_granule(bad):
     with pytest.raises(ValueError, match="granule: expected a whole number of bytes"):
         cupy_memstrat.validate("device", granule=bad)
+
+
+def test_managed_keeps_the_cache_of_a_live_stream_wrapped_anew_at_every_step(fake):
+    """cupy.cuda.ExternalStream(torch_stream.cuda_stream) made at every step: the wrapper dies,
+    the stream lives. Its cache stays under the handle (as CuPy's pool keys it): reused at
+    once, no synchronisation, no new chunk."""
+    s = cupy_memstrat.create("managed", backend=fake)
+    owner = fake.stream(non_blocking=True)  # e.g. a PyTorch stream, alive all along
+    seen = set()
+    for _ in range(5):
+        w = fake.external_stream(owner)
+        assert not fake.stream_owns_handle(w) and w.ptr == owner.ptr
+        p = _alloc_on(s, w, 4 * MiB)
+        q = _alloc_on(s, w, 4096)
+        fake.launch(w)
+        with w:
+            s.raw_free(p)
+            s.raw_free(q)
+        seen.add((p, q))
+        del w
+        gc.collect()
+    assert len(seen) == 1 and fake.n_device_synchronize_calls == 0 and fake.n_malloc_calls == 2
+    assert s.managed_stats(0).n_reclaims == 0
+
+
+def test_managed_after_trim_still_takes_back_a_dead_streams_chunk_freed_later(fake):
+    """trim() between two reclaims changes a dead arena's free bytes; a chunk of it that
+    becomes wholly free afterwards is still taken back at the next miss."""
+    s = cupy_memstrat.create("managed", backend=fake)
+    A = fake.stream(non_blocking=True)
+    with A:
+        x1, x2 = s.raw_malloc(4096), s.raw_malloc(4096)
+        y1, y2 = s.raw_malloc(8192), s.raw_malloc(8192)
+        s.raw_free(x2)
+        s.raw_free(y2)
+    del A
+    gc.collect()
+    B = fake.stream(non_blocking=True)
+    _alloc_on(s, B, 100_000)  # a miss: nothing of A's wholly free yet
+    s.raw_free(x1)
+    assert s.trim() == 2 * MiB  # A's 4 KiB chunk
+    s.raw_free(y1)  # A's 8 KiB chunk now wholly free
+    calls = fake.n_malloc_calls
+    got = _alloc_on(s, B, 8192)  # B has no 8 KiB slot: A's chunk, after one synchronisation
+    assert got & -(2 * MiB) == y1 & -(2 * MiB) and fake.n_malloc_calls == calls
+    assert s.managed_stats(0).n_reclaims == 1
+
+
+def test_fake_events_recorded_on_a_destroyed_stream_wait_for_its_own_work(fake):
+    """A new stream that gets a destroyed stream's handle does not finish the old one's
+    events: record_stream's block stays held until the old stream's kernel is done."""
+    s = cupy_memstrat.create("managed", backend=fake)
+    A, B = fake.stream(non_blocking=True), fake.stream(non_blocking=True)
+    p = _alloc_on(s, A, 4096)
+    s.record_stream(p, B)
+    fake.launch(B)  # B's kernel reads p
+    with A:
+        s.raw_free(p)
+    b = B.ptr
+    del B
+    gc.collect()
+    C = fake.stream(non_blocking=True)
+    assert C.ptr == b
+    fake.launch(C)
+    C.synchronize()
+    assert _alloc_on(s, A, 4096) != p and fake.busy_destroyed_streams() == 1
+    fake.device_synchronize(0)
+    assert _alloc_on(s, A, 4096) == p

@@ -481,6 +481,12 @@ class ManagedStrategy(Strategy):
         stream = self.backend.current_stream(device)
         if getattr(stream, "ptr", None) != key:
             return
+        owns = getattr(self.backend, "stream_owns_handle", None)
+        if owns is not None and not owns(stream):
+            # a wrapper (cupy.cuda.ExternalStream) of a stream someone else owns: its death
+            # destroys nothing, and a program may wrap the same live stream anew at every
+            # step; the arena stays under the handle, as CuPy's pool keys it
+            return
         died, watched, lists, arenas = self._died, self._watched[device], self._lists[device], self._arenas[device]
         me = weakref.ref(self)  # not the strategy itself: the callback must not keep it alive
 
@@ -651,6 +657,8 @@ class ManagedStrategy(Strategy):
         no stream's work still uses a freed chunk."""
         released = 0
         with self._chunk_lock:
+            for entry in list(self._dead[device].values()):
+                entry[2] = -1  # free bytes change here: the next reclaim looks at every dead arena again
             chunks = self._chunks[device]
             cached = self._cached_bytes(device)
             for nbytes, lst in sorted(self._spare_large[device].items(), reverse=True):
