@@ -50,7 +50,8 @@ Stream-ordered pools (``cudaMemPool_t``), used by the ``async`` strategy;
 ``stream_owns_handle(stream) -> bool``
     whether the stream object destroys its handle when it dies (a
     ``cupy.cuda.Stream``: True); False for a wrapper of a stream someone else
-    owns (``cupy.cuda.ExternalStream``, e.g. around a PyTorch stream), which
+    owns (``cupy.cuda.ExternalStream``, or a ``Stream.from_external`` of CuPy
+    14, e.g. around a PyTorch stream), which
     a program may make afresh for the same live stream at every step.
 ``stream_destroyed(stream) -> bool``
     True only where the backend knows the handle was destroyed. CUDA has no
@@ -420,7 +421,12 @@ class RealBackend:
     def stream_owns_handle(self, stream) -> bool:
         from cupy.cuda.stream import ExternalStream
 
-        return not isinstance(stream, ExternalStream)
+        if isinstance(stream, ExternalStream):
+            return False
+        # cupy.cuda.Stream.from_external(obj) (CuPy 14, which deprecates ExternalStream): a
+        # Stream that keeps the foreign object in _foreign_stream_ref and destroys nothing
+        # (seen on CuPy 14.2)
+        return getattr(stream, "_foreign_stream_ref", None) is None
 
     def current_stream_ptr_capsule(self):
         """CuPy's C function ``get_stream_ptr(device)``

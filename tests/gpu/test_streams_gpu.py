@@ -92,6 +92,47 @@ def test_managed_reclaims_a_dead_streams_chunks_after_a_synchronisation_and_corr
         S.release(cp, control)
 
 
+class _Foreign:  # a stream of another library, through the CUDA stream protocol
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+@pytest.mark.parametrize("how", ["ExternalStream", "from_external"])
+def test_managed_keeps_a_live_streams_cache_when_an_external_stream_wraps_it_anew_each_step(cp, how):
+    """The PyTorch interop idiom, cupy.cuda.ExternalStream(stream.ptr) (or CuPy 14's
+    Stream.from_external(obj)) at every step around one live stream: the wrapper's death
+    destroys nothing, so the cache stays (no device synchronisation, no reclaim, the same
+    block each step, the sums right)."""
+    if how == "from_external" and not hasattr(cp.cuda.Stream, "from_external"):
+        pytest.skip("this CuPy has no Stream.from_external")
+    s = cupy_memstrat.use("managed")
+    owner = cp.cuda.Stream(non_blocking=True)
+    try:
+        assert C.get_backend().stream_owns_handle(owner)
+        ptrs, sums = set(), []
+        for i in range(8):
+            if how == "ExternalStream":
+                w = cp.cuda.ExternalStream(owner.ptr)
+            else:
+                w = cp.cuda.Stream.from_external(_Foreign(owner.ptr))
+            assert not C.get_backend().stream_owns_handle(w)
+            with w:
+                x = cp.full(1 << 20, float(i), dtype=cp.float32)
+                ptrs.add(x.data.ptr)
+                sums.append(float(x.sum()))
+                del x
+            del w
+            gc.collect()
+        owner.synchronize()
+        assert sums == [float(i << 20) for i in range(8)]
+        assert len(ptrs) == 1 and s.managed_stats().n_reclaims == 0
+    finally:
+        S.release(cp, s)
+
+
 def test_per_thread_default_streams_are_told_apart():
     got = S.per_thread(SAFE + ["managed-one-cache"])
     assert {k: v for k, v in got.items() if k in SAFE} == dict.fromkeys(SAFE, 0)
