@@ -295,9 +295,11 @@ class ManagedStrategy(Strategy):
         self._arenas: list[dict[int, tuple[list, dict]]] = [{} for _ in range(n)]
         self._owner: dict[int, tuple[list, dict]] = {}
         # Destroyed streams' arenas (see _reclaim): a weak reference to the
-        # cupy.cuda.Stream behind each stream key (handles > 2). Its callback,
-        # which runs before CUDA can give the handle to a new stream, takes the
-        # arena out of _lists/_arenas at once: CUDA may give a new stream the
+        # cupy.cuda.Stream behind each stream key (handles > 2). Its callback
+        # runs in the deallocation that destroys the stream (right after
+        # Stream.__del__ when the last reference goes; docs/streams.md, limits),
+        # before the program can make a new stream, and takes the arena out of
+        # _lists/_arenas at once: CUDA may give a new stream the
         # dead one's handle while the dead one's work still runs, and the new
         # stream's work is not ordered after it (measured on the H200,
         # docs/streams.md), so no stream may find the arena by that handle any
