@@ -493,8 +493,9 @@ class ManagedStrategy(Strategy):
         me = weakref.ref(self)  # not the strategy itself: the callback must not keep it alive
 
         def gone(ref, device=device, key=key):
-            # From the collector or the last reference's drop, before the stream
-            # is destroyed: dict and list operations only (no lock, nothing CUDA).
+            # In the stream's deallocation (from the collector, or right after
+            # Stream.__del__ on the last reference's drop), before the program can
+            # make another stream: dict and list operations only (no lock, nothing CUDA).
             if watched.get(key) is not ref:
                 return
             del watched[key]
