@@ -333,7 +333,12 @@ def _prometheus_register(plugin):
     except ImportError:
         return None
     collector = _Collector(plugin)
-    prometheus_client.REGISTRY.register(collector)
+    try:
+        prometheus_client.REGISTRY.register(collector)
+    except Exception as exc:  # noqa: BLE001 - metrics must not stop the worker's strategy
+        logging.getLogger("distributed.worker.cupy_memstrat").warning(
+            "cupy_memstrat.dask: the Prometheus collector was not registered: %r", exc)
+        return None
     return collector
 
 
