@@ -246,3 +246,26 @@ def test_b():
     assert doc["strategy"]["options"]["track_origins"] is True
     assert doc["strategy"]["options"]["check"] == "streams,poison,redzone"
     assert {t["worker"] for t in doc["tests"]} <= {"gw0", "gw1"}
+
+
+GROWTH = HEAD + """
+def test_peak():
+    x = cupy.ones({size}, dtype=cupy.uint8)
+    assert int(x[-1]) == 1
+"""
+
+
+def test_the_growth_gate_with_real_cupy(inner, tmp_path):
+    """--gpumem-compare against the --gpumem-json of an earlier run, on the GPU: a test whose
+    peak grew by 25% fails at 10% allowed and names both numbers; at 30% it passes."""
+    base = tmp_path / "base.json"
+    inner.makepyfile(test_grow=GROWTH.format(size="4 * MiB"))
+    r = inner.runpytest_subprocess("-p", "no:cacheprovider", "--gpumem", f"--gpumem-json={base}")
+    r.assert_outcomes(passed=1)
+    inner.makepyfile(test_grow=GROWTH.format(size="5 * MiB"))
+    r = inner.runpytest_subprocess("-p", "no:cacheprovider", f"--gpumem-compare={base}", "--gpumem-max-growth=10%")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines([f"*peak 5.0 MiB grew by 25.00% (1,048,576 B) over the baseline's 4.0 MiB (4,194,304 B; "
+                            f"{base}), more than the 10% allowed (--gpumem-max-growth)*"])
+    r = inner.runpytest_subprocess("-p", "no:cacheprovider", f"--gpumem-compare={base}", "--gpumem-max-growth=30%")
+    r.assert_outcomes(passed=1)
