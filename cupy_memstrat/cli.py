@@ -226,11 +226,31 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_plot(args) -> int:
-    from .bench.plot import plot
+    from .bench.plot import plot, plot_side_by_side
 
-    if not _check_output_file("plot", args.output, "an image file path such as 'figure.png'", source=args.json):
-        return 2
-    report = _load_report("plot", args.json, args.test,
+    paths = args.json
+    for source in paths:
+        if not _check_output_file("plot", args.output, "an image file path such as 'figure.png'", source=source):
+            return 2
+    if len(paths) > 1:  # snapshots side by side (each Dask worker's, for instance)
+        if args.test is not None:
+            print("plot: --test picks a test of one pytest --gpumem-json report; give one file with it",
+                  file=sys.stderr)
+            return 2
+        docs = []
+        for source in paths:
+            doc = _load_report("plot", source, None, "cupy_memstrat.snapshot()")
+            if doc is None:
+                return 2
+            docs.append((os.path.splitext(os.path.basename(source))[0], doc))
+        try:
+            written = plot_side_by_side(docs, args.output)
+        except (ValueError, RuntimeError, OSError) as exc:
+            print(f"plot: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {written}")
+        return 0
+    report = _load_report("plot", paths[0], args.test,
                           "bench --json, cupy_memstrat.snapshot() or pytest --gpumem-json")
     if report is None:
         return 2
@@ -476,8 +496,10 @@ def build_parser() -> argparse.ArgumentParser:
         g.set_defaults(func=_cmd_bench)
 
     pl = sub.add_parser("plot", help="draw a benchmark's JSON, or a memory timeline (needs matplotlib)")
-    pl.add_argument("json", help="a file written by bench ... --json, by cupy_memstrat.snapshot(PATH), or by "
-                                 "pytest --gpumem-history --gpumem-json=PATH (then --test picks the test)")
+    pl.add_argument("json", nargs="+", help="a file written by bench ... --json, by cupy_memstrat.snapshot(PATH), or "
+                                             "by pytest --gpumem-history --gpumem-json=PATH (then --test picks the "
+                                             "test); several snapshots (each Dask worker's, from "
+                                             "cupy_memstrat.dask.snapshot) are drawn side by side")
     pl.add_argument("-o", "--output", required=True, help="image to write (.png, .svg, ...)")
     pl.add_argument("--test", metavar="NODEID", help="in a pytest_gpumem report: the test whose timeline to draw "
                                                      "(a part of its node id)")

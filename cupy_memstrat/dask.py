@@ -33,6 +33,7 @@ import warnings
 from dataclasses import asdict, dataclass, replace
 
 import cupy_memstrat
+from cupy_memstrat import history as memory_history
 
 try:
     from distributed import WorkerPlugin
@@ -45,7 +46,7 @@ __all__ = ["MemstratPlugin", "TaskMemory", "stats", "task_peaks", "snapshot", "P
 
 #: the plugin's name on every worker: registering another MemstratPlugin replaces it
 PLUGIN_NAME = "cupy-memstrat"
-_OWN_OPTIONS = ("track_tasks", "max_keys")
+_OWN_OPTIONS = ("track_tasks", "max_keys", "record_history")
 _MOST_KEYS = 10**7
 _active: dict[str, object] = {}  # worker address -> its plugin, in this process
 # worker task states after which a task's thread no longer runs it (Worker State), but "released" from
@@ -89,6 +90,12 @@ class MemstratPlugin(WorkerPlugin):
         track_tasks: record each task's peak and what it left (default True).
         max_keys: task records kept per worker, the newest (default 10 000);
             per key prefix the totals are kept for every prefix.
+        record_history: record each worker's allocation and free events
+            (:func:`cupy_memstrat.record_history`, with origins) from setup
+            on, so that :func:`snapshot` holds a timeline per worker
+            (``python -m cupy_memstrat plot`` draws several side by side):
+            False (default), True (the newest 100 000 events), or the number
+            of events to keep (an int >= 1).
         **options: strategy options, as for :func:`cupy_memstrat.use`.
 
     Raises:
@@ -99,7 +106,8 @@ class MemstratPlugin(WorkerPlugin):
     name = PLUGIN_NAME
     idempotent = False  # registered again: the new one replaces the old on every worker
 
-    def __init__(self, spec: str = "pool", *, track_tasks: bool = True, max_keys: int = 10_000, **options):
+    def __init__(self, spec: str = "pool", *, track_tasks: bool = True, max_keys: int = 10_000,
+                 record_history: bool | int = False, **options):
         _check_spec(spec, options)  # refused here, at the client
         if type(track_tasks).__name__ in ("bool_", "bool") and type(track_tasks).__module__ == "numpy":
             track_tasks = bool(track_tasks)
@@ -111,6 +119,14 @@ class MemstratPlugin(WorkerPlugin):
         if not 1 <= operator.index(max_keys) <= _MOST_KEYS:
             raise ValueError(f"max_keys: expected an int from 1 to {_MOST_KEYS}, got {max_keys!r}")
         max_keys = operator.index(max_keys)
+        if type(record_history).__module__ == "numpy" and hasattr(record_history, "item"):
+            record_history = record_history.item()
+        if isinstance(record_history, bool):
+            record_history = 100_000 if record_history else 0
+        elif not isinstance(record_history, int) or record_history < 1:
+            raise ValueError(f"record_history: expected True, False or an int >= 1 (events to keep), got "
+                             f"{record_history!r}")
+        self.record_history = record_history
         self.spec, self.options = spec, dict(options)
         self.track_tasks, self.max_keys = track_tasks, max_keys
         self._reset_runtime()
@@ -118,6 +134,7 @@ class MemstratPlugin(WorkerPlugin):
     def _reset_runtime(self):
         self.strategy = None
         self._collector = None  # the Prometheus collector registered in this worker's process
+        self._history = None  # the recording started at setup (record_history)
         self.setup_error: str | None = None  # why this worker could not install the strategy
         self._peaks: dict[int, int] = {}  # device -> the worker's peak in use before the last task's reset
         self.worker_address = None
@@ -131,7 +148,7 @@ class MemstratPlugin(WorkerPlugin):
 
     def __getstate__(self):  # sent to workers without the runtime state
         return {"spec": self.spec, "options": self.options, "track_tasks": self.track_tasks,
-                "max_keys": self.max_keys}
+                "max_keys": self.max_keys, "record_history": self.record_history}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -166,6 +183,8 @@ class MemstratPlugin(WorkerPlugin):
             self.setup_error = f"{type(exc).__name__}: {exc}"
             raise
         self.strategy.oom_context = self._oom_context
+        if self.record_history:
+            self._history = cupy_memstrat.record_history(max_entries=self.record_history, strategy=self.strategy)
         worker.metrics["cupy_memstrat"] = self._metric
         _active[worker.address] = self
         self._collector = _prometheus_register(self)
@@ -179,6 +198,9 @@ class MemstratPlugin(WorkerPlugin):
         if s is None:
             return
         s.oom_context = None
+        if self._history is not None and memory_history.recording() is self._history:
+            cupy_memstrat.record_history(False)  # ends ours (CuPy's allocator back to the strategy)
+        self._history = None
         worker.metrics.pop("cupy_memstrat", None)
         _prometheus_unregister(self._collector)
         self._collector = None

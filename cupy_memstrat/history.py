@@ -30,7 +30,7 @@ import time
 from .paths import check_writable_file, write_file_atomically
 from .stats import capture_origin, origin_capture
 
-__all__ = ["record_history", "snapshot", "History"]
+__all__ = ["record_history", "recording", "snapshot", "History"]
 
 SNAPSHOT_KIND = "memory-history"
 _lock = threading.Lock()
@@ -282,6 +282,11 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins:
         s._history = h  # segment and out-of-memory events
         _active = h
         return h
+
+
+def recording() -> History | None:
+    """The :class:`History` being recorded (:func:`record_history`), or None."""
+    return _active
 
 
 def _memory_now(strategy) -> dict:

@@ -121,7 +121,7 @@ def test_a_bad_spec_is_refused_at_the_client_and_nothing_is_sent(client):
     with pytest.raises(ValueError, match="max_keys: expected an int from 1 to 10000000, got 0"):
         cmd.MemstratPlugin("device", max_keys=0)
     with pytest.raises(ValueError, match=r"MemstratPlugin: unknown option 'max_key' \(did you mean 'max_keys'\?\); "
-                                         r"its own: track_tasks, max_keys; the options of strategy 'pool': oom_snapshot, "
+                                         r"its own: track_tasks, max_keys, record_history; the options of strategy 'pool': oom_snapshot, "
                                          "track_origins"):
         cmd.MemstratPlugin("pool", max_key=5)
     # a path on the workers' machines: not checked against the client's file system
@@ -163,6 +163,32 @@ def test_snapshot_writes_each_workers_memory_for_export(client, tmp_path):
         r = subprocess.run([sys.executable, "-m", "cupy_memstrat", "export", p, "-o", p + ".pickle"],
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
+
+
+def test_record_history_gives_a_timeline_per_worker_and_plot_draws_them_side_by_side(client, tmp_path):
+    pytest.importorskip("matplotlib")
+    client.register_plugin(cmd.MemstratPlugin("async", record_history=True))
+    client.gather(client.map(_make, [MiB * (i + 1) for i in range(6)], pure=False))
+    paths = cmd.snapshot(client, str(tmp_path / "snaps"))
+    for p in paths:
+        doc = json.loads(open(p).read())
+        assert doc["recording"] is True and doc["strategy"]["name"] == "async"
+        assert {e["action"] for e in doc["events"]} >= {"alloc", "free"}
+    r = subprocess.run([sys.executable, "-m", "cupy_memstrat", "plot", *paths, "-o", str(tmp_path / "w.png")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "w.png").stat().st_size > 10_000
+    client.register_plugin(cmd.MemstratPlugin("async"))  # replaced: the recordings end at teardown
+    assert all(json.loads(open(p).read())["recording"] is False for p in cmd.snapshot(client, str(tmp_path / "s2")))
+    # a snapshot without events is named
+    quiet = dict(json.loads(open(paths[1]).read()), events=[])
+    (tmp_path / "quiet-worker.json").write_text(json.dumps(quiet))
+    r = subprocess.run([sys.executable, "-m", "cupy_memstrat", "plot", paths[0], str(tmp_path / "quiet-worker.json"),
+                        "-o", str(tmp_path / "q.png")], capture_output=True, text=True)
+    assert r.returncode == 2 and "quiet-worker: nothing to draw" in r.stderr
+    with pytest.raises(ValueError, match=r"record_history: expected True, False or an int >= 1 \(events to keep\), "
+                                         r"got -3"):
+        cmd.MemstratPlugin("async", record_history=-3)
 
 
 def test_the_scheduler_gets_each_workers_gpu_bytes_in_its_heartbeats(client):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["plot"]
+__all__ = ["plot", "plot_side_by_side"]
 
 
 def _pyplot():
@@ -165,57 +165,120 @@ def _workloads(report: dict, plt):
     return fig
 
 
+def _timeline_panel(ax, doc: dict, d: int, top: int = 8) -> None:
+    """Device ``d``'s live memory over the events of snapshot ``doc``, into ``ax``."""
+    from ..sizes import format_size
+
+    evs = [e for e in doc.get("events") or [] if e["device"] == d]
+    live, by_origin, peak = {}, {}, {}
+    t, series = [], []
+    for e in evs:
+        key = e.get("origin") or "(origin not recorded)"
+        if e["action"] == "alloc":
+            live[e["ptr"]] = (e["size"], key)
+            by_origin[key] = by_origin.get(key, 0) + e["size"]
+        else:
+            size, key = live.pop(e["ptr"], (e["size"], key))
+            by_origin[key] = by_origin.get(key, 0) - size
+        peak[key] = max(peak.get(key, 0), by_origin[key])
+        t.append(len(t))
+        series.append(dict(by_origin))
+    t.append(len(t))  # the state after the last event, drawn for one more step
+    series.append(series[-1])
+    keys = sorted(peak, key=lambda k: -peak[k])
+    shown, rest = keys[:top], keys[top:]
+    base = (doc.get("baseline_bytes_in_use") or [0] * (d + 1))[d]
+    ys = [[base] * len(t)] + [[s.get(k, 0) for s in series] for k in shown]
+    labels = [f"before recording ({format_size(base)})"] + [_short(k) for k in shown]
+    if rest:
+        ys.append([sum(s.get(k, 0) for k in rest) for s in series])
+        labels.append(f"{len(rest)} other origins")
+    ax.stackplot(t, [[v / 2**20 for v in y] for y in ys], labels=labels, step="post")
+    ax.set_xlabel("event (allocations and frees in order)")
+    ax.set_ylabel("live MiB")
+    n = "1 event" if len(evs) == 1 else f"{len(evs)} events"
+    ax.set_title(f"device {d}: {n} over {evs[-1]['t'] - evs[0]['t']:.3g} s", fontsize=9)
+    ax.legend(loc="upper left", fontsize=7, framealpha=0.8)
+
+
+def _devices_with_events(doc: dict) -> list[int]:
+    return sorted({e["device"] for e in doc.get("events") or []})
+
+
 def _timeline(doc: dict, plt, top: int = 8):
     """Live memory over time from a ``cupy_memstrat.snapshot()``, event by
     event (bursts stay readable), stacked by origin: the ``top`` origins with the highest peak, the rest as "other";
     one panel per device with events. Bytes live before recording began are
     the baseline at the bottom."""
-    from ..sizes import format_size
-
-    events = doc.get("events") or []
-    devices = sorted({e["device"] for e in events})
+    devices = _devices_with_events(doc)
     if not devices:
         raise _NothingToDraw("nothing to draw: the snapshot holds no allocation or free event (record while the "
                              "code allocates)")
     fig, axes = plt.subplots(len(devices), 1, figsize=(10, 3.6 * len(devices)), squeeze=False)
     for ax, d in zip(axes[:, 0], devices):
-        evs = [e for e in events if e["device"] == d]
-        live, by_origin, peak = {}, {}, {}
-        t, series = [], []
-        for e in evs:
-            key = e.get("origin") or "(origin not recorded)"
-            if e["action"] == "alloc":
-                live[e["ptr"]] = (e["size"], key)
-                by_origin[key] = by_origin.get(key, 0) + e["size"]
-            else:
-                size, key = live.pop(e["ptr"], (e["size"], key))
-                by_origin[key] = by_origin.get(key, 0) - size
-            peak[key] = max(peak.get(key, 0), by_origin[key])
-            t.append(len(t))
-            series.append(dict(by_origin))
-        t.append(len(t))  # the state after the last event, drawn for one more step
-        series.append(series[-1])
-        keys = sorted(peak, key=lambda k: -peak[k])
-        shown, rest = keys[:top], keys[top:]
-        base = (doc.get("baseline_bytes_in_use") or [0] * (d + 1))[d]
-        ys = [[base] * len(t)] + [[s.get(k, 0) for s in series] for k in shown]
-        labels = [f"before recording ({format_size(base)})"] + [_short(k) for k in shown]
-        if rest:
-            ys.append([sum(s.get(k, 0) for k in rest) for s in series])
-            labels.append(f"{len(rest)} other origins")
-        ax.stackplot(t, [[v / 2**20 for v in y] for y in ys], labels=labels, step="post")
-        ax.set_xlabel("event (allocations and frees in order)")
-        ax.set_ylabel("live MiB")
-        n = "1 event" if len(evs) == 1 else f"{len(evs)} events"
-        ax.set_title(f"device {d}: {n} over {evs[-1]['t'] - evs[0]['t']:.3g} s", fontsize=9)
-        ax.legend(loc="upper left", fontsize=7, framealpha=0.8)
+        _timeline_panel(ax, doc, d, top)
     s = doc.get("strategy") or {}
+    events = doc.get("events") or []
     dropped = f", {doc['dropped']} oldest events dropped" if doc.get("dropped") else ""
     title = f"{doc['title']}\n" if isinstance(doc.get("title"), str) else ""  # the test, from a pytest report
     one = "1 event" if len(events) == 1 else f"{len(events)} events"
     fig.suptitle(f"{title}GPU memory over time, strategy {s.get('name')!r}, {one}{dropped}", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def plot_side_by_side(docs: list[tuple[str, dict]], path: str, top: int = 6) -> str:
+    """Several ``cupy_memstrat.snapshot()`` timelines side by side, one column
+    per ``(name, snapshot)`` (for instance each Dask worker's, from
+    :func:`cupy_memstrat.dask.snapshot`), one row per device, on one scale
+    of bytes, into ``path`` (its extension picks the format; none: ``.png``).
+
+    Returns:
+        str: the path written.
+
+    Raises:
+        ValueError: fewer than two snapshots, one that is not a snapshot, or
+            one without any allocation or free event (each named).
+        RuntimeError: matplotlib is not installed.
+    """
+    import os
+
+    if len(docs) < 2:
+        raise ValueError(f"side by side: expected two or more snapshots, got {len(docs)}")
+    for name, doc in docs:
+        if not isinstance(doc, dict) or doc.get("kind") != "memory-history":
+            raise ValueError(f"{name}: not a cupy_memstrat.snapshot() (its 'kind' is "
+                             f"{doc.get('kind') if isinstance(doc, dict) else None!r}, expected 'memory-history')")
+        if not _devices_with_events(doc):
+            raise ValueError(f"{name}: nothing to draw: the snapshot holds no allocation or free event (record "
+                             "while the code allocates: cupy_memstrat.record_history(), or "
+                             "MemstratPlugin(..., record_history=True) on Dask workers)")
+    if not os.path.splitext(path)[1]:
+        path += ".png"
+    rows = max(len(_devices_with_events(doc)) for _, doc in docs)
+    plt = _pyplot()
+    fig, axes = plt.subplots(rows, len(docs), figsize=(6.5 * len(docs), 3.6 * rows), squeeze=False, sharey=True)
+    try:
+        for col, (name, doc) in enumerate(docs):
+            devices = _devices_with_events(doc)
+            for row in range(rows):
+                ax = axes[row, col]
+                if row < len(devices):
+                    _timeline_panel(ax, doc, devices[row], top)
+                    ax.set_title(f"{name}\n{ax.get_title()}", fontsize=9)
+                else:
+                    ax.set_visible(False)
+        strategies = sorted({str((doc.get("strategy") or {}).get("name")) for _, doc in docs})
+        fig.suptitle(f"GPU memory over time, {len(docs)} snapshots side by side, strategy "
+                     f"{', '.join(strategies)}", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, ArithmeticError) as exc:
+        raise ValueError(f"side by side: a snapshot lacks or mangles what the figure needs "
+                         f"({type(exc).__name__}: {exc})") from exc
+    finally:
+        plt.close(fig)
+    return path
 
 
 def _short(origin: str, width: int = 70) -> str:
