@@ -86,10 +86,10 @@ gpu_tests() {  # tests/gpu, every test's outcome on the log, JUnit XML into $OUT
   step tests/gpu
   python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$OUT/tests_gpu.xml"
 }
-benches() {  # bench GROUP --json $OUT/bench-GROUP.json, for each group given
+benches() {  # bench GROUP --json ${BENCH_DIR:-$OUT}/bench-GROUP.json, for each group given
   for g in "$@"; do
     step "bench $g"
-    python3 -m cupy_memstrat bench $g --json "$OUT/bench-$g.json"
+    python3 -m cupy_memstrat bench $g --json "${BENCH_DIR:-$OUT}/bench-$g.json"
   done
 }
 
@@ -179,10 +179,7 @@ if [ "$part" = session ]; then
   python3 tools/probes/async_multistream.py "$J/async-multistream.json"
   step "probe: what track_origins costs"
   python3 tools/probes/origins_cost.py "$J/origins-cost.json"
-  for g in streams managed workloads; do
-    step "bench $g"
-    python3 -m cupy_memstrat bench $g --json "$J/bench-$g.json"
-  done
+  BENCH_DIR=$J benches streams managed workloads
   tar -czf "$OUT/session_json.tgz" -C /tmp session_json
 fi
 
@@ -198,10 +195,7 @@ if [ "$part" = call2 ]; then
   timeout 200 python3 tools/probes/dask_gpu.py "$J" --rounds 5
   step "probe: destroyed streams' chunks under managed"
   timeout 120 python3 tools/probes/managed_reclaim.py "$J/managed-reclaim.json"
-  for g in streams workloads; do
-    step "bench $g"
-    python3 -m cupy_memstrat bench $g --json "$J/bench-$g.json"
-  done
+  BENCH_DIR=$J benches streams workloads
   tar -czf "$OUT/call2_json.tgz" -C /tmp call2_json
 fi
 
@@ -215,10 +209,7 @@ if [ "$part" = call3 ]; then
   timeout 240 python3 tools/probes/dask_gpu.py "$J" --n 24576 --rounds 9
   step "probe: destroyed streams' chunks under managed"
   timeout 120 python3 tools/probes/managed_reclaim.py "$J/managed-reclaim.json"
-  for g in streams workloads managed; do
-    step "bench $g"
-    python3 -m cupy_memstrat bench $g --json "$J/bench-$g.json"
-  done
+  BENCH_DIR=$J benches streams workloads managed
   tar -czf "$OUT/call3_json.tgz" -C /tmp call3_json
 fi
 
