@@ -154,6 +154,38 @@ def test_a_short_program_is_repeated_within_a_sample_and_timed_per_run():
     assert rows["slow"]["ratio_to_first"] == pytest.approx(2.0)
 
 
+def test_the_ratio_in_rounds_cancels_the_hosts_drift_between_rounds():
+    # The host's speed changes from round to round (1, 3, 1.5, 2.5, 0.9 times slower), "b" costs
+    # 1.04x "a" in the same round, and one sample of "a" hits a hiccup (twice as slow). The ratio
+    # of the medians falls to 0.62; the median of the rounds' ratios stays 1.04.
+    clock, active = _Clock(), []
+    cost = {"a": 0.01, "b": 0.0104}
+    speeds, timed = [1.0, 3.0, 1.5, 2.5, 0.9], {"a": 0, "b": 0}
+    paths = [(name, lambda name=name: active.append(name), None, None) for name in cost]
+
+    def prog(xp, sp):
+        name = active[-1]
+        if not hasattr(prog, "calls"):
+            prog.calls = 0
+        prog.calls += 1
+        if prog.calls <= 3:  # the warm-ups and the calibration run are not timed
+            return xp.zeros(1)
+        r = timed[name]
+        timed[name] += 1
+        clock.t += cost[name] * speeds[r] * (2.0 if (name, r) == ("a", 2) else 1.0)
+        return xp.zeros(1)
+
+    rows = W.measure(np, None, paths, {"p": (prog, {})}, rounds=5, sync=lambda: None, to_host=np.asarray,
+                     say=lambda m: None, min_sample_s=0.0, clock=clock)["p"]
+    rr = rows["b"]["ratio_in_rounds"]
+    assert rr["per_round"] == pytest.approx([1.04, 1.04, 0.52, 1.04, 1.04])
+    assert rr["median"] == pytest.approx(1.04) and rr["q1"] == pytest.approx(1.04) and rr["q3"] == pytest.approx(1.04)
+    assert rows["a"]["ratio_in_rounds"]["median"] == 1.0
+    assert rows["b"]["ratio_to_first"] == pytest.approx(0.624)
+    text = W.format_table({"params": {"descriptions": {"p": "drift"}}, "results": {"p": rows}})
+    assert "1.04x [1.04-1.04]" in text
+
+
 def test_a_cold_workload_starts_every_sample_with_the_cache_given_back():
     events = []
     paths = [(name, lambda name=name: events.append(("use", name)), None,

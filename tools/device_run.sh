@@ -53,6 +53,8 @@
 #                                         the reclaim probe, bench streams, workloads and managed (call3_json.tgz)
 #   tools/device_run.sh call4             tools/probes/dask_gpu.py (carry .whl), then CuPy's subset under CuPy's
 #                                         pool and managed (carry .cupy_tests)
+#   tools/device_run.sh call5             tests/gpu, the managed hot-path probe, bench streams, workloads
+#                                         (9 rounds), managed and alloc (call5_json.tgz)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -211,6 +213,22 @@ if [ "$part" = call3 ]; then
   timeout 120 python3 tools/probes/managed_reclaim.py "$J/managed-reclaim.json"
   BENCH_DIR=$J benches streams workloads managed
   tar -czf "$OUT/call3_json.tgz" -C /tmp call3_json
+fi
+
+if [ "$part" = call5 ]; then
+  # tests/gpu (with what the last session could not run: from_external, the growth gate, trim
+  # reset), the managed hot-path probe, bench streams, workloads (9 rounds: the ratio in rounds)
+  # and managed (the latency back to back), bench alloc; the JSON in one tgz
+  J=/tmp/call5_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"; python3 -m cupy_memstrat info | head -20
+  gpu_tests
+  step "probe: the managed hot path"
+  timeout 60 python3 tools/probes/managed_hot_path.py | tee "$J/managed_hot_path.json"
+  BENCH_DIR=$J benches streams
+  step "bench workloads --rounds 9"
+  python3 -m cupy_memstrat bench workloads --rounds 9 --json "$J/bench-workloads.json"
+  BENCH_DIR=$J benches managed alloc
+  tar -czf "$OUT/call5_json.tgz" -C /tmp call5_json
 fi
 
 if [ "$part" = call4 ]; then

@@ -241,30 +241,39 @@ def run(*, rounds: int = 7, target_s: float = 0.03, progress=None, strategies=No
 
 def _paired_device_vs_no_pool(cupy, say, target_s: float, pairs: int = PAIRED_ROUNDS) -> dict:
     """``device`` against raw ``cudaMalloc`` (``no-pool``), measured back to
-    back: per size, ``pairs`` times one short measurement of each, adjacent,
-    the order alternating; the ratio of each adjacent pair, then the median
-    of those ratios (with their quartiles). ``cudaMalloc``'s own time drifts
-    between rounds by more than the strategy's share (4.2 to 6.6 us at 512 B
-    within one H200 run), which the medians of the main table, taken over
-    rounds that visit every path in turn, do not cancel."""
+    back (:func:`paired_ratios`). ``cudaMalloc``'s own time drifts between
+    rounds by more than the strategy's share (4.2 to 6.6 us at 512 B within
+    one H200 run), which the medians of the main table, taken over rounds
+    that visit every path in turn, do not cancel."""
     from ..api import create
 
+    return paired_ratios(cupy, ("device", create("device").cupy_allocator()), ("no-pool", None), say, target_s, pairs)
+
+
+def paired_ratios(cupy, path, reference, say, target_s: float, pairs: int = PAIRED_ROUNDS) -> dict:
+    """One path's alloc+free time against a reference path's, measured back
+    to back: per size, ``pairs`` times one short measurement of each
+    (about ``target_s`` seconds), adjacent, the order alternating; the ratio
+    of each adjacent pair, then the median of those ratios with their
+    quartiles. ``path`` and ``reference`` are ``(label, allocator)``, the
+    allocator as given to ``cupy.cuda.set_allocator`` (``None``: no pool).
+    Returns ``{str(size): {"median_ratio", "q1", "q3", "pairs", "iterations"}}``."""
     cuda = cupy.cuda
     prev = cuda.get_allocator()
-    device = create("device").cupy_allocator()
+    (label, alloc), (ref_label, ref_alloc) = path, reference
     out = {}
     try:
         for size in SIZES:
-            say(f"device vs no-pool, paired, {format_size(size)}")
-            cuda.set_allocator(None)
+            say(f"{label} vs {ref_label}, paired, {format_size(size)}")
+            cuda.set_allocator(ref_alloc)
             n = _calibrate(lambda k: _time_pairs(cupy, size, k), target_s)
             ratios = []
             for i in range(pairs):
                 t = {}
-                for label in (("no-pool", "device") if i % 2 == 0 else ("device", "no-pool")):
-                    cuda.set_allocator(device if label == "device" else None)
-                    t[label] = _time_pairs(cupy, size, n)
-                ratios.append(t["device"] / t["no-pool"])
+                for which in ((ref_label, label) if i % 2 == 0 else (label, ref_label)):
+                    cuda.set_allocator(alloc if which == label else ref_alloc)
+                    t[which] = _time_pairs(cupy, size, n)
+                ratios.append(t[label] / t[ref_label])
             q = statistics.quantiles(ratios, n=4)
             out[str(size)] = {"median_ratio": statistics.median(ratios), "q1": q[0], "q3": q[2],
                               "pairs": pairs, "iterations": n}

@@ -118,9 +118,16 @@ def _async(report: dict, plt):
     return fig
 
 
+def _workload_ratio(row: dict) -> float:
+    """The median of the path's ratios to CuPy's pool round by round, or for
+    reports written before they were kept, the ratio of the medians."""
+    rr = row.get("ratio_in_rounds")
+    return float(rr["median"] if isinstance(rr, dict) and "median" in rr else row["ratio_to_first"])
+
+
 def _workloads(report: dict, plt):
-    """Per workload, each path's median wall time as a ratio to CuPy's pool
-    (grouped bars, log scale); GPU page faults and a result that differs
+    """Per workload, each path's wall time as a ratio to CuPy's pool (the
+    median of the ratios of the samples of each round; grouped bars, log scale); GPU page faults and a result that differs
     from the pool's are written by the bar; a workload measured cold says so."""
     res = report["results"]
     names = list(res)
@@ -134,7 +141,7 @@ def _workloads(report: dict, plt):
     shown = []
     for j, lab in enumerate(labels):
         ys = [i + j * h for i in range(len(names))]
-        vals = [float(res[n][lab]["ratio_to_first"]) if lab in res[n] else None for n in names]
+        vals = [_workload_ratio(res[n][lab]) if lab in res[n] else None for n in names]
         drawable = [v if v is not None and math.isfinite(v) and v > 0 else float("nan") for v in vals]
         ax.barh(ys, drawable, height=h, color=cmap(j % 10), label=lab)
         for y, n, v, d in zip(ys, names, vals, drawable):
@@ -158,7 +165,7 @@ def _workloads(report: dict, plt):
                   [f"{n}\n(cold)" if n in cold else n for n in names])
     ax.invert_yaxis()
     ax.axvline(1.0, color="0.3", ls="--", lw=1)
-    ax.set_xlabel("median wall time per run, ratio to CuPy's default pool (log scale)")
+    ax.set_xlabel("wall time per run, ratio to CuPy's default pool in the same round (median over rounds; log scale)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(f"Real workloads on {_device_name(report)}", fontsize=10)
     fig.tight_layout()

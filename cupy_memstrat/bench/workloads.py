@@ -239,7 +239,10 @@ def measure(xp, sp, paths, workloads: dict, *, rounds: int, sync, to_host, say, 
     ``faults``, if given, has ``start()`` / ``stop() -> dict or None``
     (reported per run: the last sample's counts over its runs); ``stats()`` adds CuPy-pool figures
     to rows of paths without a strategy. Returns {workload: {label: row}};
-    ``row["seconds"]`` is the median over the rounds of the seconds per run.
+    ``row["seconds"]`` is the median over the rounds of the seconds per run,
+    ``row["ratio_to_first"]`` its ratio to the first path's median, and
+    ``row["ratio_in_rounds"]`` the median and quartiles of the ratios of the
+    path's sample to the first path's sample round by round.
     """
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds: expected an int >= 1, got {rounds!r}")
@@ -318,11 +321,27 @@ def measure(xp, sp, paths, workloads: dict, *, rounds: int, sync, to_host, say, 
                 row["check"] = {"identical": True, "max_rel_diff": 0.0, "reference": True}
             else:
                 row["check"] = _compare(ref, host)
-        base = next(iter(rows.values()))["seconds"]
+        first = next(iter(rows.values()))
+        base = first["seconds"]
         for row in rows.values():
             row["ratio_to_first"] = row["seconds"] / base if base > 0 else float("nan")
+            row["ratio_in_rounds"] = _ratio_in_rounds(row["runs"], first["runs"])
         out[name] = rows
     return out
+
+
+def _ratio_in_rounds(runs: list[float], ref: list[float]) -> dict:
+    """The ratio of a path's sample to the first path's sample of the same
+    round, per round; their median and quartiles. The samples of one round
+    are taken one after the other, so this ratio cancels the host's drift
+    between rounds, which the ratio of the two medians does not."""
+    per = [a / b if b > 0 else float("nan") for a, b in zip(runs, ref)]
+    if len(per) >= 2:
+        q = statistics.quantiles(per, n=4, method="inclusive")
+        q1, q3 = q[0], q[2]
+    else:
+        q1 = q3 = per[0]
+    return {"median": statistics.median(per), "q1": q1, "q3": q3, "per_round": per}
 
 
 def run(*, rounds: int = 5, progress=None, strategies=None, scale: float = 1.0, only=None) -> dict:
@@ -412,7 +431,8 @@ def run(*, rounds: int = 5, progress=None, strategies=None, scale: float = 1.0, 
 
 def format_table(report: dict) -> str:
     """Median seconds per workload and path, ratio to CuPy's pool, peaks, faults, check."""
-    out = ["workloads: median wall seconds (ratio to CuPy's pool), peak in use / reserved, GPU faults, result"]
+    out = ["workloads: median wall seconds (ratio of the medians to CuPy's pool), the ratio to CuPy's pool's sample "
+           "of the same round (median [quartiles]), peak in use / reserved, GPU faults, result"]
     cold = set(report["params"].get("cold") or ())
     for name, rows in report["results"].items():
         how = "; cold: each run starts with nothing cached" if name in cold else ""
@@ -427,8 +447,10 @@ def format_table(report: dict) -> str:
                 f"differs (max rel {c['max_rel_diff']:.2e})" if c.get("max_rel_diff") is not None
                 else f"differs (max abs {c['max_abs_diff']:.2e}; {c['why']})" if "max_abs_diff" in c
                 else c.get("why", "?"))
-            out.append(f"  {label:28s} {r['seconds']:9.4f} s ({r['ratio_to_first']:5.2f}x)  {peaks:>22s}  "
-                       f"{'' if f is None else f'{f} faults':>12s}  {check}")
+            rr = r.get("ratio_in_rounds")
+            paired = f"{rr['median']:5.2f}x [{rr['q1']:.2f}-{rr['q3']:.2f}]" if rr else ""
+            out.append(f"  {label:28s} {r['seconds']:9.4f} s ({r['ratio_to_first']:5.2f}x)  {paired:>19s}  "
+                       f"{peaks:>22s}  {'' if f is None else f'{f} faults':>12s}  {check}")
     return "\n".join(out)
 
 
