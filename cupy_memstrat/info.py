@@ -44,6 +44,8 @@ def package_versions() -> dict:
         "pluggy": _dist_version("pluggy"),
         "numpy": _dist_version("numpy"),
         "rmm": _dist_version("rmm-cu13", "rmm-cu12", "rmm"),
+        "torch": _dist_version("torch"),
+        "numba_cuda": _dist_version("numba-cuda"),
     }
 
 

@@ -672,8 +672,14 @@ def pytest_generate_tests(metafunc):
             names = [n.strip() for n in names.split(",")]
         if "gpumem_strategy" in names:
             return  # the test chose its strategies itself
-    names = list(cupy_memstrat.available())
-    metafunc.parametrize("gpumem_strategy", names, indirect=True, ids=names)
+    from cupy_memstrat.registry import get_registry
+
+    reg = get_registry()
+    params = []
+    for name in cupy_memstrat.available():
+        why = reg.get(name).unavailable()  # e.g. 'torch' without PyTorch: skipped, with the reason
+        params.append(pytest.param(name, id=name, marks=pytest.mark.skip(reason=why) if why else ()))
+    metafunc.parametrize("gpumem_strategy", params, indirect=True)
 
 
 # -- running a test --------------------------------------------------------------------------

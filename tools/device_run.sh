@@ -55,6 +55,10 @@
 #                                         pool and managed (carry .cupy_tests)
 #   tools/device_run.sh call5             tests/gpu, the managed hot-path probe, bench streams, workloads
 #                                         (9 rounds), managed and alloc (call5_json.tgz)
+#   tools/device_run.sh call6             (carry .whl) tests/gpu with the interop tests, bench alloc with
+#                                         the rmm, torch and torch-bare rows (call6_json.tgz)
+#   tools/device_run.sh call7             (carry .whl, .cupy_tests) the interop, Numba and plugin GPU tests,
+#                                         then CuPy's subset under CuPy's pool, rmm and torch
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -229,6 +233,28 @@ if [ "$part" = call5 ]; then
   python3 -m cupy_memstrat bench workloads --rounds 9 --json "$J/bench-workloads.json"
   BENCH_DIR=$J benches managed alloc
   tar -czf "$OUT/call5_json.tgz" -C /tmp call5_json
+fi
+
+if [ "$part" = call6 ]; then
+  # issue 20 (carry .whl: RMM): tests/gpu (the rmm and torch strategies, the Numba memory
+  # manager, the mixed CuPy + PyTorch + Numba probe's JSON), then bench alloc with their rows
+  J=/tmp/call6_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"; python3 -m cupy_memstrat info | head -30
+  GPUMEM_INTEROP_OUT=$J gpu_tests
+  BENCH_DIR=$J benches alloc
+  tar -czf "$OUT/call6_json.tgz" -C /tmp call6_json
+fi
+
+if [ "$part" = call7 ]; then
+  # issue 20 again after call6's findings (carry .whl and .cupy_tests): the interop, Numba and
+  # plugin GPU tests (the mixed probe's JSON), then CuPy's subset under CuPy's pool, rmm and torch
+  J=/tmp/call7_json; mkdir -p $J
+  step "tests/gpu: interop, numba, plugin"
+  GPUMEM_INTEROP_OUT=$J python3 -m pytest tests/gpu/test_interop_gpu.py tests/gpu/test_numba_gpu.py \
+    tests/gpu/test_plugin_gpu.py -v -p no:cacheprovider -rs --junitxml="$J/tests_gpu_interop.xml"
+  tar -czf "$OUT/call7_json.tgz" -C /tmp call7_json
+  set -- default rmm torch
+  part=cupy
 fi
 
 if [ "$part" = call4 ]; then

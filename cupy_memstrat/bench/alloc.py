@@ -7,9 +7,12 @@ figure is the median over rounds. Ratios are taken against CuPy's default
 
 Paths: CuPy's default pool (``cupy-default``), no pool (``no-pool``:
 ``set_allocator(None)``, raw cudaMalloc/cudaFree), every registered
-strategy, ``device`` with ``track_origins=True``, RMM's
+strategy whose library is installed (``rmm`` over the ``rmm-async`` path's
+resource), ``device`` with ``track_origins=True``, RMM's
 ``rmm_cupy_allocator`` over ``CudaAsyncMemoryResource`` (``rmm-async``) when
-``rmm`` is importable, and CuPy's ``MemoryAsyncPool`` (``cupy-async``).
+``rmm`` is importable, a bare allocator over PyTorch's caching allocator
+(``torch-bare``) beside the ``torch`` strategy, and CuPy's
+``MemoryAsyncPool`` (``cupy-async``).
 """
 
 from __future__ import annotations
@@ -88,31 +91,69 @@ def _paths(cupy, strategies: list[str], extra=()):
         ("cupy-default", lambda: cuda.set_allocator(default_pool.malloc)),
         ("no-pool", lambda: cuda.set_allocator(None)),
     ]
+    try:
+        import rmm
+        from rmm.allocators.cupy import rmm_cupy_allocator
+    except ImportError:
+        rmm = None
+    rmm_mr = rmm.mr.CudaAsyncMemoryResource() if rmm is not None else None
     for name in strategies:
-        s = create(name)
+        if name == "rmm" and rmm_mr is not None:
+            s = create(name, resource=rmm_mr)  # the resource of the rmm-async path: our share alone
+        else:
+            s = create(name)
         paths.append((name, lambda m=s.cupy_allocator(): cuda.set_allocator(m)))
     if "device" in strategies:
         s = create("device", track_origins=True)
         paths.append(("device+origins", lambda m=s.cupy_allocator(): cuda.set_allocator(m)))
     paths.extend(extra)
-    try:
-        import rmm
-        from rmm.allocators.cupy import rmm_cupy_allocator
-
-        rmm_mr = rmm.mr.CudaAsyncMemoryResource()
-
+    if rmm is not None:
         def rmm_async():
             rmm.mr.set_current_device_resource(rmm_mr)
             cuda.set_allocator(rmm_cupy_allocator)
 
         paths.append(("rmm-async", rmm_async))
-    except ImportError:
-        pass
+    if "torch" in strategies:
+        paths.append(("torch-bare", _torch_bare_allocator(cupy)))
     # Created last: its constructor changes every device's current memory pool
     # (cudaDeviceSetMemPool), which no path above depends on.
     async_pool = cuda.MemoryAsyncPool()
     paths.append(("cupy-async", lambda: cuda.set_allocator(async_pool.malloc)))
     return paths
+
+
+def _torch_bare_allocator(cupy):
+    """``activate()`` of a ``PythonFunctionAllocator`` whose functions only
+    call PyTorch's ``caching_allocator_alloc`` / ``caching_allocator_delete``
+    on CuPy's current stream: the least any CuPy allocator over PyTorch's
+    pool costs, beside which the ``torch`` strategy's share shows."""
+    import torch
+
+    alloc, delete = torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete
+    stream = cupy.cuda.get_current_stream
+
+    def malloc(size, device):
+        return alloc(size, device, stream().ptr)
+
+    def free(ptr, device):
+        delete(ptr)
+
+    pfa = cupy.cuda.PythonFunctionAllocator(malloc, free)
+    return lambda: cupy.cuda.set_allocator(pfa.malloc)
+
+
+def _usable(names: list[str], say) -> list[str]:
+    """The names whose strategy can be made here; the others are said and left out."""
+    from ..registry import get_registry
+
+    reg, out = get_registry(), []
+    for name in names:
+        why = reg.get(name).unavailable()
+        if why:
+            say(f"skipping {name}: {why}")
+        else:
+            out.append(name)
+    return out
 
 
 def _time_pairs(cupy, size: int, n: int) -> float:
@@ -179,7 +220,7 @@ def run(*, rounds: int = 7, target_s: float = 0.03, progress=None, strategies=No
     import cupy
 
     say = progress or (lambda msg: None)
-    names = list(strategies) if strategies is not None else get_registry().names()
+    names = list(strategies) if strategies is not None else _usable(get_registry().names(), say)
     prev = cupy.cuda.get_allocator()
     paths = _paths(cupy, names, extra_paths)
     labels = [p[0] for p in paths]

@@ -121,6 +121,11 @@ def install(cp, spec: str, **options):
         s = one_cache_managed(**options)
         cp.cuda.set_allocator(s.cupy_allocator())
         return s
+    if spec == "rmm-pool":  # the rmm strategy over RMM's pool, which caches freed blocks per stream handle
+        import rmm
+
+        mr = rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource(), initial_pool_size=256 << 20)
+        return cupy_memstrat.use("rmm", resource=mr, **options)
     return cupy_memstrat.use(spec, **options)
 
 

@@ -350,7 +350,7 @@ def run(*, rounds: int = 5, progress=None, strategies=None, scale: float = 1.0, 
     Args:
         rounds: rounds of timed samples, each path once per round (after
             one warm-up run each).
-        strategies: strategy specs to run (default: every registered one,
+        strategies: strategy specs to run (default: every registered one that needs no other library,
             plus ``managed:prefetch=on_new`` and ``managed:prefetch=on_alloc``).
         scale: multiplies the problem sizes (0 < scale <= 1 shrinks them).
         only: workload names to run (default: all).
@@ -388,7 +388,10 @@ def run(*, rounds: int = 5, progress=None, strategies=None, scale: float = 1.0, 
         "multi-stream": {"n": max(1024, int((1 << 21) * scale))},
     }
     workloads = {n: (WORKLOADS[n][0], kwargs[n]) for n in names}
-    specs = list(strategies) if strategies is not None else get_registry().names() + [
+    # by default the strategies of this package alone (rmm and torch, which need their libraries,
+    # are measured by bench alloc)
+    specs = list(strategies) if strategies is not None else [
+        n for n in get_registry().names() if not get_registry().get(n).requires] + [
         "managed:prefetch=on_new", "managed:prefetch=on_alloc"]
     pool = cupy.get_default_memory_pool()
     prev = cupy.cuda.get_allocator()

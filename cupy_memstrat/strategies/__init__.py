@@ -8,8 +8,11 @@ from .base import Strategy
 from .cupy_pool import CuPyPoolStrategy
 from .device import DeviceStrategy
 from .managed import ManagedStats, ManagedStrategy
+from .rmm_adapter import RMMStrategy
+from .torch_adapter import TorchStrategy
 
-__all__ = ["Strategy", "CuPyPoolStrategy", "DeviceStrategy", "AsyncPoolStrategy", "PoolStats", "ManagedStrategy", "ManagedStats"]
+__all__ = ["Strategy", "CuPyPoolStrategy", "DeviceStrategy", "AsyncPoolStrategy", "PoolStats", "ManagedStrategy",
+           "ManagedStats", "RMMStrategy", "TorchStrategy"]
 
 
 @hookimpl
@@ -18,3 +21,5 @@ def memstrat_register_strategies(registry):
     registry.add(AsyncPoolStrategy)
     registry.add(ManagedStrategy)
     registry.add(CuPyPoolStrategy)
+    registry.add(RMMStrategy)
+    registry.add(TorchStrategy)

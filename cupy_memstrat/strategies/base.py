@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import difflib
 import gc
-import importlib
+import importlib.util
 import operator
 import os
 import sys
@@ -253,6 +253,9 @@ class Strategy:
     #: False for a strategy whose hot path exists in Python only (``async``
     #: for now): ``info`` and :func:`hot_path_status` say so per strategy.
     has_c_hot_path: ClassVar[bool] = True
+    #: The module a strategy needs besides CuPy (``"torch"``, ``"rmm"``), or
+    #: None: :meth:`unavailable` says when it is missing.
+    requires: ClassVar[str | None] = None
 
     common_options: ClassVar[tuple[Option, ...]] = (
         Option(
@@ -316,6 +319,16 @@ class Strategy:
         #: None, or a callable returning text added to this strategy's out-of-memory messages
         #: (cupy_memstrat.dask's plugin names the worker and the task)
         self.oom_context = None
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this strategy cannot be made in this environment (the module
+        it :attr:`requires` is not installed), or None. Imports nothing: a
+        module that is installed but fails at creation (PyTorch without
+        CUDA) is reported then, by the constructor."""
+        if cls.requires and importlib.util.find_spec(cls.requires) is None:
+            return f"strategy {cls.name!r} needs the module {cls.requires!r}, which is not installed"
+        return None
 
     # -- options ---------------------------------------------------------------
     @classmethod
@@ -1018,6 +1031,22 @@ class Strategy:
         out: dict[int, int] = {}
         for live in self._live:
             out.update(live)
+        return out
+
+    def _trim_devices(self, keep_bytes, device) -> list[tuple[int, int]]:
+        """``[(device, bytes to keep)]`` for :meth:`trim`: every value checked
+        before anything is released (``"N%"`` of each device's memory).
+
+        Raises:
+            TypeError, ValueError: a bad ``keep_bytes`` or ``device``.
+        """
+        devices = range(self.backend.device_count()) if device is None else [self._device_or_current(device)]
+        out = []
+        for d in devices:
+            total = None
+            if isinstance(keep_bytes, str) and keep_bytes.strip().endswith("%"):
+                total = self.backend.device_properties(d)["total_memory"]
+            out.append((d, parse_size(keep_bytes, total=total, what="keep_bytes")))
         return out
 
     def trim(self, keep_bytes=0, device: int | None = None) -> int:

@@ -16,7 +16,6 @@ import threading
 from dataclasses import replace
 
 from .. import cuda as _cuda
-from ..sizes import parse_size
 from ..stats import Stats
 from .base import Strategy
 
@@ -136,16 +135,10 @@ class CuPyPoolStrategy(Strategy):
         Raises:
             TypeError, ValueError: a bad ``keep_bytes`` or ``device``.
         """
-        devices = range(self.backend.device_count()) if device is None else [self._device_or_current(device)]
-        keeps = []
-        for d in devices:  # every value checked before anything is released
-            total = None
-            if isinstance(keep_bytes, str) and keep_bytes.strip().endswith("%"):
-                total = self.backend.device_properties(d)["total_memory"]
-            keeps.append(parse_size(keep_bytes, total=total, what="keep_bytes"))
+        devices = self._trim_devices(keep_bytes, device)  # every value checked before anything is released
         self._flush_pending()  # blocks waiting for recorded streams go back to the pool first
         released = 0
-        for d, keep in zip(devices, keeps):
+        for d, keep in devices:
             if self._pool is None:
                 continue
             before = self._pool_total(d)

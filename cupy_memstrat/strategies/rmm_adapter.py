@@ -1,0 +1,163 @@
+"""The ``rmm`` strategy: CuPy allocates through RMM (RAPIDS Memory Manager),
+with the statistics every strategy keeps."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .. import cuda as _cuda
+from ..errors import CuPyNotInstalledError, MemstratError, NoDeviceError
+from ..options import Option
+from ..stats import Stats
+from .base import Strategy
+from .stream_guard import DeadStreamGuard
+
+__all__ = ["RMMStrategy"]
+
+
+def _import_rmm():
+    """``rmm``. Raises MemstratError naming what to install."""
+    try:
+        import rmm
+        import rmm.mr  # noqa: F401
+    except ImportError as exc:
+        raise MemstratError(
+            f"strategy 'rmm' needs RMM: import rmm failed ({exc}); "
+            "install it with pip install rmm-cu13 (CUDA 13) or rmm-cu12 (CUDA 12)"
+        ) from None
+    return rmm
+
+
+def _as_resource(value, what: str):
+    """None, or an ``rmm.mr.DeviceMemoryResource`` (given in Python: a spec string cannot carry one)."""
+    if value is None:
+        return None
+    rmm = _import_rmm()
+    if not isinstance(value, rmm.mr.DeviceMemoryResource):
+        how = (" (a resource cannot be written in a spec string: pass it in Python, "
+               "use('rmm', resource=rmm.mr.PoolMemoryResource(...)))") if isinstance(value, str) else ""
+        raise TypeError(
+            f"{what}: expected an rmm.mr.DeviceMemoryResource (e.g. rmm.mr.CudaAsyncMemoryResource()), "
+            f"got {type(value).__name__} {value!r}{how}"
+        )
+    return value
+
+
+class RMMStrategy(Strategy):
+    """Allocate through RMM: each block is an ``rmm.DeviceBuffer`` made on
+    CuPy's current stream from RMM's current device resource
+    (``rmm.mr.get_current_device_resource()`` at each allocation, as
+    ``rmm.allocators.cupy.rmm_cupy_allocator`` does), or from the resource
+    given with ``resource=``. The buffer is kept until CuPy frees the array,
+    then dropped: RMM deallocates it on the stream it was allocated on.
+
+    Streams (RMM's semantics): a free is stream-ordered on the allocation
+    stream. RMM's pool resources keep a freed block for that stream and hand
+    it to another stream only after an event of their own; RMM keys those
+    caches by the stream's handle, and CUDA gives a destroyed stream's
+    handle to the next new stream while the old stream's work may still run
+    (measured on the H200, docs/streams.md), so, as a precaution, after a
+    ``cupy.cuda.Stream`` that allocated dies, the next allocation on its
+    device first waits for the device (one ``cudaDeviceSynchronize`` per
+    such stream; :class:`~cupy_memstrat.strategies.stream_guard.DeadStreamGuard`;
+    without the wait the dead-stream pattern gave no wrong element on the
+    H200 either: docs/interop.md).
+    :func:`cupy_memstrat.record_stream` works as with every strategy.
+
+    Statistics: ``bytes_in_use`` as requested by CuPy, rounded up to 512 B
+    (as CuPy's pool rounds; RMM aligns to 256 B). ``bytes_reserved``: the
+    resource's ``pool_size()`` where it has one (``PoolMemoryResource``);
+    otherwise RMM reports nothing comparable and it equals ``bytes_in_use``.
+
+    :meth:`trim` releases nothing (RMM's resources have no release call) and
+    returns 0. Out of memory: RMM raises ``MemoryError``; then CuPy's order
+    (give back other caches, ``gc.collect()``, retry), then
+    ``cupy.cuda.memory.OutOfMemoryError``.
+
+    With the fake backend (``cupy_memstrat.testing.FakeBackend``) RMM is not
+    used: blocks come from the fake's ``malloc`` (a given ``resource`` is
+    still checked).
+
+    Options (besides the common ones):
+        resource: an ``rmm.mr.DeviceMemoryResource`` to allocate from
+            (Python only; default: RMM's current device resource).
+
+    Raises (at creation):
+        MemstratError: RMM is not installed.
+        TypeError: ``resource`` is not an RMM device memory resource.
+    """
+
+    name = "rmm"
+    block_granule = 512
+    description = "RMM's current device resource (or one given), with per-allocation statistics"
+    requires = "rmm"
+    options = (
+        Option("resource", _as_resource, None,
+               "an rmm.mr.DeviceMemoryResource (Python only); default: RMM's current device resource"),
+    )
+
+    def __init__(self, *, backend=None, **options):
+        if backend is None:
+            try:
+                backend = _cuda.get_backend()
+            except (NoDeviceError, CuPyNotInstalledError):
+                _import_rmm()  # a missing RMM is named first
+                raise
+        real = isinstance(backend, _cuda.RealBackend)
+        rmm = _import_rmm() if real else None  # before any state: nothing to undo
+        super().__init__(backend=backend, **options)
+        self._rmm = rmm
+        resource = self.config["resource"]
+        self.guard = DeadStreamGuard(self.backend, self.backend.device_count())
+        if not real:
+            self._allocate = self._allocate_fake
+            self._deallocate = self.backend.free
+            return
+        from rmm.pylibrmm.device_buffer import DeviceBuffer
+        from rmm.pylibrmm.stream import Stream
+
+        buffers: dict = {}  # ptr -> DeviceBuffer: holds the block
+        self._buffers = buffers
+        current_stream, get_device, before = self.backend.current_stream, self.backend.get_device, self.guard.before_allocation
+        Error, status = self._Error, _cuda.ERROR_MEMORY_ALLOCATION
+
+        def allocate(size):
+            d = get_device()
+            s = current_stream(d)
+            before(s, d)
+            try:
+                buf = DeviceBuffer(size=size, stream=Stream(obj=s), mr=resource)
+            except MemoryError:
+                raise Error(status) from None
+            ptr = buf.ptr
+            buffers[ptr] = buf
+            return ptr
+
+        self._allocate = allocate
+        self._deallocate = buffers.pop  # dropping the buffer deallocates it on its stream
+
+    def _allocate_fake(self, size: int) -> int:
+        d = self.backend.get_device()
+        self.guard.before_allocation(self.backend.current_stream(d), d)
+        return self.backend.malloc(size)
+
+    def stats(self, device: int | None = None) -> Stats:
+        """As :meth:`Strategy.stats`; ``bytes_reserved`` is the resource's
+        ``pool_size()`` where it has one (see the class docstring)."""
+        st = super().stats(device)
+        if self._rmm is None:
+            return st
+        mr = self.config["resource"]
+        if mr is None:
+            with self._rmm_device(st.device):
+                mr = self._rmm.mr.get_current_device_resource()
+        pool_size = getattr(mr, "pool_size", None)
+        if pool_size is None:
+            return st
+        reserved = int(pool_size())
+        return replace(st, bytes_reserved=reserved, peak_bytes_reserved=max(st.peak_bytes_reserved, reserved))
+
+    def _rmm_device(self, device: int):
+        import cupy
+
+        return cupy.cuda.Device(device)
