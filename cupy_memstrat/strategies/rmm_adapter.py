@@ -32,14 +32,17 @@ def _as_resource(value, what: str):
     """None, or an ``rmm.mr.DeviceMemoryResource`` (given in Python: a spec string cannot carry one)."""
     if value is None:
         return None
-    rmm = _import_rmm()
+    expected = f"{what}: expected an rmm.mr.DeviceMemoryResource (e.g. rmm.mr.CudaAsyncMemoryResource())"
+    if isinstance(value, str):
+        raise TypeError(f"{expected}, got str {value!r} (a resource cannot be written in a spec string: pass it "
+                        "in Python, use('rmm', resource=rmm.mr.PoolMemoryResource(...)))")
+    try:
+        import rmm.mr
+    except ImportError:  # then no object is one
+        raise TypeError(f"{expected}, got {type(value).__name__} {value!r} (and RMM is not installed: "
+                        "pip install rmm-cu13 or rmm-cu12)") from None
     if not isinstance(value, rmm.mr.DeviceMemoryResource):
-        how = (" (a resource cannot be written in a spec string: pass it in Python, "
-               "use('rmm', resource=rmm.mr.PoolMemoryResource(...)))") if isinstance(value, str) else ""
-        raise TypeError(
-            f"{what}: expected an rmm.mr.DeviceMemoryResource (e.g. rmm.mr.CudaAsyncMemoryResource()), "
-            f"got {type(value).__name__} {value!r}{how}"
-        )
+        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}")
     return value
 
 
