@@ -6,11 +6,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .. import cuda as _cuda
-from ..errors import CuPyNotInstalledError, MemstratError, NoDeviceError
+from ..errors import MemstratError
 from ..options import Option
 from ..stats import Stats
-from .base import Strategy
-from .stream_guard import DeadStreamGuard
+from .library_pool import LibraryPoolStrategy
 
 __all__ = ["RMMStrategy"]
 
@@ -46,7 +45,7 @@ def _as_resource(value, what: str):
     return value
 
 
-class RMMStrategy(Strategy):
+class RMMStrategy(LibraryPoolStrategy):
     """Allocate through RMM: each block is an ``rmm.DeviceBuffer`` made on
     CuPy's current stream from RMM's current device resource
     (``rmm.mr.get_current_device_resource()`` at each allocation, as
@@ -99,61 +98,37 @@ class RMMStrategy(Strategy):
                "an rmm.mr.DeviceMemoryResource (Python only); default: RMM's current device resource"),
     )
 
-    def __init__(self, *, backend=None, **options):
-        if backend is None:
-            try:
-                backend = _cuda.get_backend()
-            except (NoDeviceError, CuPyNotInstalledError):
-                _import_rmm()  # a missing RMM is named first
-                raise
-        real = isinstance(backend, _cuda.RealBackend)
-        rmm = _import_rmm() if real else None  # before any state: nothing to undo
-        super().__init__(backend=backend, **options)
-        self._rmm = rmm
-        resource = self.config["resource"]
-        self.guard = DeadStreamGuard(self.backend, self.backend.device_count())
-        if not real:
-            self._allocate = self._allocate_fake
-            self._deallocate = self.backend.free
-            return
+    _import_library = staticmethod(_import_rmm)
+
+    def _library_hooks(self, rmm):
         from rmm.pylibrmm.device_buffer import DeviceBuffer
         from rmm.pylibrmm.stream import Stream
 
+        resource = self.config["resource"]
         buffers: dict = {}  # ptr -> DeviceBuffer: holds the block
-        self._buffers = buffers
-        current_stream, get_device, before = self.backend.current_stream, self.backend.get_device, self.guard.before_allocation
         Error, status = self._Error, _cuda.ERROR_MEMORY_ALLOCATION
 
-        def allocate(size):
-            d = get_device()
-            s = current_stream(d)
-            before(s, d)
+        def allocate_on(size, device, stream):
             try:
-                buf = DeviceBuffer(size=size, stream=Stream(obj=s), mr=resource)
+                buf = DeviceBuffer(size=size, stream=Stream(obj=stream), mr=resource)
             except MemoryError:
                 raise Error(status) from None
             ptr = buf.ptr
             buffers[ptr] = buf
             return ptr
 
-        self._allocate = allocate
-        self._deallocate = buffers.pop  # dropping the buffer deallocates it on its stream
-
-    def _allocate_fake(self, size: int) -> int:
-        d = self.backend.get_device()
-        self.guard.before_allocation(self.backend.current_stream(d), d)
-        return self.backend.malloc(size)
+        return allocate_on, buffers.pop  # dropping the buffer deallocates it on its stream
 
     def stats(self, device: int | None = None) -> Stats:
         """As :meth:`Strategy.stats`; ``bytes_reserved`` is the resource's
         ``pool_size()`` where it has one (see the class docstring)."""
         st = super().stats(device)
-        if self._rmm is None:
+        if self.library is None:
             return st
         mr = self.config["resource"]
         if mr is None:
             with self._rmm_device(st.device):
-                mr = self._rmm.mr.get_current_device_resource()
+                mr = self.library.mr.get_current_device_resource()
         pool_size = getattr(mr, "pool_size", None)
         if pool_size is None:
             return st

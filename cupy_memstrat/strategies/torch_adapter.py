@@ -7,10 +7,9 @@ import threading
 from dataclasses import replace
 
 from .. import cuda as _cuda
-from ..errors import CuPyNotInstalledError, MemstratError, NoDeviceError
+from ..errors import MemstratError
 from ..stats import Stats
-from .base import Strategy
-from .stream_guard import DeadStreamGuard
+from .library_pool import LibraryPoolStrategy
 
 __all__ = ["TorchStrategy"]
 
@@ -33,7 +32,7 @@ def _import_torch():
     return torch
 
 
-class TorchStrategy(Strategy):
+class TorchStrategy(LibraryPoolStrategy):
     """Allocate from PyTorch's CUDA caching allocator
     (``torch.cuda.caching_allocator_alloc`` / ``caching_allocator_delete``),
     so CuPy's arrays and PyTorch's tensors share one pool: memory CuPy frees
@@ -86,60 +85,39 @@ class TorchStrategy(Strategy):
     requires = "torch"
 
     def __init__(self, *, backend=None, **options):
-        if backend is None:
-            try:
-                backend = _cuda.get_backend()
-            except (NoDeviceError, CuPyNotInstalledError):
-                _import_torch()  # a missing PyTorch is named first
-                raise
-        real = isinstance(backend, _cuda.RealBackend)
-        torch = _import_torch() if real else None  # before any state: nothing to undo
-        if real and backend.device_count() > torch.cuda.device_count():
+        super().__init__(backend=backend, **options)
+        self._peak_reserved = [0] * self.backend.device_count()
+        self._reserved_lock = threading.Lock()
+
+    _import_library = staticmethod(_import_torch)
+
+    def _check_library(self, torch, backend) -> None:
+        if backend.device_count() > torch.cuda.device_count():
             raise ValueError(
                 f"strategy 'torch': CuPy sees {backend.device_count()} devices and PyTorch "
                 f"{torch.cuda.device_count()}; both must see the same devices (CUDA_VISIBLE_DEVICES)"
             )
-        super().__init__(backend=backend, **options)
-        n = self.backend.device_count()
-        self._peak_reserved = [0] * n
-        self._reserved_lock = threading.Lock()
-        self._torch = torch
-        self.guard = DeadStreamGuard(self.backend, n)
-        if not real:
-            self.reserved_is_in_use = True  # nothing cached: the backend's malloc/free
-            self._allocate = self._allocate_fake
-            self._deallocate = self.backend.free
-            return
-        alloc, delete = torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete
-        OutOfMemory = torch.cuda.OutOfMemoryError
-        current_stream, get_device, before = self.backend.current_stream, self.backend.get_device, self.guard.before_allocation
+
+    def _library_hooks(self, torch):
+        alloc, OutOfMemory = torch.cuda.caching_allocator_alloc, torch.cuda.OutOfMemoryError
         Error, status = self._Error, _cuda.ERROR_MEMORY_ALLOCATION
 
-        def allocate(size):
-            d = get_device()
-            s = current_stream(d)
-            before(s, d)
+        def allocate_on(size, device, stream):
             try:
-                return alloc(size, d, s.ptr)
+                return alloc(size, device, stream.ptr)
             except OutOfMemory:  # PyTorch already freed its cache and retried
                 raise Error(status) from None
 
-        self._allocate = allocate
-        self._deallocate = delete
-
-    def _allocate_fake(self, size: int) -> int:
-        d = self.backend.get_device()
-        self.guard.before_allocation(self.backend.current_stream(d), d)
-        return self.backend.malloc(size)
+        return allocate_on, torch.cuda.caching_allocator_delete
 
     def _reserved(self, device: int) -> int:
-        return int(self._torch.cuda.memory_reserved(device))
+        return int(self.library.cuda.memory_reserved(device))
 
     def stats(self, device: int | None = None) -> Stats:
         """As :meth:`Strategy.stats`; ``bytes_reserved`` is
         ``torch.cuda.memory_reserved(device)`` (see the class docstring)."""
         st = super().stats(device)
-        if self._torch is None:
+        if self.library is None:
             return st
         reserved = self._reserved(st.device)
         with self._reserved_lock:
@@ -170,10 +148,10 @@ class TorchStrategy(Strategy):
         """
         devices = self._trim_devices(keep_bytes, device)
         self._flush_pending()  # blocks waiting for recorded streams go back first
-        if self._torch is None:
+        if self.library is None:
             return 0
         before = {d: self._reserved(d) for d, _ in devices}
         if all(before[d] == 0 or (keep and before[d] <= keep) for d, keep in devices):
             return 0
-        self._torch.cuda.empty_cache()
+        self.library.cuda.empty_cache()
         return sum(max(0, before[d] - self._reserved(d)) for d, _ in devices)
