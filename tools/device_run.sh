@@ -59,6 +59,7 @@
 #                                         the rmm, torch and torch-bare rows (call6_json.tgz)
 #   tools/device_run.sh call7             (carry .whl, .cupy_tests) the interop, Numba and plugin GPU tests,
 #                                         then CuPy's subset under CuPy's pool, rmm and torch
+#   tools/device_run.sh call8             (carry .whl) tests/gpu, the Numba allocation probe, bench alloc
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -255,6 +256,18 @@ if [ "$part" = call7 ]; then
   tar -czf "$OUT/call7_json.tgz" -C /tmp call7_json
   set -- default rmm torch
   part=cupy
+fi
+
+if [ "$part" = call8 ]; then
+  # after the mend and the review (carry .whl): tests/gpu in full, the Numba allocation probe,
+  # bench alloc (the rmm and torch rows)
+  J=/tmp/call8_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"
+  GPUMEM_INTEROP_OUT=$J gpu_tests
+  step "probe: a Numba allocation through cupy_memstrat.numba"
+  timeout 150 python3 tools/probes/numba_alloc_cost.py "$J/numba-alloc-cost.json"
+  BENCH_DIR=$J benches alloc
+  tar -czf "$OUT/call8_json.tgz" -C /tmp call8_json
 fi
 
 if [ "$part" = call4 ]; then

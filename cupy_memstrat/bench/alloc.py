@@ -143,12 +143,21 @@ def _torch_bare_allocator(cupy):
 
 
 def _usable(names: list[str], say) -> list[str]:
-    """The names whose strategy can be made here; the others are said and left out."""
+    """The names whose strategy can be made here; the others are said and
+    left out: a library not installed, or one that refuses at creation
+    (PyTorch without CUDA: ``MemstratError``)."""
+    from ..api import create
+    from ..errors import MemstratError
     from ..registry import get_registry
 
     reg, out = get_registry(), []
     for name in names:
         why = reg.get(name).unavailable()
+        if why is None and reg.get(name).requires:
+            try:
+                create(name).close()
+            except MemstratError as exc:
+                why = str(exc)
         if why:
             say(f"skipping {name}: {why}")
         else:
