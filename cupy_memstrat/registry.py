@@ -37,6 +37,11 @@ class Registry:
 
         if not (isinstance(cls, type) and issubclass(cls, Strategy)):
             raise TypeError(f"registry.add: expected a cupy_memstrat.Strategy subclass, got {cls!r}")
+        req = getattr(cls, "requires", None)
+        if req is not None and not (isinstance(req, str) and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", req)):
+            raise TypeError(
+                f"registry.add: {cls.__qualname__}.requires must be None or a module name such as 'torch', got {req!r}"
+            )
         if not isinstance(cls.aliases, tuple):
             raise TypeError(f"registry.add: {cls.__qualname__}.aliases must be a tuple of names, got {cls.aliases!r}")
         for key in (cls.name, *cls.aliases):

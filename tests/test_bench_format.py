@@ -1,5 +1,7 @@
 """The bench tables render every part of a report (no GPU: synthetic numbers)."""
 
+import pytest
+
 from cupy_memstrat.bench import alloc, async_pool
 
 
@@ -314,3 +316,13 @@ def test_plot_names_what_it_wrote_and_refuses_a_mangled_report_clearly(tmp_path,
     bad.write_text(json.dumps([1, 2]))
     assert main(["plot", str(bad), "-o", str(tmp_path / "b.png")]) == 2
     assert "is not a report: expected a JSON object" in capsys.readouterr().err  # not "benchmark None"
+
+
+@pytest.mark.parametrize("kw, match", [({"pairs": 1}, "pairs: expected an int >= 2"),
+                                       ({"pairs": True}, "pairs: expected an int >= 2"),
+                                       ({"target_s": float("nan")}, "target_s: expected seconds > 0"),
+                                       ({"reference": ("a", None)}, "two different labels, got 'a' twice")])
+def test_paired_ratios_refuses_bad_arguments_before_measuring(kw, match):
+    args = {"path": ("a", None), "reference": ("b", None), "say": print, "target_s": 0.01, **kw}
+    with pytest.raises(ValueError, match=match):
+        alloc.paired_ratios(None, **args)  # no CuPy touched: refused first

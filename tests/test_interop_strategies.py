@@ -173,3 +173,34 @@ def test_the_guard_ignores_the_default_streams_and_wrappers_of_streams_owned_els
     del owner
     gc.collect()
     assert guard.pending == [True]
+
+
+# -- from the adversarial trial --------------------------------------------------------------
+
+@pytest.mark.skipif(not HAVE_RMM, reason="RMM is not installed")
+def test_rmm_refuses_the_abstract_resource_and_python_subclasses(fake):
+    """rmm.mr.DeviceMemoryResource() holds no resource: RMM aborted the process
+    (std::bad_optional_access) at the first allocation from it."""
+    import rmm
+
+    class Mine(rmm.mr.DeviceMemoryResource):
+        pass
+
+    for bad in (rmm.mr.DeviceMemoryResource(), Mine()):
+        with pytest.raises(TypeError, match=r"which is not one of RMM's resources .*CallbackMemoryResource"):
+            RMMStrategy(backend=fake, resource=bad)
+
+
+@pytest.mark.parametrize("requires", ["nosuch_pkg_memstrat.sub", "__main__", "nosuch_pkg_memstrat"])
+def test_unavailable_gives_a_reason_and_never_raises(requires):
+    cls = type("Needs", (cupy_memstrat.Strategy,), {"name": "needs-x", "requires": requires})
+    why = cls.unavailable()
+    if requires != "__main__":
+        assert why is not None and repr(requires) in why
+
+
+@pytest.mark.parametrize("bad", [5, True, ["torch"], "", "torch cuda"])
+def test_the_registry_refuses_a_requires_that_is_no_module_name(bad):
+    cls = type("Needs", (cupy_memstrat.Strategy,), {"name": "needs-y", "requires": bad})
+    with pytest.raises(TypeError, match=r"requires must be None or a module name such as 'torch', got"):
+        cupy_memstrat.registry.Registry().add(cls)

@@ -258,3 +258,12 @@ def test_page_faults_are_reported_per_run_like_the_time():
     rows = W.measure(np, None, [("a", lambda: None, None, None)], {"p": (prog, {})}, rounds=2, sync=lambda: None,
                      to_host=np.asarray, say=lambda m: None, faults=Faults(), min_sample_s=0.01, clock=clock)["p"]
     assert rows["a"]["reps"] == 10 and rows["a"]["faults"] == {"gpu_faults": 7, "bytes_htod": 0}
+
+
+def test_the_ratio_in_rounds_leaves_out_rounds_without_a_reference_time():
+    rr = W._ratio_in_rounds([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 0.0, 1.0])
+    assert rr["median"] == 2.0 and rr["q1"] == 1.5 and rr["q3"] == 3.0
+    assert rr["per_round"][2] != rr["per_round"][2]  # NaN kept in the rounds' list
+    assert W._ratio_in_rounds([1.0], [0.0])["median"] != W._ratio_in_rounds([1.0], [0.0])["median"]  # all NaN
+    with pytest.raises(ValueError, match="one sample per round for both paths, got 2 and 3"):
+        W._ratio_in_rounds([1.0, 2.0], [1.0, 1.0, 1.0])

@@ -308,9 +308,15 @@ def paired_ratios(cupy, path, reference, say, target_s: float, pairs: int = PAIR
     quartiles. ``path`` and ``reference`` are ``(label, allocator)``, the
     allocator as given to ``cupy.cuda.set_allocator`` (``None``: no pool).
     Returns ``{str(size): {"median_ratio", "q1", "q3", "pairs", "iterations"}}``."""
+    if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 2:
+        raise ValueError(f"pairs: expected an int >= 2 (quartiles need two ratios), got {pairs!r}")
+    if not target_s > 0:  # NaN fails too
+        raise ValueError(f"target_s: expected seconds > 0, got {target_s!r}")
+    (label, alloc), (ref_label, ref_alloc) = path, reference
+    if label == ref_label:
+        raise ValueError(f"path and reference: expected two different labels, got {label!r} twice")
     cuda = cupy.cuda
     prev = cuda.get_allocator()
-    (label, alloc), (ref_label, ref_alloc) = path, reference
     out = {}
     try:
         for size in SIZES:

@@ -335,13 +335,19 @@ def _ratio_in_rounds(runs: list[float], ref: list[float]) -> dict:
     round, per round; their median and quartiles. The samples of one round
     are taken one after the other, so this ratio cancels the host's drift
     between rounds, which the ratio of the two medians does not."""
+    if not runs or len(runs) != len(ref):
+        raise ValueError(f"expected one sample per round for both paths, got {len(runs)} and {len(ref)}")
     per = [a / b if b > 0 else float("nan") for a, b in zip(runs, ref)]
-    if len(per) >= 2:
-        q = statistics.quantiles(per, n=4, method="inclusive")
+    ok = [x for x in per if math.isfinite(x)]  # a reference sample of 0 s (or NaN) gives no ratio
+    if not ok:
+        nan = float("nan")
+        return {"median": nan, "q1": nan, "q3": nan, "per_round": per}
+    if len(ok) >= 2:
+        q = statistics.quantiles(ok, n=4, method="inclusive")
         q1, q3 = q[0], q[2]
     else:
-        q1 = q3 = per[0]
-    return {"median": statistics.median(per), "q1": q1, "q3": q3, "per_round": per}
+        q1 = q3 = ok[0]
+    return {"median": statistics.median(ok), "q1": q1, "q3": q3, "per_round": per}
 
 
 def run(*, rounds: int = 5, progress=None, strategies=None, scale: float = 1.0, only=None) -> dict:

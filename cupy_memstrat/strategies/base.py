@@ -326,9 +326,14 @@ class Strategy:
         it :attr:`requires` is not installed), or None. Imports nothing: a
         module that is installed but fails at creation (PyTorch without
         CUDA) is reported then, by the constructor."""
-        if cls.requires and importlib.util.find_spec(cls.requires) is None:
-            return f"strategy {cls.name!r} needs the module {cls.requires!r}, which is not installed"
-        return None
+        if not cls.requires:
+            return None
+        top = cls.requires.partition(".")[0]  # a submodule's package would be imported to find it
+        try:
+            found = importlib.util.find_spec(top) is not None
+        except (ImportError, ValueError) as exc:  # a broken package, or a module without a spec
+            return f"strategy {cls.name!r} needs the module {cls.requires!r}, which cannot be found: {exc}"
+        return None if found else f"strategy {cls.name!r} needs the module {cls.requires!r}, which is not installed"
 
     # -- options ---------------------------------------------------------------
     @classmethod

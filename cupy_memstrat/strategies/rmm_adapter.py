@@ -42,6 +42,14 @@ def _as_resource(value, what: str):
                         "pip install rmm-cu13 or rmm-cu12)") from None
     if not isinstance(value, rmm.mr.DeviceMemoryResource):
         raise TypeError(f"{expected}, got {type(value).__name__} {value!r}")
+    cls = type(value)
+    if cls is rmm.mr.DeviceMemoryResource or not cls.__module__.startswith("rmm."):
+        # the abstract base holds no C++ resource: RMM aborts the process (std::bad_optional_access)
+        # at its first allocation; a Python subclass is no resource either (rmm.mr.CallbackMemoryResource
+        # is RMM's way to allocate from Python)
+        raise TypeError(f"{expected}, got an instance of {cls.__module__}.{cls.__qualname__}, which is not one of "
+                        "RMM's resources (the abstract base, or a Python subclass of it: use "
+                        "rmm.mr.CallbackMemoryResource to allocate from Python)")
     return value
 
 
