@@ -37,6 +37,8 @@ def test_allocations_are_counted_listed_and_given_back(fake, cls):
     s.raw_free(q)
     assert s.stats().bytes_in_use == 0 and s.stats().n_frees == 2 and fake.mem_get_info(0)[0] == before
     assert s.trim() == 0  # nothing cached on the fake backend
+    s.reset_peak()  # what the pytest plugin calls before each test
+    assert s.stats().peak_bytes_in_use == 0 and s.stats().peak_bytes_reserved == 0
 
 
 @pytest.mark.parametrize("name", ["rmm", "torch", "pytorch"])

@@ -130,7 +130,7 @@ class TorchStrategy(LibraryPoolStrategy):
         ``torch.cuda.memory_reserved(device)``."""
         d = self._device_or_current(device)
         super().reset_peak(d, reserved=reserved)
-        if reserved and self._torch is not None:
+        if reserved and self.library is not None:
             with self._reserved_lock:
                 self._peak_reserved[d] = self._reserved(d)
 
