@@ -1377,6 +1377,332 @@ static PyTypeObject AccountingType = {
     .tp_methods = Accounting_methods,
 };
 
+/* PoolDirect(accounting, pool_malloc, oom, failed, recorded_freed): the pool
+ * strategy's route=direct, CuPy's allocator callable without a memory object of
+ * ours. malloc(size) returns the MemoryPointer of CuPy's pool itself (pool_malloc:
+ * MemoryPool.malloc), as CuPy's default allocator does, and accounts its block
+ * (mem.ptr, mem.size: the 512-byte rounded size, mem.device_id) in the hooks-mode
+ * Accounting's tables, as every allocation. The free is seen through a PoolToken
+ * put in the pool's memory object's __dict__ (CuPy 14.2's PooledMemory has one):
+ * when CuPy drops the memory object, its destructor gives the block back to the
+ * pool, then its __dict__ is cleared and the token's destructor accounts the free.
+ *
+ * Between the two, on a build with the GIL, no other thread runs unless a CuPy
+ * memory hook is installed (the pool's free takes its lock with try_lock, or
+ * stages the chunk, without releasing the GIL; cupy/cuda/memory.pyx v14.2.0). If
+ * the pool has handed the block out again before the token ran, the new
+ * allocation finds its pointer still in the live table: the old block's free is
+ * accounted then, and its token, marked in `stale`, accounts nothing.
+ *
+ * On CuPy's OutOfMemoryError (the pool has already freed its cache and collected
+ * garbage), failed(size, exc) recovers or raises the strategy's error; it returns
+ * the MemoryPointer of a retry that worked. A block freed with recorded streams
+ * (record_stream) is already the pool's again when the token runs:
+ * recorded_freed(ptr, size, device) waits there for the recorded streams. */
+typedef struct {
+    PyObject_HEAD
+    Accounting *acc;
+    PyObject *pool_malloc;
+    PyObject *oom;             /* CuPy's OutOfMemoryError */
+    PyObject *failed;          /* failed(size, exc) -> MemoryPointer, or raises */
+    PyObject *recorded_freed;  /* recorded_freed(ptr, size, device) */
+    PyObject *stale;           /* dict ptr -> blocks at ptr whose free was accounted before their token ran */
+    vectorcallfunc vectorcall;
+} PoolDirect;
+
+typedef struct {
+    PyObject_HEAD
+    PoolDirect *owner;
+    PyObject *ptr;
+    Py_ssize_t d;
+} PoolToken;
+
+static PyObject *S_mem, *S_size, *S_device_id, *S_token;
+
+/* Account the free of the block at ptr on device d (its token ran). */
+static int
+direct_free(PoolDirect *o, PyObject *ptr, Py_ssize_t d)
+{
+    Accounting *acc = o->acc;
+    if (PyDict_GET_SIZE(o->stale)) {
+        PyObject *n = PyDict_GetItemWithError(o->stale, ptr);  /* borrowed */
+        if (n != NULL) {
+            Py_ssize_t c = PyLong_AsSsize_t(n);
+            if (c == -1 && PyErr_Occurred())
+                return -1;
+            if (c <= 1)
+                return PyDict_DelItem(o->stale, ptr);
+            PyObject *less = PyLong_FromSsize_t(c - 1);
+            int rc = less == NULL ? -1 : PyDict_SetItem(o->stale, ptr, less);
+            Py_XDECREF(less);
+            return rc;
+        }
+        if (PyErr_Occurred())
+            return -1;
+    }
+    PyObject *size = live_pop(acc, d, ptr);
+    if (size == NULL)
+        return PyErr_Occurred() ? -1 : 0;  /* not in the table (cleared by close): nothing to account */
+    PyObject *minus = PyNumber_Negative(size), *ev = NULL;
+    if (minus != NULL)
+        ev = table_item(acc->events, d, &PyList_Type, "events");
+    int rc = ev == NULL ? -1 : PyList_Append(ev, minus);
+    Py_XDECREF(ev);
+    Py_XDECREF(minus);
+    if (rc == 0 && PyDict_GET_SIZE(acc->recorded) && PyDict_Contains(acc->recorded, ptr) == 1) {
+        PyObject *device = PyLong_FromSsize_t(d), *r = NULL;
+        if (device != NULL)
+            r = PyObject_CallFunctionObjArgs(o->recorded_freed, ptr, size, device, NULL);
+        Py_XDECREF(device);
+        rc = r == NULL ? -1 : 0;
+        Py_XDECREF(r);
+    }
+    Py_DECREF(size);
+    if (rc == 0)
+        rc = check_watch(acc, d);
+    return rc;
+}
+
+static void
+PoolToken_dealloc(PoolToken *t)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);  /* a destructor may run while an exception is raised */
+    if (t->owner != NULL && t->ptr != NULL && direct_free(t->owner, t->ptr, t->d) < 0)
+        PyErr_WriteUnraisable((PyObject *)t->owner);
+    PyErr_Restore(type, value, tb);
+    Py_XDECREF(t->ptr);
+    Py_XDECREF((PyObject *)t->owner);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static PyObject *
+PoolToken_repr(PoolToken *t)
+{
+    return PyUnicode_FromFormat("<cupy_memstrat pool block %R on device %zd>", t->ptr, t->d);
+}
+
+static PyTypeObject PoolTokenType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cupy_memstrat._hotpath.PoolToken",
+    .tp_doc = PyDoc_STR("Accounts the free of a block of CuPy's pool when CuPy drops its memory object."),
+    .tp_basicsize = sizeof(PoolToken),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)PoolToken_dealloc,
+    .tp_repr = (reprfunc)PoolToken_repr,
+};
+
+static PyObject *
+PoolDirect_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PoolDirect *self = (PoolDirect *)callable;
+    if (self->acc == NULL) {
+        PyErr_SetString(PyExc_TypeError, "PoolDirect: not initialised");
+        return NULL;
+    }
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL) {
+        PyErr_SetString(PyExc_TypeError, "malloc(size) takes one argument, the size in bytes");
+        return NULL;
+    }
+    Accounting *acc = self->acc;
+    if (poll_pending(acc) < 0)
+        return NULL;
+    PyObject *mp = PyObject_Vectorcall(self->pool_malloc, args, 1, NULL);
+    if (mp == NULL) {
+        if (!PyErr_ExceptionMatches(self->oom))
+            return NULL;
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        mp = PyObject_CallFunctionObjArgs(self->failed, args[0], value ? value : Py_None, NULL);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        if (mp == NULL)
+            return NULL;
+    }
+    PyObject *mem = PyObject_GetAttr(mp, S_mem), *ptr = NULL, *size = NULL, *device = NULL;
+    if (mem != NULL)
+        ptr = PyObject_GetAttr(mem, S_ptr);
+    if (ptr != NULL)
+        size = PyObject_GetAttr(mem, S_size);
+    if (size != NULL)
+        device = PyObject_GetAttr(mem, S_device_id);
+    int rc = device == NULL ? -1 : 0, zero = rc == 0 ? !PyObject_IsTrue(ptr) : 0;
+    if (rc == 0 && !zero) {  /* a block (CuPy gives size 0 a memory object of no pool) */
+        Py_ssize_t d = device_index(acc, device);
+        PyObject *live = d < 0 ? NULL : table_item(acc->live, d, &PyDict_Type, "live");
+        if (d < 0)
+            PyErr_Format(PyExc_ValueError, "pool: block on device %R, not a device ordinal in range(%zd)", device,
+                         acc->n_devices);
+        rc = live == NULL ? -1 : PyDict_Contains(live, ptr);
+        Py_XDECREF(live);
+        if (rc == 1) {  /* the last block at ptr went back to the pool, its token has not run yet */
+            PyObject *n = PyDict_GetItemWithError(self->stale, ptr);
+            Py_ssize_t c = n == NULL ? 0 : PyLong_AsSsize_t(n);
+            PyObject *more = PyErr_Occurred() ? NULL : PyLong_FromSsize_t(c + 1);
+            rc = more == NULL || PyDict_SetItem(self->stale, ptr, more) < 0 ? -1 : 0;
+            Py_XDECREF(more);
+            if (rc == 0) {
+                PyObject *old = live_pop(acc, d, ptr), *minus = NULL, *ev = NULL;
+                if (old != NULL)
+                    minus = PyNumber_Negative(old);
+                if (minus != NULL)
+                    ev = table_item(acc->events, d, &PyList_Type, "events");
+                rc = ev == NULL || PyList_Append(ev, minus) < 0 ? -1 : 0;
+                Py_XDECREF(ev);
+                Py_XDECREF(minus);
+                Py_XDECREF(old);
+            }
+        }
+        if (rc == 0)
+            rc = account_malloc(acc, d, device, ptr, size);
+        if (rc == 0) {
+            PoolToken *t = PyObject_New(PoolToken, &PoolTokenType);
+            if (t == NULL) {
+                rc = -1;
+            } else {
+                Py_INCREF(self);
+                Py_INCREF(ptr);
+                t->owner = self;
+                t->ptr = ptr;
+                t->d = d;
+                rc = PyObject_SetAttr(mem, S_token, (PyObject *)t);
+                Py_DECREF(t);  /* if the pool's memory object took no token, this accounts the free at once */
+            }
+        }
+    }
+    Py_XDECREF(mem);
+    Py_XDECREF(ptr);
+    Py_XDECREF(size);
+    Py_XDECREF(device);
+    if (rc < 0)
+        Py_CLEAR(mp);
+    return mp;
+}
+
+static int
+PoolDirect_init(PoolDirect *self, PyObject *args, PyObject *kwds)
+{
+    PyObject *acc, *pool_malloc, *oom, *failed, *recorded_freed;
+    if (!PyArg_ParseTuple(args, "O!OOOO:PoolDirect", &AccountingType, &acc, &pool_malloc, &oom, &failed,
+                          &recorded_freed))
+        return -1;
+    if (((Accounting *)acc)->ordered || ((Accounting *)acc)->allocate == NULL
+        || ((Accounting *)acc)->allocate == Py_None) {
+        PyErr_SetString(PyExc_TypeError, "PoolDirect: expected an Accounting in hooks mode");
+        return -1;
+    }
+    if (!PyCallable_Check(pool_malloc) || !PyCallable_Check(failed) || !PyCallable_Check(recorded_freed)
+        || !PyExceptionClass_Check(oom)) {
+        PyErr_Format(PyExc_TypeError, "PoolDirect: expected (Accounting, pool.malloc, an exception class, "
+                     "failed(size, exc), recorded_freed(ptr, size, device)), got %R, %R, %R, %R",
+                     pool_malloc, oom, failed, recorded_freed);
+        return -1;
+    }
+    PyObject *stale = PyDict_New();
+    if (stale == NULL)
+        return -1;
+    Py_INCREF(acc);
+    Py_INCREF(pool_malloc);
+    Py_INCREF(oom);
+    Py_INCREF(failed);
+    Py_INCREF(recorded_freed);
+    Py_XSETREF(self->acc, (Accounting *)acc);
+    Py_XSETREF(self->pool_malloc, pool_malloc);
+    Py_XSETREF(self->oom, oom);
+    Py_XSETREF(self->failed, failed);
+    Py_XSETREF(self->recorded_freed, recorded_freed);
+    Py_XSETREF(self->stale, stale);
+    self->vectorcall = PoolDirect_vectorcall;
+    return 0;
+}
+
+static int
+PoolDirect_traverse(PoolDirect *self, visitproc visit, void *arg)
+{
+    Py_VISIT((PyObject *)self->acc);
+    Py_VISIT(self->pool_malloc);
+    Py_VISIT(self->oom);
+    Py_VISIT(self->failed);
+    Py_VISIT(self->recorded_freed);
+    Py_VISIT(self->stale);
+    return 0;
+}
+
+static int
+PoolDirect_clear(PoolDirect *self)
+{
+    Py_CLEAR(self->acc);
+    Py_CLEAR(self->pool_malloc);
+    Py_CLEAR(self->oom);
+    Py_CLEAR(self->failed);
+    Py_CLEAR(self->recorded_freed);
+    Py_CLEAR(self->stale);
+    return 0;
+}
+
+static void
+PoolDirect_dealloc(PoolDirect *self)
+{
+    PyObject_GC_UnTrack(self);
+    PoolDirect_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+PoolDirect_call(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    return PyVectorcall_Call(self, args, kwargs);
+}
+
+static int
+PoolDirect_ready(PoolDirect *o)
+{
+    if (o->acc == NULL || o->stale == NULL || o->recorded_freed == NULL) {
+        PyErr_SetString(PyExc_TypeError, "PoolDirect: not initialised");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *
+PoolDirect_stale(PoolDirect *self, void *Py_UNUSED(closure))
+{
+    if (!PoolDirect_ready(self))
+        return NULL;
+    return PyDict_Copy(self->stale);
+}
+
+static PyGetSetDef PoolDirect_getset[] = {
+    {"stale", (getter)PoolDirect_stale, NULL,
+     "a copy of {ptr: n}: blocks the pool handed out again before their token ran", NULL},
+    {NULL}
+};
+
+static PyMemberDef PoolDirect_members[] = {
+    {"__self__", T_OBJECT, offsetof(PoolDirect, acc), READONLY, "the Accounting whose tables this keeps"},
+    {NULL}
+};
+
+static PyTypeObject PoolDirectType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cupy_memstrat._hotpath.PoolDirect",
+    .tp_doc = PyDoc_STR("PoolDirect(accounting, pool_malloc, oom, failed, recorded_freed): malloc(size) -> "
+                        "CuPy's pool's MemoryPointer, accounted (see csrc/hotpath.c)."),
+    .tp_basicsize = sizeof(PoolDirect),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(PoolDirect, vectorcall),
+    .tp_call = PoolDirect_call,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)PoolDirect_init,
+    .tp_dealloc = (destructor)PoolDirect_dealloc,
+    .tp_traverse = (traverseproc)PoolDirect_traverse,
+    .tp_clear = (inquiry)PoolDirect_clear,
+    .tp_getset = PoolDirect_getset,
+    .tp_members = PoolDirect_members,
+};
+
 /* GcSafeMalloc(pfa_malloc): CuPy's allocator callable for a strategy, around
  * PythonFunctionAllocator.malloc. CuPy 14.2's PythonFunctionAllocatorMemory is the
  * one memory class of cupy/cuda/memory.pyx that the garbage collector tracks
@@ -1542,25 +1868,28 @@ static struct PyModuleDef hotpath_module = {
 PyMODINIT_FUNC
 PyInit__hotpath(void)
 {
-    if (PyType_Ready(&AccountingType) < 0 || PyType_Ready(&GcSafeMallocType) < 0)
-        return NULL;
+    PyTypeObject *types[] = {&AccountingType, &GcSafeMallocType, &PoolDirectType, &PoolTokenType};
+    const char *names[] = {"Accounting", "GcSafeMalloc", "PoolDirect", "PoolToken"};
+    for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++)
+        if (PyType_Ready(types[i]) < 0)
+            return NULL;
     S_ptr = PyUnicode_InternFromString("ptr");
-    if (S_ptr == NULL)
+    S_mem = PyUnicode_InternFromString("mem");
+    S_size = PyUnicode_InternFromString("size");
+    S_device_id = PyUnicode_InternFromString("device_id");
+    S_token = PyUnicode_InternFromString("_cupy_memstrat_block");
+    if (S_ptr == NULL || S_mem == NULL || S_size == NULL || S_device_id == NULL || S_token == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&hotpath_module);
     if (m == NULL)
         return NULL;
-    Py_INCREF(&AccountingType);
-    if (PyModule_AddObject(m, "Accounting", (PyObject *)&AccountingType) < 0) {
-        Py_DECREF(&AccountingType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&GcSafeMallocType);
-    if (PyModule_AddObject(m, "GcSafeMalloc", (PyObject *)&GcSafeMallocType) < 0) {
-        Py_DECREF(&GcSafeMallocType);
-        Py_DECREF(m);
-        return NULL;
+    for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
+        Py_INCREF(types[i]);
+        if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
+            Py_DECREF(types[i]);
+            Py_DECREF(m);
+            return NULL;
+        }
     }
     return m;
 }

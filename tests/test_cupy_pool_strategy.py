@@ -4,6 +4,8 @@ import pytest
 
 import cupy_memstrat
 from cupy_memstrat import CuPyPoolStrategy
+from cupy_memstrat.strategies import base
+from cupy_memstrat.testing import FakeBackend
 
 MiB = 1 << 20
 
@@ -11,7 +13,7 @@ MiB = 1 << 20
 def test_registered_with_alias_and_description():
     assert "pool" in cupy_memstrat.available()
     assert "CuPy's default MemoryPool" in cupy_memstrat.available()["pool"]
-    assert cupy_memstrat.validate("cupy") == ("pool", {"track_origins": False, "oom_snapshot": None})
+    assert cupy_memstrat.validate("cupy") == ("pool", {"track_origins": False, "oom_snapshot": None, "route": "wrap"})
 
 
 def test_same_stats_as_every_strategy(fake):
@@ -79,3 +81,170 @@ def test_as_cupy_allocator(fake, restore_cupy_allocator):
     assert s.stats().bytes_in_use == 3072
     del mp
     assert s.stats().bytes_in_use == 0
+
+
+# -- route="direct": the C side, against stand-ins for CuPy's pool ------------------------------
+# CuPy's pool needs CUDA: these give PoolDirect objects shaped as CuPy 14.2's (a MemoryPointer
+# with .mem, whose PooledMemory has ptr, size, device_id and a __dict__, gives its block back to
+# the pool in its destructor before its __dict__ is cleared). tests/gpu/test_cupy_pool_gpu.py runs
+# the route over CuPy's pool itself.
+
+needs_c = pytest.mark.skipif(base._c_hotpath is None, reason=base._C_MISSING or "built")
+
+
+class _PoolOOM(Exception):
+    pass
+
+
+class _StandInPool:
+    def __init__(self):
+        self.free, self.next, self.on_free = [], 0x100000, None
+
+    def malloc(self, size):
+        if size >= 1 << 40:
+            raise _PoolOOM("pool out of memory")
+        ptr = self.free.pop() if self.free else self.next
+        self.next += 1 << 20
+        return _MP(_Mem(self, ptr, (size + 511) & -512))
+
+
+class _Mem:
+    def __init__(self, pool, ptr, size):
+        self.pool, self.ptr, self.size, self.device_id = pool, ptr, size, 0
+
+    def __del__(self):  # the block is the pool's again before the __dict__ (and the token) goes
+        self.pool.free.append(self.ptr)
+        if self.pool.on_free is not None:
+            self.pool.on_free()
+
+
+class _SlotMem:
+    __slots__ = ("ptr", "size", "device_id")
+
+    def __init__(self, ptr, size):
+        self.ptr, self.size, self.device_id = ptr, size, 0
+
+
+class _MP:
+    def __init__(self, mem):
+        self.mem, self.ptr = mem, mem.ptr
+
+
+def _direct(pool_malloc=None, failed=None, recorded_freed=None):
+    s = cupy_memstrat.create("pool", backend=FakeBackend())
+    s.raw_free(s.raw_malloc(512))  # builds the hot path (hooks mode)
+    acc = s._malloc.__self__
+    pool = _StandInPool()
+    calls = []
+
+    def default_failed(size, exc):
+        calls.append(("failed", size, exc))
+        raise MemoryError(f"strategy out of memory for {size}")
+
+    d = base._c_hotpath.PoolDirect(
+        acc, pool_malloc or pool.malloc, _PoolOOM, failed or default_failed,
+        recorded_freed or (lambda *a: calls.append(("recorded", *a))),
+    )
+    return s, d, pool, calls
+
+
+@needs_c
+def test_route_direct_hands_out_the_pools_object_and_counts_its_free():
+    s, d, pool, _ = _direct()
+    mp = d(1000)
+    assert isinstance(mp, _MP) and mp.mem.size == 1024
+    st = s.stats()
+    assert st.bytes_in_use == 1024 and st.n_live == 1 and st.n_allocs == 2
+    assert s.live_sizes() == {mp.ptr: 1024}
+    ptr = mp.ptr
+    del mp
+    st = s.stats()
+    assert st.bytes_in_use == 0 and st.n_frees == 2 and pool.free == [ptr]
+    assert d.stale == {}
+
+
+@needs_c
+def test_route_direct_counts_a_block_the_pool_gave_out_again_before_its_free_was_seen_once():
+    s, d, pool, _ = _direct()
+    a = d(4096)
+    ptr = a.ptr
+    got = []
+    pool.on_free = lambda: got.append(d(4096))  # between the pool's free and the token: the same block
+    del a
+    pool.on_free = None
+    (b,) = got
+    assert b.ptr == ptr
+    st = s.stats()
+    assert st.bytes_in_use == 4096 and st.n_live == 1 and d.stale == {}
+    assert st.n_allocs == 3 and st.n_frees == 2
+    got.clear()
+    del b
+    st = s.stats()
+    assert st.bytes_in_use == 0 and st.n_live == 0 and st.n_frees == 3 and st.peak_bytes_in_use == 4096
+
+
+@needs_c
+def test_route_direct_out_of_memory_goes_to_the_strategys_recovery_and_other_errors_pass():
+    s, d, pool, calls = _direct()
+    with pytest.raises(MemoryError, match="strategy out of memory for 1099511627776"):
+        d(1 << 40)
+    assert calls[0][:2] == ("failed", 1 << 40) and isinstance(calls[0][2], _PoolOOM)
+    assert s.stats().bytes_in_use == 0
+
+    def broken(size):
+        raise ZeroDivisionError("not an OOM")
+
+    s2, d2, _, calls2 = _direct(pool_malloc=broken)
+    with pytest.raises(ZeroDivisionError):
+        d2(100)
+    assert calls2 == []
+    recovered = _MP(_Mem(pool, 0x777000, 512))
+    s3, d3, _, _ = _direct(pool_malloc=lambda size: (_ for _ in ()).throw(_PoolOOM("x")),
+                           failed=lambda size, exc: recovered)
+    mp = d3(512)
+    assert mp is recovered and s3.stats().bytes_in_use == 512
+
+
+@needs_c
+def test_route_direct_refuses_a_memory_object_it_cannot_watch_and_counts_nothing():
+    s, d, _, _ = _direct(pool_malloc=lambda size: _MP(_SlotMem(0x5000, 512)))
+    with pytest.raises(AttributeError):
+        d(512)
+    st = s.stats()
+    assert st.bytes_in_use == 0 and st.n_live == 0
+
+
+@needs_c
+def test_route_direct_accounts_nothing_for_cupys_empty_memory_and_passes_recorded_frees_on():
+    s, d, pool, calls = _direct(pool_malloc=lambda size: _MP(_SlotMem(0, 0)))
+    mp = d(0)
+    assert mp.ptr == 0 and s.stats().n_live == 0
+    s, d, pool, calls = _direct()
+    mp = d(2048)
+    ptr = mp.ptr
+    s._recorded[ptr] = [("stream", 7, 0, None)]  # as record_stream leaves it
+    del mp
+    assert calls == [("recorded", ptr, 2048, 0)] and s.stats().bytes_in_use == 0
+
+
+@needs_c
+def test_route_direct_is_refused_over_anything_but_a_hooks_mode_accounting():
+    m = cupy_memstrat.create("managed", backend=FakeBackend())
+    m.raw_free(m.raw_malloc(512))
+    with pytest.raises(TypeError, match="hooks mode"):
+        base._c_hotpath.PoolDirect(m._malloc.__self__, print, _PoolOOM, print, print)
+    s, d, pool, _ = _direct()
+    with pytest.raises(TypeError, match="expected"):
+        base._c_hotpath.PoolDirect(d.__self__, print, 3, print, print)
+    with pytest.raises(TypeError, match="one argument"):
+        d(1, 2)
+
+
+def test_route_is_an_option_checked_by_name():
+    s = cupy_memstrat.create("pool", route="direct", backend=FakeBackend())
+    assert s.config["route"] == "direct"
+    mp = s.malloc(100)  # without CUDA, the default route runs
+    assert s.stats().bytes_in_use == 512
+    del mp
+    with pytest.raises(ValueError, match=r"pool: option route: expected one of 'wrap', 'direct', got 'fast'"):
+        cupy_memstrat.create("pool", route="fast", backend=FakeBackend())

@@ -122,7 +122,7 @@ def test_a_bad_spec_is_refused_at_the_client_and_nothing_is_sent(client):
         cmd.MemstratPlugin("device", max_keys=0)
     with pytest.raises(ValueError, match=r"MemstratPlugin: unknown option 'max_key' \(did you mean 'max_keys'\?\); "
                                          r"its own: track_tasks, max_keys, record_history; the options of strategy 'pool': oom_snapshot, "
-                                         "track_origins"):
+                                         "route, track_origins"):
         cmd.MemstratPlugin("pool", max_key=5)
     # a path on the workers' machines: not checked against the client's file system
     assert cmd.MemstratPlugin("pool", oom_snapshot="/no/such/folder/on/the/client/oom.json").spec == "pool"

@@ -60,6 +60,9 @@
 #   tools/device_run.sh call7             (carry .whl, .cupy_tests) the interop, Numba and plugin GPU tests,
 #                                         then CuPy's subset under CuPy's pool, rmm and torch
 #   tools/device_run.sh call8             (carry .whl) tests/gpu, the Numba allocation probe, bench alloc
+#   tools/device_run.sh call9             tests/gpu (pool:route=direct's first GPU run), bench alloc
+#                                         (pool-direct beside pool), bench streams; then run
+#                                         "cupy default pool:route=direct" for CuPy's subset
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -268,6 +271,16 @@ if [ "$part" = call8 ]; then
   timeout 150 python3 tools/probes/numba_alloc_cost.py "$J/numba-alloc-cost.json"
   BENCH_DIR=$J benches alloc
   tar -czf "$OUT/call8_json.tgz" -C /tmp call8_json
+fi
+
+if [ "$part" = call9 ]; then
+  # pool:route=direct (added without a GPU): tests/gpu in full, bench alloc with the pool-direct
+  # row beside pool, bench streams with pool:route=direct among the safe allocators
+  J=/tmp/call9_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"
+  gpu_tests
+  BENCH_DIR=$J benches alloc streams
+  tar -czf "$OUT/call9_json.tgz" -C /tmp call9_json
 fi
 
 if [ "$part" = call4 ]; then

@@ -1126,9 +1126,18 @@ class Strategy:
         s = ref() if ref is not None else None
         return s if s is not None and s._pfa is owner else None
 
+    def _cupy_route(self, malloc, free):
+        """CuPy's ``malloc(size) -> MemoryPointer`` over the hot path's
+        ``malloc`` / ``free``, and the object that callable names as its
+        ``__self__`` (None if it names none; :meth:`_owner_of` finds the
+        strategy through it). A strategy with a route of its own into CuPy
+        overrides this (``pool``'s ``route="direct"``)."""
+        cupy_malloc, pfa, self._gc_safe = _cupy_malloc_over(self.backend, malloc, free, self.block_granule)
+        return cupy_malloc, pfa
+
     def _make_cupy_malloc(self):
         malloc, free = self._build_hot_path() if self._malloc is None else (self._malloc, self._free)
-        cupy_malloc, pfa, self._gc_safe = _cupy_malloc_over(self.backend, malloc, free, self.block_granule)
+        cupy_malloc, pfa = self._cupy_route(malloc, free)
         if pfa is not None:
             self._pfa = pfa
             _pfa_owners[id(pfa)] = weakref.ref(self)

@@ -12,14 +12,25 @@ pytest plugin measures through when no strategy is asked for.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from dataclasses import replace
 
 from .. import cuda as _cuda
+from .._userwarn import warn_at_user
+from ..options import Option
 from ..stats import Stats
 from .base import Strategy
 
 __all__ = ["CuPyPoolStrategy"]
+
+_ROUTES = ("wrap", "direct")
+
+
+def _as_route(value, what: str) -> str:
+    if isinstance(value, str) and value.strip().lower() in _ROUTES:
+        return value.strip().lower()
+    raise ValueError(f"{what}: expected one of {', '.join(map(repr, _ROUTES))}, got {value!r}")
 
 
 class CuPyPoolStrategy(Strategy):
@@ -47,7 +58,22 @@ class CuPyPoolStrategy(Strategy):
     there is no CuPy pool: it allocates with the backend's ``malloc`` / ``free``
     and caches nothing (``bytes_reserved`` equals ``bytes_in_use``).
 
-    Options: only the common ones (``track_origins``).
+    Options, besides the common ones:
+
+    ``route`` (``"wrap"``, the default, or ``"direct"``): how CuPy's arrays
+    get their blocks. ``"wrap"``: through CuPy's ``PythonFunctionAllocator``,
+    each array's memory object ours, holding the pool's ``MemoryPointer``.
+    ``"direct"`` (experimental; not yet measured on a GPU): CuPy gets the
+    pool's own ``MemoryPointer``, as with CuPy's default allocator, and the
+    free is seen through a small object kept in the pool's memory object
+    (csrc/hotpath.c, ``PoolDirect``). It needs the C hot path and CUDA;
+    elsewhere (the fake backend, ``track_origins``,
+    ``CUPY_MEMSTRAT_HOT_PATH=python``) ``"wrap"`` runs. With ``"direct"``, a
+    block freed with :func:`cupy_memstrat.record_stream`'d streams is already
+    CuPy's again when its free is seen: the free then synchronises the
+    devices concerned before it returns, and another thread that allocates on
+    the block's stream meanwhile can get it before the recorded streams'
+    work is done (docs/streams.md).
     """
 
     name = "pool"
@@ -55,6 +81,9 @@ class CuPyPoolStrategy(Strategy):
     block_granule = 512
     description = "CuPy's default MemoryPool, with per-allocation statistics (what CuPy does by default, measured)"
     reserved_is_in_use = False
+    options = (
+        Option("route", _as_route, "wrap", "wrap | direct (experimental): how CuPy's arrays get the pool's blocks"),
+    )
 
     def __init__(self, *, backend=None, **options):
         super().__init__(backend=backend, **options)
@@ -72,6 +101,7 @@ class CuPyPoolStrategy(Strategy):
 
         pool = cupy.get_default_memory_pool()
         self._pool = pool
+        self._OutOfMemoryError = OutOfMemoryError
         self._Device = cupy.cuda.Device
         blocks: dict = {}  # ptr -> MemoryPointer: holds the pool's block
         self._blocks = blocks
@@ -88,6 +118,58 @@ class CuPyPoolStrategy(Strategy):
 
         self._allocate = allocate
         self._deallocate = blocks.pop  # dropping the MemoryPointer returns the block to the pool
+
+    # -- route="direct" --------------------------------------------------------------
+    def _cupy_route(self, malloc, free):
+        """CuPy's allocator callable: the base's (route ``"wrap"``), or with
+        ``route="direct"``, CUDA and the C hot path, the extension's
+        ``PoolDirect`` over the pool and this strategy's tables."""
+        acc = getattr(malloc, "__self__", None)
+        if self.config["route"] != "direct" or self._pool is None or self.hot_path != "c" or acc is None:
+            return super()._cupy_route(malloc, free)
+        hotpath = importlib.import_module("cupy_memstrat._hotpath")  # built: the C hot path runs
+        direct = hotpath.PoolDirect(acc, self._pool.malloc, self._OutOfMemoryError, self._direct_failed,
+                                    self._recorded_freed)
+        self._gc_safe = True  # CuPy's PooledMemory is not tracked by the garbage collector
+        return direct, acc
+
+    def _direct_failed(self, size, exc):
+        """route="direct": CuPy's pool raised ``OutOfMemoryError`` for
+        ``size`` bytes (after freeing its cache and collecting garbage):
+        the recovery every strategy makes, retrying the pool; returns the
+        pool's ``MemoryPointer``, or raises this strategy's out-of-memory
+        error."""
+        __tracebackhide__ = True  # pytest shows the user's frames, not ours
+        pool_malloc, OOM, Error = self._pool.malloc, self._OutOfMemoryError, self._Error
+        status = _cuda.ERROR_MEMORY_ALLOCATION
+        got = []
+
+        def retry():
+            try:
+                mp = pool_malloc(size)
+            except OOM:
+                raise Error(status) from None
+            got.append(mp)
+            return mp.ptr
+
+        self._recover(size, self.backend.get_device(), Error(status), retry)
+        return got[-1]
+
+    def _recorded_freed(self, ptr: int, size: int, device: int) -> None:
+        """route="direct": a block with recorded streams was freed, and CuPy's
+        pool has it back already: wait for the recorded streams' work (events
+        recorded now, then a synchronisation). Never raises."""
+        self._defer(ptr, size, device)
+        try:
+            self._flush_pending()
+        except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
+            self.backend.clear_last_error()
+            warn_at_user(f"pool: waiting for the streams recorded on 0x{ptr:x} failed: {exc}", RuntimeWarning)
+
+    def _give_back_block(self, ptr: int, size: int, device: int) -> None:
+        if self._pool is not None and ptr not in self._blocks:
+            return  # route="direct": CuPy's pool has it back already
+        super()._give_back_block(ptr, size, device)
 
     # -- the pool, per device ----------------------------------------------------
     def _pool_total(self, device: int) -> int:

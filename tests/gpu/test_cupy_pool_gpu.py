@@ -12,10 +12,11 @@ import cupy_memstrat
 MiB = 1 << 20
 
 
-def test_arrays_compute_right_and_stats_are_exact(cp):
+@pytest.mark.parametrize("spec", ["pool", "pool:route=direct"])
+def test_arrays_compute_right_and_stats_are_exact(cp, spec):
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
-    s = cupy_memstrat.use("pool")
+    s = cupy_memstrat.use(spec)
     assert cupy_memstrat.current() is s and s.name == "pool"
     x = cp.arange(1_000_000, dtype=cp.float64)  # 8 000 000 bytes
     st = s.stats()
@@ -29,10 +30,11 @@ def test_arrays_compute_right_and_stats_are_exact(cp):
     assert st.peak_bytes_in_use >= 8_000_000 and st.peak_bytes_reserved >= st.peak_bytes_in_use
 
 
-def test_freed_arrays_go_back_to_cupys_pool_and_trim_frees_its_cache(cp):
+@pytest.mark.parametrize("spec", ["pool", "pool:route=direct"])
+def test_freed_arrays_go_back_to_cupys_pool_and_trim_frees_its_cache(cp, spec):
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
-    s = cupy_memstrat.use("pool")
+    s = cupy_memstrat.use(spec)
     used0 = pool.used_bytes()
     x = cp.empty(64 * MiB, dtype=cp.uint8)
     assert pool.used_bytes() - used0 >= 64 * MiB
@@ -51,6 +53,52 @@ def test_freed_arrays_go_back_to_cupys_pool_and_trim_frees_its_cache(cp):
     assert s.stats().bytes_reserved == pool.total_bytes()
 
 
+def test_route_direct_gives_cupy_the_pools_own_memory_object(cp):
+    s = cupy_memstrat.use("pool:route=direct")
+    x = cp.empty(3 * MiB, dtype=cp.uint8)
+    assert type(x.data.mem).__name__ == "PooledMemory" and s.hot_path == "c"
+    assert type(cp.cuda.get_allocator()).__name__ == "PoolDirect"
+    assert cupy_memstrat.current() is s
+    (a,) = [a for a in s.live_allocations() if a.ptr == x.data.ptr]
+    assert a.size == 3 * MiB
+    y = x[1:]  # a view: the same memory object, one block
+    del x
+    assert s.stats().bytes_in_use == 3 * MiB
+    del y
+    assert s.stats().bytes_in_use == 0
+
+
+def test_route_direct_counts_exactly_under_threads(cp):
+    """Eight threads allocate and free through CuPy's pool at once: every
+    block counted, none left, none counted twice (the stale path)."""
+    import random
+    import threading
+
+    s = cupy_memstrat.use("pool:route=direct")
+    errors = []
+
+    def work(seed):
+        rng = random.Random(seed)
+        try:
+            keep = []
+            for _ in range(3000):
+                keep.append(cp.empty(rng.choice((512, 4096, 1 << 20)), dtype=cp.uint8))
+                if len(keep) > 8:
+                    keep.pop(rng.randrange(len(keep)))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    st = s.stats()
+    assert not errors
+    assert st.n_allocs == st.n_frees == 8 * 3000 and st.bytes_in_use == 0 and st.n_live == 0
+    assert cp.cuda.get_allocator().stale == {}
+
+
 def test_live_allocations_and_origins(cp):
     s = cupy_memstrat.use("pool:track_origins=true")
     x = cp.empty(3 * MiB, dtype=cp.uint8)
@@ -59,8 +107,9 @@ def test_live_allocations_and_origins(cp):
     assert s.live_sizes()[x.data.ptr] == 3 * MiB
 
 
-def test_out_of_memory_is_ours_and_counted(cp):
-    s = cupy_memstrat.use("pool")
+@pytest.mark.parametrize("spec", ["pool", "pool:route=direct"])
+def test_out_of_memory_is_ours_and_counted(cp, spec):
+    s = cupy_memstrat.use(spec)
     with pytest.raises(cupy_memstrat.OutOfMemoryError, match="pool strategy: out of memory allocating"):
         cp.empty(1 << 50, dtype=cp.uint8)
     assert s.stats().n_failed == 1

@@ -10,7 +10,7 @@ import pytest
 import cupy_memstrat
 from cupy_memstrat.strategies import base
 
-STRATEGIES = ["device", "pool", "managed", "async"]
+STRATEGIES = ["device", "pool", "managed", "async", "pool:route=direct"]
 
 
 def test_the_c_hot_path_is_built_and_used_here(cp, monkeypatch):

@@ -18,7 +18,7 @@ from cupy_memstrat import cuda as C
 from cupy_memstrat.bench import streams as S
 
 GiB = 1 << 30
-SAFE = ["cupy-default", "device", "managed", "async", "pool"]
+SAFE = ["cupy-default", "device", "managed", "async", "pool", "pool:route=direct"]
 
 
 @pytest.fixture
@@ -150,7 +150,7 @@ def test_the_managed_hot_path_reads_the_stream_through_cupys_own_c_function(cp):
         S.release(cp, s)
 
 
-@pytest.mark.parametrize("spec", ["managed", "async", "pool"])
+@pytest.mark.parametrize("spec", ["managed", "async", "pool", "pool:route=direct"])
 def test_cupy_8068_corrupts_without_record_stream_and_not_with_it(cp, kern, spec):
     assert _run(cp, spec, lambda: S.other_reader(cp, kern)) > 0  # the control, as under CuPy's pool
     assert _run(cp, spec, lambda: S.other_reader(cp, kern, record=True)) == 0
