@@ -1406,7 +1406,9 @@ typedef struct {
     PyObject *oom;             /* CuPy's OutOfMemoryError */
     PyObject *failed;          /* failed(size, exc) -> MemoryPointer, or raises */
     PyObject *recorded_freed;  /* recorded_freed(ptr, size, device) */
-    PyObject *stale;           /* dict ptr -> blocks at ptr whose free was accounted before their token ran */
+    PyObject *stale;           /* dict ptr -> generation of the block at ptr that the live table counts */
+    PyObject *zero_obj;
+    long long generation;      /* of the last block handed out */
     vectorcallfunc vectorcall;
 } PoolDirect;
 
@@ -1415,34 +1417,31 @@ typedef struct {
     PoolDirect *owner;
     PyObject *ptr;
     Py_ssize_t d;
+    long long generation;
 } PoolToken;
 
 static PyObject *S_mem, *S_size, *S_device_id, *S_token;
 
-/* Account the free of the block at ptr on device d (its token ran). */
+/* The free of the block at ptr on device d, generation g: accounted if the live
+ * table still counts that block (not a later one at the same pointer, whose
+ * malloc accounted this free already). */
 static int
-direct_free(PoolDirect *o, PyObject *ptr, Py_ssize_t d)
+direct_free(PoolDirect *o, PyObject *ptr, Py_ssize_t d, long long g)
 {
     Accounting *acc = o->acc;
-    if (PyDict_GET_SIZE(o->stale)) {
-        PyObject *n = PyDict_GetItemWithError(o->stale, ptr);  /* borrowed */
-        if (n != NULL) {
-            Py_ssize_t c = PyLong_AsSsize_t(n);
-            if (c == -1 && PyErr_Occurred())
-                return -1;
-            if (c <= 1)
-                return PyDict_DelItem(o->stale, ptr);
-            PyObject *less = PyLong_FromSsize_t(c - 1);
-            int rc = less == NULL ? -1 : PyDict_SetItem(o->stale, ptr, less);
-            Py_XDECREF(less);
-            return rc;
-        }
-        if (PyErr_Occurred())
-            return -1;
-    }
+    PyObject *cur = PyDict_GetItemWithError(o->stale, ptr);  /* borrowed */
+    if (cur == NULL)
+        return PyErr_Occurred() ? -1 : 0;  /* not counted (tables cleared): nothing to account */
+    long long c = PyLong_AsLongLong(cur);
+    if (c == -1 && PyErr_Occurred())
+        return -1;
+    if (c != g)
+        return 0;  /* a later block at ptr: this one's free was accounted at its malloc */
+    if (PyDict_DelItem(o->stale, ptr) < 0)
+        return -1;
     PyObject *size = live_pop(acc, d, ptr);
     if (size == NULL)
-        return PyErr_Occurred() ? -1 : 0;  /* not in the table (cleared by close): nothing to account */
+        return PyErr_Occurred() ? -1 : 0;
     PyObject *minus = PyNumber_Negative(size), *ev = NULL;
     if (minus != NULL)
         ev = table_item(acc->events, d, &PyList_Type, "events");
@@ -1468,7 +1467,7 @@ PoolToken_dealloc(PoolToken *t)
 {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);  /* a destructor may run while an exception is raised */
-    if (t->owner != NULL && t->ptr != NULL && direct_free(t->owner, t->ptr, t->d) < 0)
+    if (t->owner != NULL && t->ptr != NULL && direct_free(t->owner, t->ptr, t->d, t->generation) < 0)
         PyErr_WriteUnraisable((PyObject *)t->owner);
     PyErr_Restore(type, value, tb);
     Py_XDECREF(t->ptr);
@@ -1528,35 +1527,34 @@ PoolDirect_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
         size = PyObject_GetAttr(mem, S_size);
     if (size != NULL)
         device = PyObject_GetAttr(mem, S_device_id);
-    int rc = device == NULL ? -1 : 0, zero = rc == 0 ? !PyObject_IsTrue(ptr) : 0;
+    int rc = device == NULL ? -1 : 0;
+    if (rc == 0 && (!PyLong_CheckExact(ptr) || !PyLong_CheckExact(size) || PyObject_RichCompareBool(size, self->zero_obj, Py_LT) != 0)) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_TypeError, "pool: the pool's block has ptr %R and size %R, not ints >= 0", ptr, size);
+        rc = -1;
+    }
+    int zero = rc == 0 ? PyObject_Not(ptr) : 0;
     if (rc == 0 && !zero) {  /* a block (CuPy gives size 0 a memory object of no pool) */
         Py_ssize_t d = device_index(acc, device);
-        PyObject *live = d < 0 ? NULL : table_item(acc->live, d, &PyDict_Type, "live");
-        if (d < 0)
+        if (d < 0) {
             PyErr_Format(PyExc_ValueError, "pool: block on device %R, not a device ordinal in range(%zd)", device,
                          acc->n_devices);
-        rc = live == NULL ? -1 : PyDict_Contains(live, ptr);
-        Py_XDECREF(live);
-        if (rc == 1) {  /* the last block at ptr went back to the pool, its token has not run yet */
-            PyObject *n = PyDict_GetItemWithError(self->stale, ptr);
-            Py_ssize_t c = n == NULL ? 0 : PyLong_AsSsize_t(n);
-            PyObject *more = PyErr_Occurred() ? NULL : PyLong_FromSsize_t(c + 1);
-            rc = more == NULL || PyDict_SetItem(self->stale, ptr, more) < 0 ? -1 : 0;
-            Py_XDECREF(more);
-            if (rc == 0) {
-                PyObject *old = live_pop(acc, d, ptr), *minus = NULL, *ev = NULL;
-                if (old != NULL)
-                    minus = PyNumber_Negative(old);
-                if (minus != NULL)
-                    ev = table_item(acc->events, d, &PyList_Type, "events");
-                rc = ev == NULL || PyList_Append(ev, minus) < 0 ? -1 : 0;
-                Py_XDECREF(ev);
-                Py_XDECREF(minus);
-                Py_XDECREF(old);
-            }
+            rc = -1;
         }
+        PyObject *cur = rc < 0 ? NULL : PyDict_GetItemWithError(self->stale, ptr);  /* borrowed */
+        if (cur != NULL) {  /* the last block at ptr went back to the pool, its token has not run yet */
+            long long g = PyLong_AsLongLong(cur);
+            rc = g == -1 && PyErr_Occurred() ? -1 : direct_free(self, ptr, d, g);
+        } else if (PyErr_Occurred()) {
+            rc = -1;
+        }
+        long long g = ++self->generation;
+        PyObject *gen = rc < 0 ? NULL : PyLong_FromLongLong(g);
         if (rc == 0)
-            rc = account_malloc(acc, d, device, ptr, size);
+            rc = gen == NULL ? -1 : account_malloc(acc, d, device, ptr, size);
+        if (rc == 0)
+            rc = PyDict_SetItem(self->stale, ptr, gen);
+        Py_XDECREF(gen);
         if (rc == 0) {
             PoolToken *t = PyObject_New(PoolToken, &PoolTokenType);
             if (t == NULL) {
@@ -1567,6 +1565,7 @@ PoolDirect_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
                 t->owner = self;
                 t->ptr = ptr;
                 t->d = d;
+                t->generation = g;
                 rc = PyObject_SetAttr(mem, S_token, (PyObject *)t);
                 Py_DECREF(t);  /* if the pool's memory object took no token, this accounts the free at once */
             }
@@ -1600,9 +1599,17 @@ PoolDirect_init(PoolDirect *self, PyObject *args, PyObject *kwds)
                      pool_malloc, oom, failed, recorded_freed);
         return -1;
     }
-    PyObject *stale = PyDict_New();
-    if (stale == NULL)
+    if (self->acc != NULL) {
+        PyErr_SetString(PyExc_TypeError, "PoolDirect: already initialised (its blocks' frees go to its tables)");
         return -1;
+    }
+    PyObject *stale = PyDict_New(), *zero = PyLong_FromLong(0);
+    if (stale == NULL || zero == NULL) {
+        Py_XDECREF(stale);
+        Py_XDECREF(zero);
+        return -1;
+    }
+    self->zero_obj = zero;
     Py_INCREF(acc);
     Py_INCREF(pool_malloc);
     Py_INCREF(oom);
@@ -1639,6 +1646,7 @@ PoolDirect_clear(PoolDirect *self)
     Py_CLEAR(self->failed);
     Py_CLEAR(self->recorded_freed);
     Py_CLEAR(self->stale);
+    Py_CLEAR(self->zero_obj);
     return 0;
 }
 
@@ -1675,8 +1683,8 @@ PoolDirect_stale(PoolDirect *self, void *Py_UNUSED(closure))
 }
 
 static PyGetSetDef PoolDirect_getset[] = {
-    {"stale", (getter)PoolDirect_stale, NULL,
-     "a copy of {ptr: n}: blocks the pool handed out again before their token ran", NULL},
+    {"generations", (getter)PoolDirect_stale, NULL,
+     "a copy of {ptr: generation}: the block at each pointer that the live table counts", NULL},
     {NULL}
 };
 

@@ -160,7 +160,7 @@ def test_route_direct_hands_out_the_pools_object_and_counts_its_free():
     del mp
     st = s.stats()
     assert st.bytes_in_use == 0 and st.n_frees == 2 and pool.free == [ptr]
-    assert d.stale == {}
+    assert d.generations == {}
 
 
 @needs_c
@@ -175,7 +175,7 @@ def test_route_direct_counts_a_block_the_pool_gave_out_again_before_its_free_was
     (b,) = got
     assert b.ptr == ptr
     st = s.stats()
-    assert st.bytes_in_use == 4096 and st.n_live == 1 and d.stale == {}
+    assert st.bytes_in_use == 4096 and st.n_live == 1 and d.generations == {ptr: 2}  # b counted, not a
     assert st.n_allocs == 3 and st.n_frees == 2
     got.clear()
     del b
@@ -248,3 +248,41 @@ def test_route_is_an_option_checked_by_name():
     del mp
     with pytest.raises(ValueError, match=r"pool: option route: expected one of 'wrap', 'direct', got 'fast'"):
         cupy_memstrat.create("pool", route="fast", backend=FakeBackend())
+
+
+@needs_c
+def test_route_direct_keeps_each_block_apart_when_the_pool_reuses_a_pointer_early():
+    """From an adversarial review: the pool takes a block back while its memory
+    object lives (PooledMemory.free() called by hand), hands the pointer out
+    again, and that newer block dies first: it is the newer one's free that
+    is counted, and a recorded stream of the old block is waited for then."""
+    s, d, pool, calls = _direct()
+    a = d(4096)
+    ptr = a.ptr
+    s._recorded[ptr] = [("stream A", 7, 0, None)]
+    pool.free.append(ptr)  # as PooledMemory.free() while `a` lives
+    b = d(4096)
+    assert b.ptr == ptr and calls == [("recorded", ptr, 4096, 0)]  # a's free, counted at b's malloc
+    del s._recorded[ptr]  # as the strategy's recorded_freed does once it has waited
+    assert s.live_sizes() == {ptr: 4096} and s.stats().bytes_in_use == 4096
+    del b
+    assert s.live_sizes() == {} and s.stats().bytes_in_use == 0
+    del a  # its free was counted already
+    st = s.stats()
+    assert st.bytes_in_use == 0 and st.n_frees == st.n_allocs == 3 and len(calls) == 1
+
+
+@needs_c
+def test_route_direct_refuses_a_block_that_is_not_ints_and_a_second_init():
+    class M:
+        def __init__(self, ptr, size):
+            self.ptr, self.size, self.device_id = ptr, size, 0
+
+    for ptr, size in ((0x3000, None), ("abc", 512), (0x3000, -512)):
+        s, d, _, _ = _direct(pool_malloc=lambda n, p=ptr, z=size: _MP(M(p, z)))
+        with pytest.raises(TypeError, match="not ints >= 0"):
+            d(512)
+        assert s.stats().n_live == 0
+    s, d, pool, _ = _direct()
+    with pytest.raises(TypeError, match="already initialised"):
+        d.__init__(d.__self__, pool.malloc, _PoolOOM, print, print)

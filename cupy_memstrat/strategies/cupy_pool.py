@@ -167,8 +167,8 @@ class CuPyPoolStrategy(Strategy):
             warn_at_user(f"pool: waiting for the streams recorded on 0x{ptr:x} failed: {exc}", RuntimeWarning)
 
     def _give_back_block(self, ptr: int, size: int, device: int) -> None:
-        if self._pool is not None and ptr not in self._blocks:
-            return  # route="direct": CuPy's pool has it back already
+        if self._pool is not None and self.config["route"] == "direct" and ptr not in self._blocks:
+            return  # a block of CuPy's arrays: CuPy's pool has it back already
         super()._give_back_block(ptr, size, device)
 
     # -- the pool, per device ----------------------------------------------------

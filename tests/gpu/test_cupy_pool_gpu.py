@@ -96,7 +96,7 @@ def test_route_direct_counts_exactly_under_threads(cp):
     st = s.stats()
     assert not errors
     assert st.n_allocs == st.n_frees == 8 * 3000 and st.bytes_in_use == 0 and st.n_live == 0
-    assert cp.cuda.get_allocator().stale == {}
+    assert cp.cuda.get_allocator().generations == {}
 
 
 def test_live_allocations_and_origins(cp):
