@@ -1392,7 +1392,8 @@ static PyTypeObject AccountingType = {
  * stages the chunk, without releasing the GIL; cupy/cuda/memory.pyx v14.2.0). If
  * the pool has handed the block out again before the token ran, the new
  * allocation finds its pointer still in the live table: the old block's free is
- * accounted then, and its token, marked in `stale`, accounts nothing.
+ * accounted then, and its token, whose generation is no longer the one counted at
+ * that pointer (generations), accounts nothing.
  *
  * On CuPy's OutOfMemoryError (the pool has already freed its cache and collected
  * garbage), failed(size, exc) recovers or raises the strategy's error; it returns
@@ -1406,7 +1407,7 @@ typedef struct {
     PyObject *oom;             /* CuPy's OutOfMemoryError */
     PyObject *failed;          /* failed(size, exc) -> MemoryPointer, or raises */
     PyObject *recorded_freed;  /* recorded_freed(ptr, size, device) */
-    PyObject *stale;           /* dict ptr -> generation of the block at ptr that the live table counts */
+    PyObject *generations;     /* dict ptr -> generation of the block at ptr that the live table counts */
     PyObject *zero_obj;
     long long generation;      /* of the last block handed out */
     vectorcallfunc vectorcall;
@@ -1429,7 +1430,7 @@ static int
 direct_free(PoolDirect *o, PyObject *ptr, Py_ssize_t d, long long g)
 {
     Accounting *acc = o->acc;
-    PyObject *cur = PyDict_GetItemWithError(o->stale, ptr);  /* borrowed */
+    PyObject *cur = PyDict_GetItemWithError(o->generations, ptr);  /* borrowed */
     if (cur == NULL)
         return PyErr_Occurred() ? -1 : 0;  /* not counted (tables cleared): nothing to account */
     long long c = PyLong_AsLongLong(cur);
@@ -1437,7 +1438,7 @@ direct_free(PoolDirect *o, PyObject *ptr, Py_ssize_t d, long long g)
         return -1;
     if (c != g)
         return 0;  /* a later block at ptr: this one's free was accounted at its malloc */
-    if (PyDict_DelItem(o->stale, ptr) < 0)
+    if (PyDict_DelItem(o->generations, ptr) < 0)
         return -1;
     PyObject *size = live_pop(acc, d, ptr);
     if (size == NULL)
@@ -1541,7 +1542,7 @@ PoolDirect_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
                          acc->n_devices);
             rc = -1;
         }
-        PyObject *cur = rc < 0 ? NULL : PyDict_GetItemWithError(self->stale, ptr);  /* borrowed */
+        PyObject *cur = rc < 0 ? NULL : PyDict_GetItemWithError(self->generations, ptr);  /* borrowed */
         if (cur != NULL) {  /* the last block at ptr went back to the pool, its token has not run yet */
             long long g = PyLong_AsLongLong(cur);
             rc = g == -1 && PyErr_Occurred() ? -1 : direct_free(self, ptr, d, g);
@@ -1553,7 +1554,7 @@ PoolDirect_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
         if (rc == 0)
             rc = gen == NULL ? -1 : account_malloc(acc, d, device, ptr, size);
         if (rc == 0)
-            rc = PyDict_SetItem(self->stale, ptr, gen);
+            rc = PyDict_SetItem(self->generations, ptr, gen);
         Py_XDECREF(gen);
         if (rc == 0) {
             PoolToken *t = PyObject_New(PoolToken, &PoolTokenType);
@@ -1603,9 +1604,9 @@ PoolDirect_init(PoolDirect *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "PoolDirect: already initialised (its blocks' frees go to its tables)");
         return -1;
     }
-    PyObject *stale = PyDict_New(), *zero = PyLong_FromLong(0);
-    if (stale == NULL || zero == NULL) {
-        Py_XDECREF(stale);
+    PyObject *generations = PyDict_New(), *zero = PyLong_FromLong(0);
+    if (generations == NULL || zero == NULL) {
+        Py_XDECREF(generations);
         Py_XDECREF(zero);
         return -1;
     }
@@ -1620,7 +1621,7 @@ PoolDirect_init(PoolDirect *self, PyObject *args, PyObject *kwds)
     Py_XSETREF(self->oom, oom);
     Py_XSETREF(self->failed, failed);
     Py_XSETREF(self->recorded_freed, recorded_freed);
-    Py_XSETREF(self->stale, stale);
+    Py_XSETREF(self->generations, generations);
     self->vectorcall = PoolDirect_vectorcall;
     return 0;
 }
@@ -1633,7 +1634,7 @@ PoolDirect_traverse(PoolDirect *self, visitproc visit, void *arg)
     Py_VISIT(self->oom);
     Py_VISIT(self->failed);
     Py_VISIT(self->recorded_freed);
-    Py_VISIT(self->stale);
+    Py_VISIT(self->generations);
     return 0;
 }
 
@@ -1645,7 +1646,7 @@ PoolDirect_clear(PoolDirect *self)
     Py_CLEAR(self->oom);
     Py_CLEAR(self->failed);
     Py_CLEAR(self->recorded_freed);
-    Py_CLEAR(self->stale);
+    Py_CLEAR(self->generations);
     Py_CLEAR(self->zero_obj);
     return 0;
 }
@@ -1667,7 +1668,7 @@ PoolDirect_call(PyObject *self, PyObject *args, PyObject *kwargs)
 static int
 PoolDirect_ready(PoolDirect *o)
 {
-    if (o->acc == NULL || o->stale == NULL || o->recorded_freed == NULL) {
+    if (o->acc == NULL || o->generations == NULL || o->recorded_freed == NULL) {
         PyErr_SetString(PyExc_TypeError, "PoolDirect: not initialised");
         return 0;
     }
@@ -1675,15 +1676,15 @@ PoolDirect_ready(PoolDirect *o)
 }
 
 static PyObject *
-PoolDirect_stale(PoolDirect *self, void *Py_UNUSED(closure))
+PoolDirect_generations(PoolDirect *self, void *Py_UNUSED(closure))
 {
     if (!PoolDirect_ready(self))
         return NULL;
-    return PyDict_Copy(self->stale);
+    return PyDict_Copy(self->generations);
 }
 
 static PyGetSetDef PoolDirect_getset[] = {
-    {"generations", (getter)PoolDirect_stale, NULL,
+    {"generations", (getter)PoolDirect_generations, NULL,
      "a copy of {ptr: generation}: the block at each pointer that the live table counts", NULL},
     {NULL}
 };
