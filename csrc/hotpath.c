@@ -1377,7 +1377,7 @@ static PyTypeObject AccountingType = {
     .tp_methods = Accounting_methods,
 };
 
-/* PoolDirect(accounting, pool_malloc, oom, failed, recorded_freed): the pool
+/* PoolDirect(accounting, pool_malloc, oom, failed, recorded_freed, held): the pool
  * strategy's route=direct, CuPy's allocator callable without a memory object of
  * ours. malloc(size) returns the MemoryPointer of CuPy's pool itself (pool_malloc:
  * MemoryPool.malloc), as CuPy's default allocator does, and accounts its block
@@ -1399,7 +1399,18 @@ static PyTypeObject AccountingType = {
  * garbage), failed(size, exc) recovers or raises the strategy's error; it returns
  * the MemoryPointer of a retry that worked. A block freed with recorded streams
  * (record_stream) is already the pool's again when the token runs:
- * recorded_freed(ptr, size, device) waits there for the recorded streams. */
+ * recorded_freed(ptr, size, device) waits there for the recorded streams.
+ *
+ * That wait leaves a window under threads, so cupy_memstrat.record_stream holds
+ * the recorded block's memory object in `held` (ptr -> memory object): the
+ * array's death then leaves the object alive, its block out of the pool. While
+ * `held` is not empty every allocation polls (the Accounting's poll, as for
+ * pending blocks); reap() names the held objects whose only reference is
+ * `held`'s (their arrays are gone: no one else can reach them), free_early(ptr)
+ * accounts such a block's free at once (its token will count nothing), and
+ * recorded_freed then defers it as every strategy defers a recorded block; once
+ * the recorded streams' work is done the strategy drops the object, and CuPy's
+ * pool has the block back. */
 typedef struct {
     PyObject_HEAD
     Accounting *acc;
@@ -1408,6 +1419,7 @@ typedef struct {
     PyObject *failed;          /* failed(size, exc) -> MemoryPointer, or raises */
     PyObject *recorded_freed;  /* recorded_freed(ptr, size, device) */
     PyObject *generations;     /* dict ptr -> generation of the block at ptr that the live table counts */
+    PyObject *held;            /* dict ptr -> memory object kept for record_stream (see above) */
     PyObject *zero_obj;
     long long generation;      /* of the last block handed out */
     vectorcallfunc vectorcall;
@@ -1505,8 +1517,13 @@ PoolDirect_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
         return NULL;
     }
     Accounting *acc = self->acc;
-    if (poll_pending(acc) < 0)
-        return NULL;
+    if (PyList_GET_SIZE(acc->pending) || PyDict_GET_SIZE(self->held)) {
+        /* blocks freed with record_stream() may be done, held ones' arrays gone */
+        PyObject *r = PyObject_CallNoArgs(acc->poll);
+        if (r == NULL)
+            return NULL;
+        Py_DECREF(r);
+    }
     PyObject *mp = PyObject_Vectorcall(self->pool_malloc, args, 1, NULL);
     if (mp == NULL) {
         if (!PyErr_ExceptionMatches(self->oom))
@@ -1584,9 +1601,9 @@ PoolDirect_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
 static int
 PoolDirect_init(PoolDirect *self, PyObject *args, PyObject *kwds)
 {
-    PyObject *acc, *pool_malloc, *oom, *failed, *recorded_freed;
-    if (!PyArg_ParseTuple(args, "O!OOOO:PoolDirect", &AccountingType, &acc, &pool_malloc, &oom, &failed,
-                          &recorded_freed))
+    PyObject *acc, *pool_malloc, *oom, *failed, *recorded_freed, *held;
+    if (!PyArg_ParseTuple(args, "O!OOOOO!:PoolDirect", &AccountingType, &acc, &pool_malloc, &oom, &failed,
+                          &recorded_freed, &PyDict_Type, &held))
         return -1;
     if (((Accounting *)acc)->ordered || ((Accounting *)acc)->allocate == NULL
         || ((Accounting *)acc)->allocate == Py_None) {
@@ -1596,7 +1613,7 @@ PoolDirect_init(PoolDirect *self, PyObject *args, PyObject *kwds)
     if (!PyCallable_Check(pool_malloc) || !PyCallable_Check(failed) || !PyCallable_Check(recorded_freed)
         || !PyExceptionClass_Check(oom)) {
         PyErr_Format(PyExc_TypeError, "PoolDirect: expected (Accounting, pool.malloc, an exception class, "
-                     "failed(size, exc), recorded_freed(ptr, size, device)), got %R, %R, %R, %R",
+                     "failed(size, exc), recorded_freed(ptr, size, device), held), got %R, %R, %R, %R",
                      pool_malloc, oom, failed, recorded_freed);
         return -1;
     }
@@ -1616,6 +1633,8 @@ PoolDirect_init(PoolDirect *self, PyObject *args, PyObject *kwds)
     Py_INCREF(oom);
     Py_INCREF(failed);
     Py_INCREF(recorded_freed);
+    Py_INCREF(held);
+    Py_XSETREF(self->held, held);
     Py_XSETREF(self->acc, (Accounting *)acc);
     Py_XSETREF(self->pool_malloc, pool_malloc);
     Py_XSETREF(self->oom, oom);
@@ -1635,6 +1654,7 @@ PoolDirect_traverse(PoolDirect *self, visitproc visit, void *arg)
     Py_VISIT(self->failed);
     Py_VISIT(self->recorded_freed);
     Py_VISIT(self->generations);
+    Py_VISIT(self->held);
     return 0;
 }
 
@@ -1647,6 +1667,7 @@ PoolDirect_clear(PoolDirect *self)
     Py_CLEAR(self->failed);
     Py_CLEAR(self->recorded_freed);
     Py_CLEAR(self->generations);
+    Py_CLEAR(self->held);
     Py_CLEAR(self->zero_obj);
     return 0;
 }
@@ -1668,7 +1689,7 @@ PoolDirect_call(PyObject *self, PyObject *args, PyObject *kwargs)
 static int
 PoolDirect_ready(PoolDirect *o)
 {
-    if (o->acc == NULL || o->generations == NULL || o->recorded_freed == NULL) {
+    if (o->acc == NULL || o->generations == NULL || o->recorded_freed == NULL || o->held == NULL) {
         PyErr_SetString(PyExc_TypeError, "PoolDirect: not initialised");
         return 0;
     }
@@ -1682,6 +1703,74 @@ PoolDirect_generations(PoolDirect *self, void *Py_UNUSED(closure))
         return NULL;
     return PyDict_Copy(self->generations);
 }
+
+/* reap(): the pointers in `held` whose memory object `held` alone refers to (its
+ * arrays are gone), oldest first. */
+static PyObject *
+PoolDirect_reap(PoolDirect *self, PyObject *Py_UNUSED(ignored))
+{
+    if (!PoolDirect_ready(self))
+        return NULL;
+    PyObject *out = PyList_New(0), *key, *value;
+    Py_ssize_t pos = 0;
+    if (out == NULL)
+        return NULL;
+    while (PyDict_Next(self->held, &pos, &key, &value)) {
+        if (Py_REFCNT(value) == 1 && PyList_Append(out, key) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
+/* free_early(ptr): account now the free of the block the live table counts at
+ * ptr (its token will count nothing); True if there was one. */
+static PyObject *
+PoolDirect_free_early(PoolDirect *self, PyObject *ptr)
+{
+    if (!PoolDirect_ready(self))
+        return NULL;
+    if (!PyLong_CheckExact(ptr)) {
+        PyErr_Format(PyExc_TypeError, "free_early(ptr): expected an int pointer, got %R", ptr);
+        return NULL;
+    }
+    PyObject *cur = PyDict_GetItemWithError(self->generations, ptr);  /* borrowed */
+    if (cur == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_FALSE;
+    }
+    long long g = PyLong_AsLongLong(cur);
+    if (g == -1 && PyErr_Occurred())
+        return NULL;
+    Accounting *acc = self->acc;
+    for (Py_ssize_t d = 0; d < acc->n_devices; d++) {
+        PyObject *live = table_item(acc->live, d, &PyDict_Type, "live");
+        if (live == NULL)
+            return NULL;
+        int in = PyDict_Contains(live, ptr);
+        Py_DECREF(live);
+        if (in < 0)
+            return NULL;
+        if (in) {
+            if (direct_free(self, ptr, d, g) < 0)
+                return NULL;
+            Py_RETURN_TRUE;
+        }
+    }
+    if (PyDict_DelItem(self->generations, ptr) < 0)  /* counted nowhere: nothing to account */
+        return NULL;
+    Py_RETURN_FALSE;
+}
+
+static PyMethodDef PoolDirect_methods[] = {
+    {"reap", (PyCFunction)PoolDirect_reap, METH_NOARGS,
+     "reap() -> [ptr]: the held memory objects that nothing but the held table refers to any more"},
+    {"free_early", (PyCFunction)PoolDirect_free_early, METH_O,
+     "free_early(ptr) -> bool: account the free of the block counted at ptr now; its token counts nothing"},
+    {NULL}
+};
 
 static PyGetSetDef PoolDirect_getset[] = {
     {"generations", (getter)PoolDirect_generations, NULL,
@@ -1697,7 +1786,7 @@ static PyMemberDef PoolDirect_members[] = {
 static PyTypeObject PoolDirectType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "cupy_memstrat._hotpath.PoolDirect",
-    .tp_doc = PyDoc_STR("PoolDirect(accounting, pool_malloc, oom, failed, recorded_freed): malloc(size) -> "
+    .tp_doc = PyDoc_STR("PoolDirect(accounting, pool_malloc, oom, failed, recorded_freed, held): malloc(size) -> "
                         "CuPy's pool's MemoryPointer, accounted (see csrc/hotpath.c)."),
     .tp_basicsize = sizeof(PoolDirect),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
@@ -1710,6 +1799,7 @@ static PyTypeObject PoolDirectType = {
     .tp_clear = (inquiry)PoolDirect_clear,
     .tp_getset = PoolDirect_getset,
     .tp_members = PoolDirect_members,
+    .tp_methods = PoolDirect_methods,
 };
 
 /* GcSafeMalloc(pfa_malloc): CuPy's allocator callable for a strategy, around

@@ -575,7 +575,10 @@ def record_stream(array, stream) -> bool:
     an event on each recorded stream at the free and keep the block out of
     reach until the events are done (checked at later allocations, like
     PyTorch's caching allocator; :func:`trim` and out-of-memory recovery
-    synchronise and take them back at once). ``device`` needs nothing:
+    synchronise and take them back at once); on ``pool``'s default route,
+    whose blocks are CuPy's pool's own, the array's memory object is kept
+    until then, and the free is seen at the next allocation or read of the
+    statistics. ``device`` needs nothing:
     ``cudaFree`` synchronises the device, so every stream's work is done
     before the block can be reused; it returns False. Under the checking
     layer, ``check="streams"`` counts recorded streams as ordered. A stream
@@ -627,7 +630,10 @@ def record_stream(array, stream) -> bool:
         raise ValueError(
             f"stream: {stream!r} (handle 0x{handle:x}) is not a live stream on device {device}: it was destroyed"
         )
-    return owner.record_stream(mem.ptr, stream)
+    recorded = owner.record_stream(mem.ptr, stream)
+    if recorded:
+        owner._hold_recorded(mem)  # pool's route "direct" keeps the block out of CuPy's pool
+    return recorded
 
 
 def _memory_of(array):

@@ -13,7 +13,7 @@ MiB = 1 << 20
 def test_registered_with_alias_and_description():
     assert "pool" in cupy_memstrat.available()
     assert "CuPy's default MemoryPool" in cupy_memstrat.available()["pool"]
-    assert cupy_memstrat.validate("cupy") == ("pool", {"track_origins": False, "oom_snapshot": None, "route": "wrap"})
+    assert cupy_memstrat.validate("cupy") == ("pool", {"track_origins": False, "oom_snapshot": None, "route": "direct"})
 
 
 def test_same_stats_as_every_strategy(fake):
@@ -127,7 +127,7 @@ class _SlotMem:
 
 class _MP:
     def __init__(self, mem):
-        self.mem, self.ptr = mem, mem.ptr
+        self.mem, self.ptr, self.device_id = mem, mem.ptr, mem.device_id
 
 
 def _direct(pool_malloc=None, failed=None, recorded_freed=None):
@@ -143,7 +143,7 @@ def _direct(pool_malloc=None, failed=None, recorded_freed=None):
 
     d = base._c_hotpath.PoolDirect(
         acc, pool_malloc or pool.malloc, _PoolOOM, failed or default_failed,
-        recorded_freed or (lambda *a: calls.append(("recorded", *a))),
+        recorded_freed or (lambda *a: calls.append(("recorded", *a))), {},
     )
     return s, d, pool, calls
 
@@ -232,12 +232,19 @@ def test_route_direct_is_refused_over_anything_but_a_hooks_mode_accounting():
     m = cupy_memstrat.create("managed", backend=FakeBackend())
     m.raw_free(m.raw_malloc(512))
     with pytest.raises(TypeError, match="hooks mode"):
-        base._c_hotpath.PoolDirect(m._malloc.__self__, print, _PoolOOM, print, print)
+        base._c_hotpath.PoolDirect(m._malloc.__self__, print, _PoolOOM, print, print, {})
     s, d, pool, _ = _direct()
     with pytest.raises(TypeError, match="expected"):
-        base._c_hotpath.PoolDirect(d.__self__, print, 3, print, print)
+        base._c_hotpath.PoolDirect(d.__self__, print, 3, print, print, {})
     with pytest.raises(TypeError, match="one argument"):
         d(1, 2)
+    with pytest.raises(TypeError, match=r"free_early\(ptr\): expected an int pointer, got '0x10'"):
+        d.free_early("0x10")
+    assert d.free_early(0x10) is False and d.reap() == []  # nothing counted there, nothing held
+    with pytest.raises(TypeError, match="not initialised"):
+        base._c_hotpath.PoolDirect.__new__(base._c_hotpath.PoolDirect).reap()
+    with pytest.raises(TypeError, match="argument 6 must be dict, not list"):  # the held table
+        base._c_hotpath.PoolDirect(d.__self__, print, _PoolOOM, print, print, [])
 
 
 def test_route_is_an_option_checked_by_name():
@@ -285,4 +292,72 @@ def test_route_direct_refuses_a_block_that_is_not_ints_and_a_second_init():
         assert s.stats().n_live == 0
     s, d, pool, _ = _direct()
     with pytest.raises(TypeError, match="already initialised"):
-        d.__init__(d.__self__, pool.malloc, _PoolOOM, print, print)
+        d.__init__(d.__self__, pool.malloc, _PoolOOM, print, print, {})
+
+
+def _direct_strategy(fake):
+    """A pool strategy on the fake backend whose direct route runs over the
+    stand-in pool, glue included (CuPy's pool needs CUDA)."""
+    s = cupy_memstrat.create("pool", route="direct", backend=fake)
+    s.raw_free(s.raw_malloc(512))  # builds the hot path (hooks mode)
+    pool = _StandInPool()
+    pool.total_bytes = lambda: 0
+    s._pool, s._blocks, s._OutOfMemoryError = pool, {}, _PoolOOM
+    s._direct = base._c_hotpath.PoolDirect(s._malloc.__self__, pool.malloc, _PoolOOM, s._direct_failed,
+                                           s._recorded_freed, s._held)
+    return s, s._direct, pool
+
+
+@needs_c
+@pytest.mark.parametrize("through", ["record_stream", "Strategy.record_stream"])
+def test_route_direct_keeps_a_recorded_block_from_the_pool_until_the_recorded_stream_is_done(through):
+    """cupy#8068 under threads: the block must not reach CuPy's pool (where
+    another thread on the same stream would get it) while the recorded stream
+    still reads it. cupy_memstrat.record_stream holds the memory object; the
+    control, Strategy.record_stream with the pointer alone, has the pool take
+    the block back at once, while B still runs (its free then waits)."""
+    fake = FakeBackend()
+    s, d, pool = _direct_strategy(fake)
+    B = fake.stream(non_blocking=True)
+    x = d(4096)
+    ptr = x.ptr
+    if through == "record_stream":
+        assert cupy_memstrat.record_stream(x, B) is True
+        assert list(s._held) == [ptr]
+    else:
+        assert s.record_stream(ptr, B) is True and s._held == {}
+    fake.launch(B)  # B still reads the block
+    busy = []
+    pool.on_free = lambda: busy.append(fake.stream_busy(B.ptr))
+    del x
+    st = s.stats()
+    assert st.bytes_in_use == 0 and st.n_live == 0  # freed for the program either way
+    if through == "Strategy.record_stream":
+        assert busy == [True] and pool.free == [ptr]  # the control: the pool had it back while B ran
+        return
+    assert busy == [] and pool.free == [] and s._held == {ptr: s._held[ptr]}
+    y = d(4096)
+    assert y.ptr != ptr  # B still runs: the block is out of reach
+    fake.finish(B)
+    z = d(4096)  # B is done: the block goes back to the pool, and is handed out again
+    assert busy == [False] and z.ptr == ptr and s._held == {} and not s._pending
+    del y, z
+    st = s.stats()
+    assert st.bytes_in_use == 0 and st.n_allocs == st.n_frees == 4
+
+
+@needs_c
+def test_route_direct_held_block_whose_array_lives_stays_live_and_close_lets_it_go():
+    fake = FakeBackend()
+    s, d, pool = _direct_strategy(fake)
+    B = fake.stream(non_blocking=True)
+    x = d(2048)
+    assert cupy_memstrat.record_stream(x, B) is True
+    fake.launch(B)
+    st = s.stats()
+    assert st.bytes_in_use == 2048 and s.live_sizes() == {x.ptr: 2048}  # alive: not reaped
+    s.close()
+    assert s._held == {}
+    fake.finish(B)
+    del x  # the ptr-only path now: the free is counted and waits for B
+    assert s.stats().bytes_in_use == 0 and pool.free

@@ -768,7 +768,7 @@ def test_b():
     r.assert_outcomes(passed=1, failed=1)
     r.stdout.fnmatch_lines(["gpumem: JSON report written to sub/out.json"])
     doc = json.loads((pytester.path / "sub" / "out.json").read_text())
-    assert doc["version"] == 1 and doc["strategy"] == {"name": "pool", "options": {"track_origins": False, "oom_snapshot": None, "route": "wrap"}}
+    assert doc["version"] == 1 and doc["strategy"] == {"name": "pool", "options": {"track_origins": False, "oom_snapshot": None, "route": "direct"}}
     assert doc["machine"]["backend"] == "fake" and doc["machine"]["devices"][0]["name"] == "Fake NVIDIA H200"
     assert doc["machine"]["driver_version"] == 13000 and doc["packages"]["cupy_memstrat"]
     assert doc["settings"]["leaks"] == "fail"
@@ -802,7 +802,7 @@ def test_xdist_workers_measure_and_the_controller_merges(pytester, monkeypatch):
                             "*6.0 MiB*::test_5 (gw*)"])
     assert "M" in r.stdout.str()
     doc = json.loads((pytester.path / "out.json").read_text())
-    assert doc["strategy"] == {"name": "pool", "options": {"track_origins": False, "oom_snapshot": None, "route": "wrap"}}  # was null under xdist
+    assert doc["strategy"] == {"name": "pool", "options": {"track_origins": False, "oom_snapshot": None, "route": "direct"}}  # was null under xdist
     tests = {t["nodeid"].split("::")[1]: t for t in doc["tests"]}
     assert len(tests) == 8 and {t["worker"] for t in tests.values()} <= {"gw0", "gw1"}
     assert {tests[f"test_{i}"]["peak_bytes"] for i in range(6)} == {(i + 1) << 20 for i in range(6)}

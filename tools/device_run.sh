@@ -63,6 +63,10 @@
 #   tools/device_run.sh call9             tests/gpu (pool:route=direct's first GPU run), bench alloc
 #                                         (pool-direct beside pool), bench streams; then run
 #                                         "cupy default pool:route=direct" for CuPy's subset
+#   tools/device_run.sh call10            tests/gpu, bench alloc, bench workloads --rounds 7 (call10_json.tgz)
+#   tools/device_run.sh call11            (carry .cupy_tests) tests/gpu/test_hot_path_gpu.py, the pool_direct_cost
+#                                         probe, bench managed (call11_json.tgz), then CuPy's subset
+#                                         under CuPy's pool, pool and pool:route=wrap
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -281,6 +285,34 @@ if [ "$part" = call9 ]; then
   gpu_tests
   BENCH_DIR=$J benches alloc streams
   tar -czf "$OUT/call9_json.tgz" -C /tmp call9_json
+fi
+
+if [ "$part" = call10 ]; then
+  # pool's route "direct" the default (record_stream holds the block): tests/gpu in full, bench
+  # alloc (pool beside pool-wrap) and bench workloads --rounds 7 (pool beside pool:route=wrap)
+  J=/tmp/call10_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"
+  gpu_tests
+  BENCH_DIR=$J benches alloc
+  step "bench workloads --rounds 7"
+  python3 -m cupy_memstrat bench workloads --rounds 7 --json "$J/bench-workloads.json"
+  tar -czf "$OUT/call10_json.tgz" -C /tmp call10_json
+fi
+
+if [ "$part" = call11 ]; then
+  # after call10: its one failure's file again (the test expected the PythonFunctionAllocator's
+  # guard for pool), where the direct route's time goes (tools/probes/pool_direct_cost.py),
+  # bench managed, then CuPy's subset under CuPy's pool, pool (direct) and pool:route=wrap
+  J=/tmp/call11_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"
+  step "tests/gpu/test_hot_path_gpu.py"
+  python3 -m pytest tests/gpu/test_hot_path_gpu.py -v -p no:cacheprovider --junitxml="$J/tests_hot_path.xml"
+  step "probe: where pool's direct route spends its time"
+  python3 tools/probes/pool_direct_cost.py --json "$J/pool_direct_cost.json"
+  BENCH_DIR=$J benches managed
+  tar -czf "$OUT/call11_json.tgz" -C /tmp call11_json
+  set -- default pool pool:route=wrap
+  part=cupy
 fi
 
 if [ "$part" = call4 ]; then

@@ -103,9 +103,9 @@ def _paths(cupy, strategies: list[str], extra=()):
         else:
             s = create(name)
         paths.append((name, lambda m=s.cupy_allocator(): cuda.set_allocator(m)))
-    if "pool" in strategies:  # route="direct" beside the default route, measured in the same rounds
-        s = create("pool", route="direct")
-        paths.append(("pool-direct", lambda m=s.cupy_allocator(): cuda.set_allocator(m)))
+    if "pool" in strategies:  # route="wrap" beside the default route ("direct"), measured in the same rounds
+        s = create("pool", route="wrap")
+        paths.append(("pool-wrap", lambda m=s.cupy_allocator(): cuda.set_allocator(m)))
     if "device" in strategies:
         s = create("device", track_origins=True)
         paths.append(("device+origins", lambda m=s.cupy_allocator(): cuda.set_allocator(m)))

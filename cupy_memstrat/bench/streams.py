@@ -73,7 +73,7 @@ extern "C" __global__ void slow_fill(float* x, int n, float v, long long cycles)
 
 PATTERNS = ("other-stream", "freed-elsewhere", "freed-by-gc", "dead-stream", "dead-stream-reclaimed", "per-thread",
             "other-reader", "other-reader+record", "other-reader+checks")
-ALLOCATORS = ("cupy-default", "device", "managed", "async", "pool", "pool:route=direct", "managed-one-cache")
+ALLOCATORS = ("cupy-default", "device", "managed", "async", "pool", "pool:route=wrap", "managed-one-cache")
 
 
 class Kernels:

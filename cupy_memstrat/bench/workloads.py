@@ -398,7 +398,7 @@ def run(*, rounds: int = 5, progress=None, strategies=None, scale: float = 1.0, 
     # are measured by bench alloc)
     specs = list(strategies) if strategies is not None else [
         n for n in get_registry().names() if not get_registry().get(n).requires] + [
-        "managed:prefetch=on_new", "managed:prefetch=on_alloc"]
+        "managed:prefetch=on_new", "managed:prefetch=on_alloc", "pool:route=wrap"]
     pool = cupy.get_default_memory_pool()
     prev = cupy.cuda.get_allocator()
     # Each path gives its cache back when done: a data set of a quarter of the device cached by

@@ -907,6 +907,18 @@ class Strategy:
         )
 
     # -- statistics ------------------------------------------------------------
+    def _settle(self) -> None:
+        """Before the statistics or the live table are read: account frees
+        that a strategy sees only by looking (``pool``'s route ``"direct"``
+        holds a block :func:`cupy_memstrat.record_stream` recorded until its
+        arrays are gone). Nothing here."""
+
+    def _hold_recorded(self, mem) -> None:
+        """:func:`cupy_memstrat.record_stream` recorded a stream on the block
+        of CuPy's memory object ``mem`` (this strategy's): a strategy whose
+        memory objects are not its own may keep ``mem`` (``pool``'s route
+        ``"direct"``). Nothing here."""
+
     def _device_or_current(self, device):
         if device is None:
             return self.backend.get_device()
@@ -926,6 +938,7 @@ class Strategy:
             TypeError, ValueError: ``device`` is not a valid device ordinal.
         """
         device = self._device_or_current(device)
+        self._settle()
         with self._fold_lock:
             c = self._fold(device)
             n_live = c.n_allocs - c.n_frees
@@ -956,6 +969,7 @@ class Strategy:
             TypeError, ValueError: ``device`` is not a valid device ordinal.
         """
         device = self._device_or_current(device)
+        self._settle()
         with self._fold_lock:
             c = self._fold(device)
             return c.in_use, c.peak_in_use
@@ -965,6 +979,7 @@ class Strategy:
         values: the peak in use, and with ``reserved`` (default) the peak
         reserved too (``reserved=False`` touches nothing in CUDA)."""
         device = self._device_or_current(device)
+        self._settle()
         with self._fold_lock:
             c = self._fold(device)
             c.peak_in_use = c.in_use
@@ -976,6 +991,7 @@ class Strategy:
         (default). ``origin`` is set when ``track_origins=True``."""
         if device is not None:
             device = self._device_or_current(device)
+        self._settle()
         origins = self._origins
         rows = [
             Allocation(ptr=p, size=s, device=d, origin=origins.get(p))
@@ -1011,6 +1027,7 @@ class Strategy:
             TypeError, ValueError: ``device`` is not a valid device ordinal.
         """
         devices = range(len(self._live)) if device is None else [self._device_or_current(device)]
+        self._settle()
         origins = self._origins
         out = []
         for d in devices:
@@ -1029,6 +1046,7 @@ class Strategy:
         before.items()`` are the allocations made in between that are still
         live (a block that reuses the address *and* size of one freed in
         between is indistinguishable from it)."""
+        self._settle()
         if device is not None:
             return dict(self._live[self._device_or_current(device)])
         if len(self._live) == 1:

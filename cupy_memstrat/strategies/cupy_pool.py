@@ -33,6 +33,14 @@ def _as_route(value, what: str) -> str:
     raise ValueError(f"{what}: expected one of {', '.join(map(repr, _ROUTES))}, got {value!r}")
 
 
+def _pooled_memory_takes_attributes() -> bool:
+    """Whether CuPy's ``PooledMemory`` has a ``__dict__`` (CuPy 14.2 does),
+    where the direct route keeps its token."""
+    from cupy.cuda import memory
+
+    return getattr(getattr(memory, "PooledMemory", None), "__dictoffset__", 0) != 0
+
+
 class CuPyPoolStrategy(Strategy):
     """CuPy's default memory pool (``cupy.get_default_memory_pool()``), with
     per-allocation statistics and live-allocation tracking.
@@ -60,20 +68,24 @@ class CuPyPoolStrategy(Strategy):
 
     Options, besides the common ones:
 
-    ``route`` (``"wrap"``, the default, or ``"direct"``): how CuPy's arrays
-    get their blocks. ``"wrap"``: through CuPy's ``PythonFunctionAllocator``,
+    ``route`` (``"direct"``, the default, or ``"wrap"``): how CuPy's arrays
+    get their blocks. ``"direct"``: CuPy gets the pool's own
+    ``MemoryPointer``, as with CuPy's default allocator, and the free is seen
+    through a small object kept in the pool's memory object (csrc/hotpath.c,
+    ``PoolDirect``); 0.75x of ``"wrap"``'s time per allocation on an H200
+    (docs/benchmarks.md). It needs the C hot path, CUDA, and CuPy's
+    ``PooledMemory`` with a ``__dict__`` (CuPy 14.2 has one); elsewhere (the
+    fake backend, ``track_origins``, ``CUPY_MEMSTRAT_HOT_PATH=python``)
+    ``"wrap"`` runs. ``"wrap"``: through CuPy's ``PythonFunctionAllocator``,
     each array's memory object ours, holding the pool's ``MemoryPointer``.
-    ``"direct"`` (experimental; not yet measured on a GPU): CuPy gets the
-    pool's own ``MemoryPointer``, as with CuPy's default allocator, and the
-    free is seen through a small object kept in the pool's memory object
-    (csrc/hotpath.c, ``PoolDirect``). It needs the C hot path and CUDA;
-    elsewhere (the fake backend, ``track_origins``,
-    ``CUPY_MEMSTRAT_HOT_PATH=python``) ``"wrap"`` runs. With ``"direct"``, a
-    block freed with :func:`cupy_memstrat.record_stream`'d streams is already
-    CuPy's again when its free is seen: the free then synchronises the
-    devices concerned before it returns, and another thread that allocates on
-    the block's stream meanwhile can get it before the recorded streams'
-    work is done (docs/streams.md).
+    With ``"direct"``, :func:`cupy_memstrat.record_stream` keeps the
+    recorded array's memory object, so that its block reaches CuPy's pool
+    only once the recorded streams' work is done; its free is seen at the
+    next allocation or read of the statistics. A block recorded through
+    :meth:`Strategy.record_stream` (the pointer alone) is CuPy's again when
+    its free is seen: that free synchronises the devices concerned before it
+    returns, and another thread meanwhile can get the block on its stream
+    (docs/streams.md).
     """
 
     name = "pool"
@@ -82,7 +94,8 @@ class CuPyPoolStrategy(Strategy):
     description = "CuPy's default MemoryPool, with per-allocation statistics (what CuPy does by default, measured)"
     reserved_is_in_use = False
     options = (
-        Option("route", _as_route, "wrap", "wrap | direct (experimental): how CuPy's arrays get the pool's blocks"),
+        Option("route", _as_route, "direct", "direct | wrap: how CuPy's arrays get the pool's blocks (direct: "
+               "the pool's own objects; wrap: through a PythonFunctionAllocator)"),
     )
 
     def __init__(self, *, backend=None, **options):
@@ -90,6 +103,8 @@ class CuPyPoolStrategy(Strategy):
         n = self.backend.device_count()
         self._peak_reserved = [0] * n
         self._reserved_lock = threading.Lock()
+        self._direct = None  # route="direct": the extension's PoolDirect, once CuPy's allocator is made
+        self._held: dict = {}  # route="direct": ptr -> CuPy's memory object of a record_stream'd block
         if not isinstance(self.backend, _cuda.RealBackend):
             self._pool = None
             self.reserved_is_in_use = True  # nothing cached: the backend's malloc/free
@@ -125,13 +140,49 @@ class CuPyPoolStrategy(Strategy):
         ``route="direct"``, CUDA and the C hot path, the extension's
         ``PoolDirect`` over the pool and this strategy's tables."""
         acc = getattr(malloc, "__self__", None)
-        if self.config["route"] != "direct" or self._pool is None or self.hot_path != "c" or acc is None:
+        if (self.config["route"] != "direct" or self._pool is None or self.hot_path != "c" or acc is None
+                or not _pooled_memory_takes_attributes()):
             return super()._cupy_route(malloc, free)
         hotpath = importlib.import_module("cupy_memstrat._hotpath")  # built: the C hot path runs
         direct = hotpath.PoolDirect(acc, self._pool.malloc, self._OutOfMemoryError, self._direct_failed,
-                                    self._recorded_freed)
+                                    self._recorded_freed, self._held)
         self._gc_safe = True  # CuPy's PooledMemory is not tracked by the garbage collector
+        self._direct = direct
         return direct, acc
+
+    def _hold_recorded(self, mem) -> None:
+        """route="direct": :func:`cupy_memstrat.record_stream` recorded a
+        stream on the block of CuPy's memory object ``mem``. Keep ``mem``, so
+        that the array's death leaves the block out of CuPy's pool; once no
+        one else refers to ``mem`` (:meth:`_reap_held`, at every allocation
+        and every read of the statistics), the free is accounted and the
+        block waits for the recorded streams as every strategy's does, then
+        ``mem`` is dropped and the pool has the block back."""
+        ptr, d = getattr(mem, "ptr", 0), getattr(mem, "device_id", -1)
+        if self._direct is None or ptr in self._blocks or not (0 <= d < len(self._live)) or ptr not in self._live[d]:
+            return  # not a block CuPy got through the direct route (raw_malloc's are ours to hold)
+        self._held.setdefault(ptr, mem)
+
+    def _reap_held(self) -> None:
+        """route="direct": the held blocks whose arrays are gone are freed
+        (accounted now, then deferred until their recorded streams' work is
+        done). Never raises (it runs at allocations and in finalisers)."""
+        direct = self._direct
+        if not self._held or direct is None:
+            return
+        try:
+            for ptr in direct.reap():
+                direct.free_early(ptr)  # its recorded streams: _recorded_freed defers the block
+        except Exception as exc:  # noqa: BLE001
+            self.backend.clear_last_error()
+            warn_at_user(f"pool: freeing a block held for its recorded streams failed: {exc}", RuntimeWarning)
+
+    def _settle(self) -> None:
+        self._reap_held()
+
+    def _poll_pending(self, wait=None) -> None:
+        self._reap_held()
+        super()._poll_pending(wait)
 
     def _direct_failed(self, size, exc):
         """route="direct": CuPy's pool raised ``OutOfMemoryError`` for
@@ -156,10 +207,16 @@ class CuPyPoolStrategy(Strategy):
         return got[-1]
 
     def _recorded_freed(self, ptr: int, size: int, device: int) -> None:
-        """route="direct": a block with recorded streams was freed, and CuPy's
-        pool has it back already: wait for the recorded streams' work (events
-        recorded now, then a synchronisation). Never raises."""
+        """route="direct": a block with recorded streams was freed. Held
+        (:meth:`_hold_recorded`): it waits in the pending list as every
+        strategy's does. Not held (:meth:`Strategy.record_stream` called with
+        a pointer alone), CuPy's pool has it back already: wait for the
+        recorded streams' work here (events recorded now, then a
+        synchronisation). Never raises."""
+        held = ptr in self._held
         self._defer(ptr, size, device)
+        if held:
+            return
         try:
             self._flush_pending()
         except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
@@ -168,8 +225,22 @@ class CuPyPoolStrategy(Strategy):
 
     def _give_back_block(self, ptr: int, size: int, device: int) -> None:
         if self._pool is not None and self.config["route"] == "direct" and ptr not in self._blocks:
-            return  # a block of CuPy's arrays: CuPy's pool has it back already
+            # a block of CuPy's arrays: a held one goes back to CuPy's pool as its memory
+            # object dies here (its token counts nothing); any other is the pool's already
+            self._held.pop(ptr, None)
+            return
         super()._give_back_block(ptr, size, device)
+
+    def _flush_pending(self) -> None:
+        self._reap_held()
+        super()._flush_pending()
+
+    def close(self) -> None:
+        """As :meth:`Strategy.close`; held blocks whose arrays still live
+        are let go (their frees then wait for the recorded streams as the
+        free of a block recorded through :meth:`Strategy.record_stream` does)."""
+        super().close()
+        self._held.clear()
 
     # -- the pool, per device ----------------------------------------------------
     def _pool_total(self, device: int) -> int:

@@ -12,7 +12,7 @@ import cupy_memstrat
 MiB = 1 << 20
 
 
-@pytest.mark.parametrize("spec", ["pool", "pool:route=direct"])
+@pytest.mark.parametrize("spec", ["pool", "pool:route=wrap"])
 def test_arrays_compute_right_and_stats_are_exact(cp, spec):
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
@@ -30,7 +30,7 @@ def test_arrays_compute_right_and_stats_are_exact(cp, spec):
     assert st.peak_bytes_in_use >= 8_000_000 and st.peak_bytes_reserved >= st.peak_bytes_in_use
 
 
-@pytest.mark.parametrize("spec", ["pool", "pool:route=direct"])
+@pytest.mark.parametrize("spec", ["pool", "pool:route=wrap"])
 def test_freed_arrays_go_back_to_cupys_pool_and_trim_frees_its_cache(cp, spec):
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
@@ -53,8 +53,11 @@ def test_freed_arrays_go_back_to_cupys_pool_and_trim_frees_its_cache(cp, spec):
     assert s.stats().bytes_reserved == pool.total_bytes()
 
 
-def test_route_direct_gives_cupy_the_pools_own_memory_object(cp):
-    s = cupy_memstrat.use("pool:route=direct")
+def test_route_direct_is_the_default_and_gives_cupy_the_pools_own_memory_object(cp):
+    s = cupy_memstrat.use("pool:route=wrap")
+    assert type(cp.empty(512, dtype=cp.uint8).data.mem).__name__ == "PythonFunctionAllocatorMemory"
+    s = cupy_memstrat.use("pool")
+    assert s.config["route"] == "direct"
     x = cp.empty(3 * MiB, dtype=cp.uint8)
     assert type(x.data.mem).__name__ == "PooledMemory" and s.hot_path == "c"
     assert type(cp.cuda.get_allocator()).__name__ == "PoolDirect"
@@ -107,7 +110,7 @@ def test_live_allocations_and_origins(cp):
     assert s.live_sizes()[x.data.ptr] == 3 * MiB
 
 
-@pytest.mark.parametrize("spec", ["pool", "pool:route=direct"])
+@pytest.mark.parametrize("spec", ["pool", "pool:route=wrap"])
 def test_out_of_memory_is_ours_and_counted(cp, spec):
     s = cupy_memstrat.use(spec)
     with pytest.raises(cupy_memstrat.OutOfMemoryError, match="pool strategy: out of memory allocating"):

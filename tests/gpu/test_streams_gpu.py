@@ -10,6 +10,8 @@ cupy_memstrat.bench.streams (``python -m cupy_memstrat bench streams`` makes
 the table of docs/streams.md from them)."""
 
 import gc
+import threading
+import time
 
 import pytest
 
@@ -18,7 +20,7 @@ from cupy_memstrat import cuda as C
 from cupy_memstrat.bench import streams as S
 
 GiB = 1 << 30
-SAFE = ["cupy-default", "device", "managed", "async", "pool", "pool:route=direct"]
+SAFE = ["cupy-default", "device", "managed", "async", "pool", "pool:route=wrap"]
 
 
 @pytest.fixture
@@ -150,7 +152,7 @@ def test_the_managed_hot_path_reads_the_stream_through_cupys_own_c_function(cp):
         S.release(cp, s)
 
 
-@pytest.mark.parametrize("spec", ["managed", "async", "pool", "pool:route=direct"])
+@pytest.mark.parametrize("spec", ["managed", "async", "pool", "pool:route=wrap"])
 def test_cupy_8068_corrupts_without_record_stream_and_not_with_it(cp, kern, spec):
     assert _run(cp, spec, lambda: S.other_reader(cp, kern)) > 0  # the control, as under CuPy's pool
     assert _run(cp, spec, lambda: S.other_reader(cp, kern, record=True)) == 0
@@ -223,6 +225,61 @@ def test_record_stream_takes_an_external_stream(cp, kern):
         cp.cuda.runtime.streamDestroy(raw)
 
 
+def _other_thread_allocates_during_the_free(cp, kern, s, hold: bool, rounds: int = 5) -> int:
+    """cupy#8068 with two threads on one stream: while thread 1 frees x (which
+    stream B still reads, recorded), thread 2 allocates on x's stream A and
+    zero-fills. hold=True: cupy_memstrat.record_stream; hold=False (the
+    control): Strategy.record_stream with the pointer alone, whose free on the
+    direct route gives the block to CuPy's pool before it waits for B."""
+    bad = 0
+    a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    for _ in range(rounds):
+        with a:
+            x = cp.full(S.N, 7.0, dtype=cp.float32)
+        a.synchronize()
+        with b:
+            out = cp.empty(S.N, dtype=cp.float32)
+            kern.copy(x, out)  # reads x late (about 0.1 s), on B
+        if hold:
+            assert cupy_memstrat.record_stream(x, b) is True
+        else:
+            assert s.record_stream(x.data.mem.ptr, b) is True
+        go, got = threading.Event(), []
+
+        def other():
+            go.wait()
+            time.sleep(0.02)  # thread 1 is in the free by then
+            with a:
+                got.append(cp.zeros(S.N, dtype=cp.float32))
+
+        t = threading.Thread(target=other)
+        t.start()
+        go.set()
+        with a:
+            del x
+        t.join()
+        b.synchronize()
+        a.synchronize()
+        bad += int(cp.count_nonzero(out != 7.0))
+        got.clear()
+        del out
+    return bad
+
+
+def test_route_direct_keeps_a_recorded_block_from_another_thread_on_its_stream(cp, kern):
+    """pool:route=direct: the block of an array freed with a recorded stream
+    stays out of CuPy's pool until the recorded stream's work is done, under
+    threads too; the control (the pointer alone recorded) corrupts."""
+    s = S.install(cp, "pool:route=direct")
+    try:
+        assert type(cp.cuda.alloc(512).mem).__name__ == "PooledMemory"  # the direct route runs
+        assert _other_thread_allocates_during_the_free(cp, kern, s, hold=False) > 0  # the control
+        assert _other_thread_allocates_during_the_free(cp, kern, s, hold=True) == 0
+        assert s.stats().n_live == 0
+    finally:
+        S.release(cp, s)
+
+
 # -- out of memory with reference cycles --------------------------------------------------------------
 
 
@@ -254,7 +311,7 @@ def test_arrays_held_by_reference_cycles_are_collected_before_out_of_memory(cp, 
             st = s.stats()
             assert st.n_failed == 0
             # (CuPy's own pool behind the pool strategy collects and retries by itself)
-            assert st.n_oom_recoveries >= 1 or spec == "pool"
+            assert st.n_oom_recoveries >= 1 or spec.split(":")[0] == "pool"
         S.release(cp, s)
     finally:
         rt.free(ballast)
