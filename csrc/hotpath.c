@@ -1399,16 +1399,18 @@ static PyTypeObject AccountingType = {
  * garbage), failed(size, exc) recovers or raises the strategy's error; it returns
  * the MemoryPointer of a retry that worked. A block freed with recorded streams
  * (record_stream) is already the pool's again when the token runs:
- * recorded_freed(ptr, size, device) waits there for the recorded streams.
+ * recorded_freed(ptr, size, device, False) waits there for the recorded streams.
  *
  * That wait leaves a window under threads, so cupy_memstrat.record_stream holds
- * the recorded block's memory object in `held` (ptr -> memory object): the
+ * the recorded block's memory object in `held` (ptr -> memory object; hold(mem)
+ * takes only a memory object this route handed out and counts now): the
  * array's death then leaves the object alive, its block out of the pool. While
  * `held` is not empty every allocation polls (the Accounting's poll, as for
  * pending blocks); reap() names the held objects whose only reference is
- * `held`'s (their arrays are gone: no one else can reach them), free_early(ptr)
- * accounts such a block's free at once (its token will count nothing), and
- * recorded_freed then defers it as every strategy defers a recorded block; once
+ * `held`'s (their arrays are gone: no one else can reach them) and whose free is
+ * not accounted yet, free_early(ptr) accounts such a block's free at once
+ * (checked again: its token will count nothing), and recorded_freed(...,
+ * early=True) then defers it as every strategy defers a recorded block; once
  * the recorded streams' work is done the strategy drops the object, and CuPy's
  * pool has the block back. */
 typedef struct {
@@ -1417,7 +1419,7 @@ typedef struct {
     PyObject *pool_malloc;
     PyObject *oom;             /* CuPy's OutOfMemoryError */
     PyObject *failed;          /* failed(size, exc) -> MemoryPointer, or raises */
-    PyObject *recorded_freed;  /* recorded_freed(ptr, size, device) */
+    PyObject *recorded_freed;  /* recorded_freed(ptr, size, device, early) */
     PyObject *generations;     /* dict ptr -> generation of the block at ptr that the live table counts */
     PyObject *held;            /* dict ptr -> memory object kept for record_stream (see above) */
     PyObject *zero_obj;
@@ -1439,7 +1441,7 @@ static PyObject *S_mem, *S_size, *S_device_id, *S_token;
  * table still counts that block (not a later one at the same pointer, whose
  * malloc accounted this free already). */
 static int
-direct_free(PoolDirect *o, PyObject *ptr, Py_ssize_t d, long long g)
+direct_free(PoolDirect *o, PyObject *ptr, Py_ssize_t d, long long g, int early)
 {
     Accounting *acc = o->acc;
     PyObject *cur = PyDict_GetItemWithError(o->generations, ptr);  /* borrowed */
@@ -1464,7 +1466,8 @@ direct_free(PoolDirect *o, PyObject *ptr, Py_ssize_t d, long long g)
     if (rc == 0 && PyDict_GET_SIZE(acc->recorded) && PyDict_Contains(acc->recorded, ptr) == 1) {
         PyObject *device = PyLong_FromSsize_t(d), *r = NULL;
         if (device != NULL)
-            r = PyObject_CallFunctionObjArgs(o->recorded_freed, ptr, size, device, NULL);
+            r = PyObject_CallFunctionObjArgs(o->recorded_freed, ptr, size, device, early ? Py_True : Py_False,
+                                             NULL);
         Py_XDECREF(device);
         rc = r == NULL ? -1 : 0;
         Py_XDECREF(r);
@@ -1480,7 +1483,7 @@ PoolToken_dealloc(PoolToken *t)
 {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);  /* a destructor may run while an exception is raised */
-    if (t->owner != NULL && t->ptr != NULL && direct_free(t->owner, t->ptr, t->d, t->generation) < 0)
+    if (t->owner != NULL && t->ptr != NULL && direct_free(t->owner, t->ptr, t->d, t->generation, 0) < 0)
         PyErr_WriteUnraisable((PyObject *)t->owner);
     PyErr_Restore(type, value, tb);
     Py_XDECREF(t->ptr);
@@ -1562,7 +1565,7 @@ PoolDirect_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
         PyObject *cur = rc < 0 ? NULL : PyDict_GetItemWithError(self->generations, ptr);  /* borrowed */
         if (cur != NULL) {  /* the last block at ptr went back to the pool, its token has not run yet */
             long long g = PyLong_AsLongLong(cur);
-            rc = g == -1 && PyErr_Occurred() ? -1 : direct_free(self, ptr, d, g);
+            rc = g == -1 && PyErr_Occurred() ? -1 : direct_free(self, ptr, d, g, 0);
         } else if (PyErr_Occurred()) {
             rc = -1;
         }
@@ -1613,7 +1616,7 @@ PoolDirect_init(PoolDirect *self, PyObject *args, PyObject *kwds)
     if (!PyCallable_Check(pool_malloc) || !PyCallable_Check(failed) || !PyCallable_Check(recorded_freed)
         || !PyExceptionClass_Check(oom)) {
         PyErr_Format(PyExc_TypeError, "PoolDirect: expected (Accounting, pool.malloc, an exception class, "
-                     "failed(size, exc), recorded_freed(ptr, size, device), held), got %R, %R, %R, %R",
+                     "failed(size, exc), recorded_freed(ptr, size, device, early), held), got %R, %R, %R, %R",
                      pool_malloc, oom, failed, recorded_freed);
         return -1;
     }
@@ -1704,28 +1707,97 @@ PoolDirect_generations(PoolDirect *self, void *Py_UNUSED(closure))
     return PyDict_Copy(self->generations);
 }
 
+/* The token of this PoolDirect in memory object mem's __dict__, if it is the one
+ * of the block the live table counts at its pointer now (borrowed; NULL with no
+ * error set if not; NULL with an error only on failure). */
+static PoolToken *
+current_token(PoolDirect *self, PyObject *mem)
+{
+    PyObject *dict = PyObject_GenericGetDict(mem, NULL);
+    if (dict == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError) || PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();  /* no __dict__: not a memory object of the direct route */
+            return NULL;
+        }
+        return NULL;
+    }
+    PyObject *tok = PyDict_CheckExact(dict) ? PyDict_GetItemWithError(dict, S_token) : NULL;  /* borrowed */
+    Py_DECREF(dict);  /* mem keeps its __dict__, and the __dict__ its token */
+    if (tok == NULL || !Py_IS_TYPE(tok, &PoolTokenType) || ((PoolToken *)tok)->owner != self)
+        return NULL;
+    PoolToken *t = (PoolToken *)tok;
+    PyObject *cur = PyDict_GetItemWithError(self->generations, t->ptr);  /* borrowed */
+    if (cur == NULL)
+        return NULL;
+    long long g = PyLong_AsLongLong(cur);
+    if (g == -1 && PyErr_Occurred())
+        return NULL;
+    return g == t->generation ? t : NULL;
+}
+
+/* hold(mem): keep CuPy's memory object mem in `held` if it is one this route
+ * handed out and counts now; True if held (already, or now). */
+static PyObject *
+PoolDirect_hold(PoolDirect *self, PyObject *mem)
+{
+    if (!PoolDirect_ready(self))
+        return NULL;
+    PoolToken *t = current_token(self, mem);
+    if (t == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_FALSE;
+    }
+    PyObject *kept = PyDict_SetDefault(self->held, t->ptr, mem);  /* borrowed */
+    if (kept == NULL)
+        return NULL;
+    return PyBool_FromLong(kept == mem);
+}
+
+/* The memory object held at ptr if `held` alone refers to it and its token is
+ * the one counted at ptr now (borrowed), else NULL (an error set only on failure). */
+static PyObject *
+held_dead(PoolDirect *self, PyObject *ptr, PoolToken **tok)
+{
+    PyObject *mem = PyDict_GetItemWithError(self->held, ptr);  /* borrowed */
+    if (mem == NULL || Py_REFCNT(mem) != 1)
+        return NULL;
+    *tok = current_token(self, mem);
+    return *tok == NULL ? NULL : mem;
+}
+
 /* reap(): the pointers in `held` whose memory object `held` alone refers to (its
- * arrays are gone), oldest first. */
+ * arrays are gone) and whose free is not accounted yet. */
 static PyObject *
 PoolDirect_reap(PoolDirect *self, PyObject *Py_UNUSED(ignored))
 {
     if (!PoolDirect_ready(self))
         return NULL;
-    PyObject *out = PyList_New(0), *key, *value;
-    Py_ssize_t pos = 0;
-    if (out == NULL)
-        return NULL;
-    while (PyDict_Next(self->held, &pos, &key, &value)) {
-        if (Py_REFCNT(value) == 1 && PyList_Append(out, key) < 0) {
-            Py_DECREF(out);
-            return NULL;
+    PyObject *keys = PyDict_Keys(self->held), *out = PyList_New(0);
+    if (keys == NULL || out == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
+        PoolToken *t = NULL;
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        if (held_dead(self, key, &t) != NULL) {
+            if (PyList_Append(out, key) < 0)
+                goto fail;
+        } else if (PyErr_Occurred()) {
+            goto fail;
         }
     }
+    Py_DECREF(keys);
     return out;
+fail:
+    Py_XDECREF(keys);
+    Py_XDECREF(out);
+    return NULL;
 }
 
-/* free_early(ptr): account now the free of the block the live table counts at
- * ptr (its token will count nothing); True if there was one. */
+/* free_early(ptr): account now the free of the block held at ptr, if `held`
+ * alone refers to its memory object and its free is not accounted yet (its
+ * token then counts nothing); the recorded streams' wait follows
+ * (recorded_freed with early=True). True if accounted. */
 static PyObject *
 PoolDirect_free_early(PoolDirect *self, PyObject *ptr)
 {
@@ -1735,36 +1807,23 @@ PoolDirect_free_early(PoolDirect *self, PyObject *ptr)
         PyErr_Format(PyExc_TypeError, "free_early(ptr): expected an int pointer, got %R", ptr);
         return NULL;
     }
-    PyObject *cur = PyDict_GetItemWithError(self->generations, ptr);  /* borrowed */
-    if (cur == NULL) {
+    PoolToken *t = NULL;
+    if (held_dead(self, ptr, &t) == NULL) {
         if (PyErr_Occurred())
             return NULL;
         Py_RETURN_FALSE;
     }
-    long long g = PyLong_AsLongLong(cur);
-    if (g == -1 && PyErr_Occurred())
+    Py_INCREF(t);  /* direct_free runs Python code (recorded_freed) */
+    int rc = direct_free(self, t->ptr, t->d, t->generation, 1);
+    Py_DECREF(t);
+    if (rc < 0)
         return NULL;
-    Accounting *acc = self->acc;
-    for (Py_ssize_t d = 0; d < acc->n_devices; d++) {
-        PyObject *live = table_item(acc->live, d, &PyDict_Type, "live");
-        if (live == NULL)
-            return NULL;
-        int in = PyDict_Contains(live, ptr);
-        Py_DECREF(live);
-        if (in < 0)
-            return NULL;
-        if (in) {
-            if (direct_free(self, ptr, d, g) < 0)
-                return NULL;
-            Py_RETURN_TRUE;
-        }
-    }
-    if (PyDict_DelItem(self->generations, ptr) < 0)  /* counted nowhere: nothing to account */
-        return NULL;
-    Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
 }
 
 static PyMethodDef PoolDirect_methods[] = {
+    {"hold", (PyCFunction)PoolDirect_hold, METH_O,
+     "hold(mem) -> bool: keep a memory object this route handed out (and counts now) in the held table"},
     {"reap", (PyCFunction)PoolDirect_reap, METH_NOARGS,
      "reap() -> [ptr]: the held memory objects that nothing but the held table refers to any more"},
     {"free_early", (PyCFunction)PoolDirect_free_early, METH_O,

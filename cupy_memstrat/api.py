@@ -185,11 +185,14 @@ def use(strategy: str | Strategy, **options) -> Strategy:
     s = create(strategy, **options)
     if isinstance(strategy, Strategy):
         strategy._keep()  # installed again (maybe inside checks): not let go when its arrays are gone
+    before = current()
     try:
         cuda.set_allocator(s.cupy_allocator())
     except ValueError as exc:  # CuPy's own check, should the one above miss
         s.close()
         raise RuntimeError(_USE_INSIDE_USING) from exc
+    if before is not None and before is not s:
+        before._stop_holding()  # pool's direct route: no allocation through it may come to reap
     return s
 
 

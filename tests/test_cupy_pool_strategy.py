@@ -224,7 +224,7 @@ def test_route_direct_accounts_nothing_for_cupys_empty_memory_and_passes_recorde
     ptr = mp.ptr
     s._recorded[ptr] = [("stream", 7, 0, None)]  # as record_stream leaves it
     del mp
-    assert calls == [("recorded", ptr, 2048, 0)] and s.stats().bytes_in_use == 0
+    assert calls == [("recorded", ptr, 2048, 0, False)] and s.stats().bytes_in_use == 0
 
 
 @needs_c
@@ -269,7 +269,7 @@ def test_route_direct_keeps_each_block_apart_when_the_pool_reuses_a_pointer_earl
     s._recorded[ptr] = [("stream A", 7, 0, None)]
     pool.free.append(ptr)  # as PooledMemory.free() while `a` lives
     b = d(4096)
-    assert b.ptr == ptr and calls == [("recorded", ptr, 4096, 0)]  # a's free, counted at b's malloc
+    assert b.ptr == ptr and calls == [("recorded", ptr, 4096, 0, False)]  # a's free, counted at b's malloc
     del s._recorded[ptr]  # as the strategy's recorded_freed does once it has waited
     assert s.live_sizes() == {ptr: 4096} and s.stats().bytes_in_use == 4096
     del b
@@ -361,3 +361,136 @@ def test_route_direct_held_block_whose_array_lives_stays_live_and_close_lets_it_
     fake.finish(B)
     del x  # the ptr-only path now: the free is counted and waits for B
     assert s.stats().bytes_in_use == 0 and pool.free
+
+
+# -- from the adversarial review of the held path ---------------------------------------------------
+
+
+@needs_c
+def test_route_direct_a_stale_reap_never_frees_the_newer_block_at_the_same_pointer():
+    """Thread A lists P, thread B's allocation gets P back (its old block's wait
+    done) and records it; A's free_early(P) then must count nothing."""
+    fake = FakeBackend()
+    s, d, pool = _direct_strategy(fake)
+    B = fake.stream(non_blocking=True)
+    x = d(4096)
+    P = x.ptr
+    cupy_memstrat.record_stream(x, B)
+    fake.launch(B)
+    del x
+    stale = d.reap()
+    assert stale == [P]
+    assert d.free_early(P) is True and d.reap() == []  # counted once; not listed again while it waits
+    fake.finish(B)
+    y = d(4096)
+    assert y.ptr == P and cupy_memstrat.record_stream(y, B) is True
+    assert [d.free_early(p) for p in stale] == [False]  # y lives: nothing counted
+    assert s.live_sizes() == {P: 4096} and s.stats().bytes_in_use == 4096
+    fake.launch(B)
+    del y
+    z = d(4096)
+    assert z.ptr != P  # y's block waits for B
+    del z
+
+
+@needs_c
+def test_route_direct_an_allocation_inside_the_reap_is_counted():
+    """A finaliser allocating while the held blocks are reaped (here: at the
+    event the deferral makes)."""
+    fake = FakeBackend()
+    s, d, pool = _direct_strategy(fake)
+    B, C = fake.stream(non_blocking=True), fake.stream(non_blocking=True)
+    x, w = d(4096), d(4096)
+    Q = w.ptr
+    cupy_memstrat.record_stream(x, B)
+    cupy_memstrat.record_stream(w, C)
+    fake.launch(B)
+    del x, w
+    got, create = [], fake.event_create
+
+    def event_create():
+        fake.event_create = create
+        got.append(d(4096))
+        return create()
+
+    fake.event_create = event_create
+    s.stats()  # reaps
+    (v,) = got
+    assert v.ptr == Q and s.live_sizes() == {Q: 4096} and s.stats().bytes_in_use == 4096
+
+
+@needs_c
+def test_route_direct_using_exit_and_use_of_another_let_go_of_held_blocks():
+    """Nothing allocates through the strategy after using() or use() of
+    another: a recorded array that dies later still gives its block back and
+    lets the strategy go, as without record_stream."""
+    fake = FakeBackend()
+    s, d, pool = _direct_strategy(fake)
+    B = fake.stream(non_blocking=True)
+    x = d(4096)
+    P = x.ptr
+    cupy_memstrat.record_stream(x, B)
+    fake.launch(B)
+    s.trim()
+    s._let_go_when_empty()  # what using() does at its exit
+    assert s._held == {}
+    fake.finish(B)
+    del x
+    assert P in pool.free and s not in base._pinned
+
+
+@needs_c
+def test_route_direct_holds_only_its_own_memory_object():
+    """record_stream through another memory object at the block's pointer (as
+    cupy.cuda.UnownedMemory) holds nothing: the block's free then waits."""
+    fake = FakeBackend()
+    s, d, pool = _direct_strategy(fake)
+    B = fake.stream(non_blocking=True)
+
+    class Unowned:
+        def __init__(self, ptr, size):
+            self.ptr, self.size, self.device_id = ptr, size, 0
+
+    x = d(4096)
+    P = x.ptr
+    other = _MP(Unowned(P, 4096))
+    assert cupy_memstrat.record_stream(other, B) is True and s._held == {}
+    fake.launch(B)
+    del x  # the pool has the block now; the free synchronises before it returns
+    assert not fake.stream_busy(B.ptr)
+    y = d(4096)
+    assert y.ptr == P and s.live_sizes() == {P: 4096}
+    del other
+    assert s.stats().bytes_in_use == 4096
+    del y
+
+
+@needs_c
+def test_route_direct_raw_malloc_reaps_first_so_the_peak_is_right():
+    fake = FakeBackend()
+    s, d, pool = _direct_strategy(fake)
+    B = fake.stream(non_blocking=True)
+    s.reset_peak()
+    x = d(1 << 20)
+    cupy_memstrat.record_stream(x, B)
+    del x
+    p = s.raw_malloc(1 << 20)
+    assert s.stats().peak_bytes_in_use == 1 << 20
+    s.raw_free(p)
+
+
+@needs_c
+def test_route_direct_use_of_another_strategy_lets_go_of_held_blocks(restore_cupy_allocator):
+    fake = FakeBackend()
+    s, d, pool = _direct_strategy(fake)
+    B = fake.stream(non_blocking=True)
+    x = d(4096)
+    P = x.ptr
+    cupy_memstrat.use(s)
+    cupy_memstrat.record_stream(x, B)
+    assert list(s._held) == [P]
+    other = cupy_memstrat.use("device", backend=fake)
+    assert cupy_memstrat.current() is other and s._held == {}
+    fake.launch(B)
+    del x  # no longer held: the free waits for B before it returns
+    assert not fake.stream_busy(B.ptr) and P in pool.free and s.stats().bytes_in_use == 0

@@ -67,6 +67,8 @@
 #   tools/device_run.sh call11            (carry .cupy_tests) tests/gpu/test_hot_path_gpu.py, the pool_direct_cost
 #                                         probe, bench managed (call11_json.tgz), then CuPy's subset
 #                                         under CuPy's pool, pool and pool:route=wrap
+#   tools/device_run.sh call12            tests/gpu, bench alloc and streams, tools/debugging_walkthrough.sh
+#                                         (call12_json.tgz)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -313,6 +315,18 @@ if [ "$part" = call11 ]; then
   tar -czf "$OUT/call11_json.tgz" -C /tmp call11_json
   set -- default pool pool:route=wrap
   part=cupy
+fi
+
+if [ "$part" = call12 ]; then
+  # the final code: tests/gpu in full, bench alloc, then docs/debugging.md's worked examples
+  # (tools/debugging_walkthrough.sh: the OOM hunt, PyTorch's viewer, the plugin, the growth gate)
+  J=/tmp/call12_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"
+  gpu_tests
+  BENCH_DIR=$J benches alloc streams
+  step "docs/debugging.md, worked on the GPU"
+  timeout 240 bash tools/debugging_walkthrough.sh $J/debugging
+  tar -czf "$OUT/call12_json.tgz" -C /tmp call12_json
 fi
 
 if [ "$part" = call4 ]; then

@@ -919,6 +919,11 @@ class Strategy:
         memory objects are not its own may keep ``mem`` (``pool``'s route
         ``"direct"``). Nothing here."""
 
+    def _stop_holding(self) -> None:
+        """No longer CuPy's allocator (:func:`cupy_memstrat.use` installed
+        another): let go of anything kept for :meth:`_hold_recorded`. Nothing
+        here."""
+
     def _device_or_current(self, device):
         if device is None:
             return self.backend.get_device()

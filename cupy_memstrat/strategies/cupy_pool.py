@@ -81,7 +81,10 @@ class CuPyPoolStrategy(Strategy):
     With ``"direct"``, :func:`cupy_memstrat.record_stream` keeps the
     recorded array's memory object, so that its block reaches CuPy's pool
     only once the recorded streams' work is done; its free is seen at the
-    next allocation or read of the statistics. A block recorded through
+    next allocation, read of the statistics, :meth:`trim` or :meth:`close`,
+    and when the strategy stops being CuPy's allocator (:func:`use` of
+    another, the end of :func:`using`) it lets such blocks go, as below.
+    A block recorded through
     :meth:`Strategy.record_stream` (the pointer alone) is CuPy's again when
     its free is seen: that free synchronises the devices concerned before it
     returns, and another thread meanwhile can get the block on its stream
@@ -158,10 +161,8 @@ class CuPyPoolStrategy(Strategy):
         and every read of the statistics), the free is accounted and the
         block waits for the recorded streams as every strategy's does, then
         ``mem`` is dropped and the pool has the block back."""
-        ptr, d = getattr(mem, "ptr", 0), getattr(mem, "device_id", -1)
-        if self._direct is None or ptr in self._blocks or not (0 <= d < len(self._live)) or ptr not in self._live[d]:
-            return  # not a block CuPy got through the direct route (raw_malloc's are ours to hold)
-        self._held.setdefault(ptr, mem)
+        if self._direct is not None:
+            self._direct.hold(mem)  # only a memory object the route handed out and counts now
 
     def _reap_held(self) -> None:
         """route="direct": the held blocks whose arrays are gone are freed
@@ -179,6 +180,25 @@ class CuPyPoolStrategy(Strategy):
 
     def _settle(self) -> None:
         self._reap_held()
+
+    def _stop_holding(self) -> None:
+        """No longer CuPy's allocator (the end of a :func:`using` block, or
+        :func:`use` of another strategy): the held blocks whose arrays are gone
+        are freed now, and the others let go, so that nothing waits for an
+        allocation through this strategy that may never come. Their frees then
+        wait for the recorded streams as those of a block recorded through
+        :meth:`Strategy.record_stream` do."""
+        self._reap_held()
+        self._held.clear()
+
+    def _let_go_when_empty(self) -> None:
+        self._stop_holding()
+        super()._let_go_when_empty()
+
+    def raw_malloc(self, size: int, device: int | None = None) -> int:
+        if self._held:
+            self._reap_held()  # as the direct route's allocations do
+        return super().raw_malloc(size, device)
 
     def _poll_pending(self, wait=None) -> None:
         self._reap_held()
@@ -206,16 +226,16 @@ class CuPyPoolStrategy(Strategy):
         self._recover(size, self.backend.get_device(), Error(status), retry)
         return got[-1]
 
-    def _recorded_freed(self, ptr: int, size: int, device: int) -> None:
-        """route="direct": a block with recorded streams was freed. Held
-        (:meth:`_hold_recorded`): it waits in the pending list as every
-        strategy's does. Not held (:meth:`Strategy.record_stream` called with
-        a pointer alone), CuPy's pool has it back already: wait for the
-        recorded streams' work here (events recorded now, then a
+    def _recorded_freed(self, ptr: int, size: int, device: int, early: bool) -> None:
+        """route="direct": a block with recorded streams was freed. Freed
+        early (held, :meth:`_hold_recorded`, its arrays gone): it waits in the
+        pending list as every strategy's does. Otherwise (a block recorded
+        through :meth:`Strategy.record_stream` with a pointer alone, or let go
+        by :meth:`_stop_holding`), CuPy's pool has it back already: wait for
+        the recorded streams' work here (events recorded now, then a
         synchronisation). Never raises."""
-        held = ptr in self._held
         self._defer(ptr, size, device)
-        if held:
+        if early:
             return
         try:
             self._flush_pending()
@@ -240,7 +260,7 @@ class CuPyPoolStrategy(Strategy):
         are let go (their frees then wait for the recorded streams as the
         free of a block recorded through :meth:`Strategy.record_stream` does)."""
         super().close()
-        self._held.clear()
+        self._stop_holding()
 
     # -- the pool, per device ----------------------------------------------------
     def _pool_total(self, device: int) -> int:
