@@ -494,3 +494,24 @@ def test_route_direct_use_of_another_strategy_lets_go_of_held_blocks(restore_cup
     fake.launch(B)
     del x  # no longer held: the free waits for B before it returns
     assert not fake.stream_busy(B.ptr) and P in pool.free and s.stats().bytes_in_use == 0
+
+
+@needs_c
+def test_route_direct_letting_go_never_hands_a_waiting_block_to_the_pool_early(restore_cupy_allocator):
+    """A held block whose array died (its free counted, its stream still
+    running) when the strategy stops being CuPy's allocator: it reaches the
+    pool only after that stream's work, not when the strategy lets go."""
+    fake = FakeBackend()
+    s, d, pool = _direct_strategy(fake)
+    B = fake.stream(non_blocking=True)
+    x = d(4096)
+    P = x.ptr
+    cupy_memstrat.use(s)
+    cupy_memstrat.record_stream(x, B)
+    fake.launch(B)
+    del x
+    assert s.stats().bytes_in_use == 0 and P not in pool.free  # counted; waits for B
+    busy = []
+    pool.on_free = lambda: busy.append(fake.stream_busy(B.ptr))
+    cupy_memstrat.use("device", backend=fake)
+    assert busy == [False] and P in pool.free and s._held == {} and not s._pending

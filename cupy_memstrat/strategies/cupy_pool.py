@@ -183,12 +183,14 @@ class CuPyPoolStrategy(Strategy):
 
     def _stop_holding(self) -> None:
         """No longer CuPy's allocator (the end of a :func:`using` block, or
-        :func:`use` of another strategy): the held blocks whose arrays are gone
-        are freed now, and the others let go, so that nothing waits for an
-        allocation through this strategy that may never come. Their frees then
-        wait for the recorded streams as those of a block recorded through
-        :meth:`Strategy.record_stream` do."""
-        self._reap_held()
+        :func:`use` of another strategy), so no allocation through it may come
+        to poll: the held blocks whose arrays are gone wait for their recorded
+        streams here (a synchronisation) and go back to CuPy's pool, and the
+        others are let go: their frees then wait for the recorded streams as
+        those of a block recorded through :meth:`Strategy.record_stream` do."""
+        if not self._held:
+            return
+        self._flush_pending()  # never drop a block whose free is accounted but whose streams may still run
         self._held.clear()
 
     def _let_go_when_empty(self) -> None:
