@@ -515,3 +515,16 @@ def test_route_direct_letting_go_never_hands_a_waiting_block_to_the_pool_early(r
     pool.on_free = lambda: busy.append(fake.stream_busy(B.ptr))
     cupy_memstrat.use("device", backend=fake)
     assert busy == [False] and P in pool.free and s._held == {} and not s._pending
+
+
+def test_trim_on_the_fake_backend_counts_the_blocks_that_waited_for_recorded_streams():
+    fake = FakeBackend()
+    s = cupy_memstrat.create("pool", backend=fake)
+    B = fake.stream(non_blocking=True)
+    p = s.raw_malloc(1 << 20)
+    assert s.record_stream(p, B) is True
+    fake.launch(B)
+    s.raw_free(p)
+    assert len(s._pending) == 1
+    assert s.trim() == 1 << 20 and not s._pending
+    assert s.trim() == 0

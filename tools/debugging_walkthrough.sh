@@ -6,7 +6,9 @@
 #   3. the CI growth gate: a baseline run, then a run where one test grew, one is new and
 #      one is gone.
 # Usage: tools/debugging_walkthrough.sh OUTDIR   (on a GPU; with CUPY_MEMSTRAT_BACKEND=fake:memory=2GiB
-# and HUNT_BIG=300<<20 elements it runs on the simulated GPU). The big request defaults to
+# and HUNT_BIG=$((500<<20)) elements the out-of-memory steps run on the simulated GPU, which runs no
+# kernels: the growth gate's tests fail there). The work folder is removed at the end, so the paths
+# its outputs print are gone. The big request defaults to
 # 50 Gi float32 elements (200 GiB): more than an H200 has, refused by managed's oversubscription
 # guard before CUDA is asked, and by cudaMalloc under device.
 set -u

@@ -305,14 +305,18 @@ class CuPyPoolStrategy(Strategy):
         CuPy's pool can only release all its free blocks: with ``keep_bytes``
         > 0 they are released only where the pool holds more than
         ``keep_bytes``. Blocks in use are never released. Without CUDA (fake
-        backend) nothing is cached and this returns 0.
+        backend) nothing is cached: this returns the bytes of blocks that
+        waited for :func:`cupy_memstrat.record_stream`'d streams, given back
+        after a synchronisation, else 0.
 
         Raises:
             TypeError, ValueError: a bad ``keep_bytes`` or ``device``.
         """
         devices = self._trim_devices(keep_bytes, device)  # every value checked before anything is released
+        waiting = sum(p[2] for p in self._pending) if self._pool is None else 0
         self._flush_pending()  # blocks waiting for recorded streams go back to the pool first
-        released = 0
+        # without CuPy's pool (the fake backend) they went back to the backend: released now
+        released = waiting - sum(p[2] for p in self._pending) if self._pool is None else 0
         for d, keep in devices:
             if self._pool is None:
                 continue
