@@ -1794,6 +1794,32 @@ fail:
     return NULL;
 }
 
+/* stale(): the pointers in `held` whose memory object's block is no longer the
+ * one counted at its pointer (its free was seen another way: PooledMemory.free()
+ * called by hand): nothing to keep it for. */
+static PyObject *
+PoolDirect_stale(PoolDirect *self, PyObject *Py_UNUSED(ignored))
+{
+    if (!PoolDirect_ready(self))
+        return NULL;
+    PyObject *items = PyDict_Items(self->held), *out = PyList_New(0);
+    if (items == NULL || out == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *kv = PyList_GET_ITEM(items, i);
+        if (current_token(self, PyTuple_GET_ITEM(kv, 1)) == NULL) {
+            if (PyErr_Occurred() || PyList_Append(out, PyTuple_GET_ITEM(kv, 0)) < 0)
+                goto fail;
+        }
+    }
+    Py_DECREF(items);
+    return out;
+fail:
+    Py_XDECREF(items);
+    Py_XDECREF(out);
+    return NULL;
+}
+
 /* free_early(ptr): account now the free of the block held at ptr, if `held`
  * alone refers to its memory object and its free is not accounted yet (its
  * token then counts nothing); the recorded streams' wait follows
@@ -1824,6 +1850,8 @@ PoolDirect_free_early(PoolDirect *self, PyObject *ptr)
 static PyMethodDef PoolDirect_methods[] = {
     {"hold", (PyCFunction)PoolDirect_hold, METH_O,
      "hold(mem) -> bool: keep a memory object this route handed out (and counts now) in the held table"},
+    {"stale", (PyCFunction)PoolDirect_stale, METH_NOARGS,
+     "stale() -> [ptr]: the held memory objects whose block is no longer the one counted at their pointer"},
     {"reap", (PyCFunction)PoolDirect_reap, METH_NOARGS,
      "reap() -> [ptr]: the held memory objects that nothing but the held table refers to any more"},
     {"free_early", (PyCFunction)PoolDirect_free_early, METH_O,

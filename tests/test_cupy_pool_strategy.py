@@ -1,5 +1,7 @@
 """The 'pool' strategy (CuPy's default pool, measured) on the fake backend."""
 
+import weakref
+
 import pytest
 
 import cupy_memstrat
@@ -305,7 +307,25 @@ def _direct_strategy(fake):
     s._pool, s._blocks, s._OutOfMemoryError = pool, {}, _PoolOOM
     s._direct = base._c_hotpath.PoolDirect(s._malloc.__self__, pool.malloc, _PoolOOM, s._direct_failed,
                                            s._recorded_freed, s._held)
+    # installed as use() installs it on CUDA (cupy_allocator() is the route's PoolDirect there)
+    acc = s._malloc.__self__
+    s._cupy_malloc, s._pfa = s._direct, acc
+    base._pfa_owners[id(acc)] = weakref.ref(s)
+    pytest.importorskip("cupy", reason="CuPy is not installed").cuda.set_allocator(s._direct)
     return s, s._direct, pool
+
+
+@pytest.fixture(autouse=True)
+def _cupy_allocator_back():
+    """Tests here install stand-in allocators as CuPy's: put CuPy's back."""
+    try:
+        import cupy
+    except ImportError:
+        yield
+        return
+    prev = cupy.cuda.get_allocator()
+    yield
+    cupy.cuda.set_allocator(prev)
 
 
 @needs_c
@@ -335,7 +355,7 @@ def test_route_direct_keeps_a_recorded_block_from_the_pool_until_the_recorded_st
     if through == "Strategy.record_stream":
         assert busy == [True] and pool.free == [ptr]  # the control: the pool had it back while B ran
         return
-    assert busy == [] and pool.free == [] and s._held == {ptr: s._held[ptr]}
+    assert busy == [] and pool.free == [] and s._held == {} and len(s._pending[0]) == 5  # kept while B runs
     y = d(4096)
     assert y.ptr != ptr  # B still runs: the block is out of reach
     fake.finish(B)
@@ -487,6 +507,7 @@ def test_route_direct_use_of_another_strategy_lets_go_of_held_blocks(restore_cup
     x = d(4096)
     P = x.ptr
     cupy_memstrat.use(s)
+    restore_cupy_allocator.cuda.set_allocator(d)  # on CUDA, use(s) installs d itself
     cupy_memstrat.record_stream(x, B)
     assert list(s._held) == [P]
     other = cupy_memstrat.use("device", backend=fake)
@@ -507,6 +528,7 @@ def test_route_direct_letting_go_never_hands_a_waiting_block_to_the_pool_early(r
     x = d(4096)
     P = x.ptr
     cupy_memstrat.use(s)
+    restore_cupy_allocator.cuda.set_allocator(d)  # on CUDA, use(s) installs d itself
     cupy_memstrat.record_stream(x, B)
     fake.launch(B)
     del x
@@ -528,3 +550,73 @@ def test_trim_on_the_fake_backend_counts_the_blocks_that_waited_for_recorded_str
     assert len(s._pending) == 1
     assert s.trim() == 1 << 20 and not s._pending
     assert s.trim() == 0
+
+
+@needs_c
+def test_route_direct_a_pointer_only_free_left_pending_never_gives_back_what_is_at_its_pointer_later():
+    """From a second review: a block recorded by pointer alone is CuPy's pool's
+    at its free; if another thread holds the poll, its pending entry stays,
+    and giving it back later must not free whatever is at that pointer by
+    then (here a raw_malloc block, live)."""
+    fake = FakeBackend()
+    s = cupy_memstrat.create("pool", route="direct", backend=fake)
+    pool = _StandInPool()
+    pool.total_bytes = lambda: 0
+    blocks = {}
+
+    def allocate(size):
+        mp = pool.malloc(size)
+        blocks[mp.ptr] = mp
+        return mp.ptr
+
+    s._pool, s._blocks, s._OutOfMemoryError, s._allocate, s._deallocate = pool, blocks, _PoolOOM, allocate, blocks.pop
+    s.raw_free(s.raw_malloc(512))
+    d = s._direct = base._c_hotpath.PoolDirect(s._malloc.__self__, pool.malloc, _PoolOOM, s._direct_failed,
+                                               s._recorded_freed, s._held)
+    B = fake.stream(non_blocking=True)
+    x = d(4096)
+    P = x.ptr
+    s.record_stream(P, B)
+    fake.launch(B)
+    s._poll_lock.acquire()  # another thread is polling
+    del x  # the pool has P; the free synchronised; its entry stays pending
+    p = s.raw_malloc(4096)
+    s._poll_lock.release()
+    assert p == P and P in blocks
+    s._poll_pending()
+    assert P not in pool.free and s.live_sizes() == {P: 4096}  # the raw block lives on
+    s.raw_free(p)
+    assert P in pool.free
+
+
+@needs_c
+def test_route_direct_record_stream_holds_only_while_the_route_is_cupys_allocator(restore_cupy_allocator):
+    fake = FakeBackend()
+    s, d, pool = _direct_strategy(fake)
+    B = fake.stream(non_blocking=True)
+    x = d(4096)
+    restore_cupy_allocator.cuda.set_allocator(None)  # another allocator (here CuPy's own, no pool)
+    assert cupy_memstrat.record_stream(x, B) is True and s._held == {}  # recorded, not held
+    fake.launch(B)
+    del x  # the free waits for B before it returns
+    assert not fake.stream_busy(B.ptr) and s.stats().bytes_in_use == 0
+
+
+@needs_c
+def test_route_direct_letting_go_never_raises_when_the_synchronisation_fails(restore_cupy_allocator):
+    fake = FakeBackend()
+    s, d, pool = _direct_strategy(fake)
+    B = fake.stream(non_blocking=True)
+    x = d(4096)
+    cupy_memstrat.record_stream(x, B)
+    fake.launch(B)
+    del x
+    s.stats()  # counted; waits for B
+
+    def broken(device):
+        raise RuntimeError("device lost")
+
+    fake.device_synchronize = broken
+    with pytest.warns(RuntimeWarning, match="device lost"):
+        s._stop_holding()
+    assert s._held == {}

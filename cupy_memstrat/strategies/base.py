@@ -553,13 +553,17 @@ class Strategy:
             recs.append((stream, handle, d if dev is None or dev < 0 else dev, tid))
         return True
 
-    def _defer(self, ptr: int, size: int, device: int) -> None:
+    def _defer(self, ptr: int, size: int, device: int, *keep) -> list | None:
         """A block with recorded streams was freed (the hot path's free): an
         event on each recorded stream, and the block waits in ``_pending``
         until they are done. Where an event cannot be recorded (a stream
         destroyed since, or another thread's per-thread default stream), the
         device is synchronised instead and the block is given back at once.
-        Never raises (CuPy frees from finalisers)."""
+        ``keep``: what the entry also holds for :meth:`_give_back_pending`
+        (``pool``'s direct route: CuPy's memory object of the block). Returns
+        the pending entry (``[events, ptr, size, device, *keep]``), or None if
+        the block was given back at once. Never raises (CuPy frees from
+        finalisers)."""
         b = self.backend
         recs = self._recorded.pop(ptr, ())
         events = []
@@ -595,9 +599,11 @@ class Strategy:
             except Exception as exc:  # noqa: BLE001
                 b.clear_last_error()
                 _warn(f"{self.name}: synchronising before freeing 0x{ptr:x} failed: {exc}", RuntimeWarning, 3)
-            self._give_back_block(ptr, size, device)
-            return
-        self._pending.append([events, ptr, size, device])
+            self._give_back_pending([events, ptr, size, device, *keep])
+            return None
+        entry = [events, ptr, size, device, *keep]
+        self._pending.append(entry)
+        return entry
 
     def _destroy_events(self, events) -> None:
         b = self.backend
@@ -618,7 +624,7 @@ class Strategy:
         try:
             pend, b = self._pending, self.backend
             while pend:
-                events, ptr, size, device = pend[0]
+                events = pend[0][0]
                 if not wait or id(pend[0]) not in wait:
                     done = True
                     for dev, ev in events:
@@ -634,9 +640,9 @@ class Strategy:
                             break
                     if not done:
                         return
-                del pend[0]
+                entry = pend.pop(0)
                 self._destroy_events(events)
-                self._give_back_block(ptr, size, device)
+                self._give_back_pending(entry)
         finally:
             self._poll_lock.release()
 
@@ -652,6 +658,12 @@ class Strategy:
         for d in sorted(devices):
             self.backend.device_synchronize(d)
         self._poll_pending(wait={id(p) for p in before})
+
+    def _give_back_pending(self, entry: list) -> None:
+        """A pending entry of :meth:`_defer` whose recorded streams are done
+        (or were synchronised): its block goes back (:meth:`_give_back_block`).
+        Must not raise."""
+        self._give_back_block(entry[1], entry[2], entry[3])
 
     def _give_back_block(self, ptr: int, size: int, device: int) -> None:
         """What a free does after the accounting: give the block to the

@@ -161,8 +161,15 @@ class CuPyPoolStrategy(Strategy):
         and every read of the statistics), the free is accounted and the
         block waits for the recorded streams as every strategy's does, then
         ``mem`` is dropped and the pool has the block back."""
-        if self._direct is not None:
-            self._direct.hold(mem)  # only a memory object the route handed out and counts now
+        direct = self._direct
+        if direct is None:
+            return
+        from cupy.cuda import get_allocator
+
+        if get_allocator() is direct:
+            direct.hold(mem)  # only a memory object the route handed out and counts now
+        # (not CuPy's allocator in this thread: no allocation through it may come to reap; the
+        # free then waits for the recorded streams as with Strategy.record_stream)
 
     def _reap_held(self) -> None:
         """route="direct": the held blocks whose arrays are gone are freed
@@ -174,6 +181,8 @@ class CuPyPoolStrategy(Strategy):
         try:
             for ptr in direct.reap():
                 direct.free_early(ptr)  # its recorded streams: _recorded_freed defers the block
+            for ptr in direct.stale():  # freed another way (PooledMemory.free() by hand): nothing to keep
+                self._held.pop(ptr, None)
         except Exception as exc:  # noqa: BLE001
             self.backend.clear_last_error()
             warn_at_user(f"pool: freeing a block held for its recorded streams failed: {exc}", RuntimeWarning)
@@ -188,10 +197,15 @@ class CuPyPoolStrategy(Strategy):
         streams here (a synchronisation) and go back to CuPy's pool, and the
         others are let go: their frees then wait for the recorded streams as
         those of a block recorded through :meth:`Strategy.record_stream` do."""
-        if not self._held:
+        if not self._held and not self._pending:
             return
-        self._flush_pending()  # never drop a block whose free is accounted but whose streams may still run
-        self._held.clear()
+        try:
+            self._flush_pending()  # blocks freed early go back after a synchronisation, never before
+        except Exception as exc:  # noqa: BLE001 - use() has installed the next strategy already
+            self.backend.clear_last_error()
+            warn_at_user(f"pool: waiting for the streams of blocks held for record_stream failed: {exc}",
+                         RuntimeWarning)
+        self._held.clear()  # their arrays live: their frees wait for the recorded streams at the free
 
     def _let_go_when_empty(self) -> None:
         self._stop_holding()
@@ -236,9 +250,12 @@ class CuPyPoolStrategy(Strategy):
         by :meth:`_stop_holding`), CuPy's pool has it back already: wait for
         the recorded streams' work here (events recorded now, then a
         synchronisation). Never raises."""
-        self._defer(ptr, size, device)
+        # the pending entry keeps CuPy's memory object of a block freed early (dropped with the
+        # entry, once the streams are done: the pool has the block then), or None: the pool has it
         if early:
+            self._defer(ptr, size, device, self._held.pop(ptr, None))
             return
+        self._defer(ptr, size, device, None)
         try:
             self._flush_pending()
         except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
@@ -247,11 +264,13 @@ class CuPyPoolStrategy(Strategy):
 
     def _give_back_block(self, ptr: int, size: int, device: int) -> None:
         if self._pool is not None and self.config["route"] == "direct" and ptr not in self._blocks:
-            # a block of CuPy's arrays: a held one goes back to CuPy's pool as its memory
-            # object dies here (its token counts nothing); any other is the pool's already
-            self._held.pop(ptr, None)
-            return
+            return  # a block of CuPy's arrays: the pool's already, or once _give_back_pending drops it
         super()._give_back_block(ptr, size, device)
+
+    def _give_back_pending(self, entry: list) -> None:
+        if len(entry) > 4:
+            return  # a block of CuPy's arrays (direct route): its memory object, if any, goes with the entry
+        super()._give_back_pending(entry)
 
     def _flush_pending(self) -> None:
         self._reap_held()
