@@ -500,14 +500,13 @@ def test_route_direct_raw_malloc_reaps_first_so_the_peak_is_right():
 
 
 @needs_c
-def test_route_direct_use_of_another_strategy_lets_go_of_held_blocks(restore_cupy_allocator):
+def test_route_direct_use_of_another_strategy_lets_go_of_held_blocks():
     fake = FakeBackend()
     s, d, pool = _direct_strategy(fake)
     B = fake.stream(non_blocking=True)
     x = d(4096)
     P = x.ptr
-    cupy_memstrat.use(s)
-    restore_cupy_allocator.cuda.set_allocator(d)  # on CUDA, use(s) installs d itself
+    assert cupy_memstrat.current() is s  # installed by _direct_strategy, as use(s) does on CUDA
     cupy_memstrat.record_stream(x, B)
     assert list(s._held) == [P]
     other = cupy_memstrat.use("device", backend=fake)
@@ -518,7 +517,7 @@ def test_route_direct_use_of_another_strategy_lets_go_of_held_blocks(restore_cup
 
 
 @needs_c
-def test_route_direct_letting_go_never_hands_a_waiting_block_to_the_pool_early(restore_cupy_allocator):
+def test_route_direct_letting_go_never_hands_a_waiting_block_to_the_pool_early():
     """A held block whose array died (its free counted, its stream still
     running) when the strategy stops being CuPy's allocator: it reaches the
     pool only after that stream's work, not when the strategy lets go."""
@@ -527,8 +526,7 @@ def test_route_direct_letting_go_never_hands_a_waiting_block_to_the_pool_early(r
     B = fake.stream(non_blocking=True)
     x = d(4096)
     P = x.ptr
-    cupy_memstrat.use(s)
-    restore_cupy_allocator.cuda.set_allocator(d)  # on CUDA, use(s) installs d itself
+    assert cupy_memstrat.current() is s  # installed by _direct_strategy, as use(s) does on CUDA
     cupy_memstrat.record_stream(x, B)
     fake.launch(B)
     del x
@@ -603,7 +601,7 @@ def test_route_direct_record_stream_holds_only_while_the_route_is_cupys_allocato
 
 
 @needs_c
-def test_route_direct_letting_go_never_raises_when_the_synchronisation_fails(restore_cupy_allocator):
+def test_route_direct_letting_go_never_raises_when_the_synchronisation_fails():
     fake = FakeBackend()
     s, d, pool = _direct_strategy(fake)
     B = fake.stream(non_blocking=True)
