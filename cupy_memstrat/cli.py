@@ -95,10 +95,17 @@ def _cmd_bench(args) -> int:
         if why is not None:
             print(f"bench {group}: cannot write --json {args.json!r}: {why}", file=sys.stderr)
             return 2
+    extra = {k: getattr(args, k) for k in ("strategies", "only", "min_sample_s") if getattr(args, k, None) is not None}
+    if extra:
+        try:  # before the GPU is touched: a typo must not cost a run
+            mod.check_args(**extra)
+        except (TypeError, ValueError) as exc:
+            print(f"bench {group}: {exc}", file=sys.stderr)
+            return 2
     say = None if args.quiet else mod.progress_printer()
     rounds = args.rounds if args.rounds is not None else _DEFAULT_ROUNDS.get(group, 7)
     try:
-        report = mod.run(rounds=rounds, progress=say)
+        report = mod.run(rounds=rounds, progress=say, **extra)
     except MemstratError as exc:
         print(f"bench {group} needs a CUDA device and CuPy: {_without_fake_hint(exc)}", file=sys.stderr)
         return 2
@@ -352,6 +359,27 @@ _BENCH_MODULES = {"alloc": "alloc", "async": "async_pool", "managed": "managed",
 _DEFAULT_ROUNDS = {"workloads": 5, "streams": 5}  # the others: 7
 
 
+def _workload_names():
+    from .bench.workloads import WORKLOADS  # no CuPy import: the programs take the array module as an argument
+
+    return list(WORKLOADS)
+
+
+def _spec_list(text: str) -> list[str]:
+    """``--strategies``: specs separated by ';' (a spec has commas of its own)."""
+    specs = [t.strip() for t in text.split(";") if t.strip()]
+    if not specs:
+        raise argparse.ArgumentTypeError(f"expected one or more strategy specs separated by ';', got {text!r}")
+    return specs
+
+
+def _name_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected one or more names separated by ',', got {text!r}")
+    return names
+
+
 def _without_fake_hint(exc) -> str:
     """The reason without the hint to try the fake backend: benchmarks time real kernels."""
     text = str(exc)
@@ -493,6 +521,16 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--rounds", type=_positive_int, default=argparse.SUPPRESS,
                        help=f"interleaved rounds (default {_DEFAULT_ROUNDS.get(group, 7)})")
         g.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress lines")
+        if group == "workloads":
+            g.add_argument("--strategies", metavar="SPEC;SPEC...", type=_spec_list, default=None,
+                           help="strategy specs to run beside CuPy's pool and its A/A control, separated by ';' "
+                                "(default: every strategy needing no other library, managed's prefetch "
+                                "policies and pool:route=wrap)")
+            g.add_argument("--only", metavar="NAME,NAME...", type=_name_list, default=None,
+                           help="workloads to run (default: all): " + ", ".join(_workload_names()))
+            g.add_argument("--min-sample", metavar="SECONDS", type=float, default=None, dest="min_sample_s",
+                           help="seconds a timed sample lasts at least; a short program runs several times "
+                                "in one sample (default 0.25)")
         g.set_defaults(func=_cmd_bench)
 
     pl = sub.add_parser("plot", help="draw a benchmark's JSON, or a memory timeline (needs matplotlib)")

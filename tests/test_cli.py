@@ -282,6 +282,25 @@ def test_bench_never_deletes_what_json_names(tmp_path, monkeypatch, capsys):
     assert json.loads(out.read_text())["benchmark"] == "workloads"
 
 
+def test_bench_workloads_takes_strategies_workloads_and_sample_length(monkeypatch, capsys):
+    seen = []
+    _fake_group_run(monkeypatch, seen)
+    assert cli.main(["bench", "workloads", "--quiet", "--strategies", "pool; async:release_threshold=1GiB",
+                     "--only", "kmeans,cg-poisson", "--min-sample", "0.5"]) == 0
+    assert seen[-1]["strategies"] == ["pool", "async:release_threshold=1GiB"]
+    assert seen[-1]["only"] == ["kmeans", "cg-poisson"] and seen[-1]["min_sample_s"] == 0.5
+    assert cli.main(["bench", "workloads", "--quiet"]) == 0
+    assert not {"strategies", "only", "min_sample_s"} & set(seen[-1])  # run's own defaults
+    # refused before the run: nothing was measured
+    for argv, message in ((["--only", "nbody"], "unknown workload 'nbody'"),
+                          (["--strategies", "pool;nope"], "unknown strategy 'nope'"),
+                          (["--min-sample", "20"], "min_sample_s: expected seconds in [0, 10], got 20.0")):
+        n = len(seen)
+        assert cli.main(["bench", "workloads", "--quiet", *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and len(seen) == n
+
+
 def test_options_before_the_group_count_and_out_with_a_group_is_refused(tmp_path, monkeypatch, capsys):
     seen = []
     _fake_group_run(monkeypatch, seen)

@@ -210,6 +210,23 @@ def test_run_refuses_bad_arguments_before_needing_a_gpu():
         W.run(only=["nbody"])
     with pytest.raises(ValueError, match=r"scale: expected a number in \(0, 1\], got 2"):
         W.run(scale=2)
+    with pytest.raises(ValueError, match=r"unknown strategy 'nope'; available: async"):
+        W.run(strategies=["pool", "nope"])
+    with pytest.raises(ValueError, match=r"strategies: each spec once, got \['pool', 'pool'\]"):
+        W.run(strategies=["pool", "pool"])
+    with pytest.raises(ValueError, match=r"pool: option route: expected one of 'wrap', 'direct', got 'sideways'"):
+        W.run(strategies=["pool:route=sideways"])
+    with pytest.raises(ValueError, match=r"min_sample_s: expected seconds in \[0, 10\], got -1"):
+        W.run(min_sample_s=-1)
+    with pytest.raises(ValueError, match=r"only: expected distinct workload names, at least one, got \[\]"):
+        W.run(only=[])
+
+
+def test_the_default_paths_are_this_packages_strategies_and_pools_other_route():
+    names, specs = W.check_args()
+    assert names == list(W.WORKLOADS)
+    assert specs[-3:] == ["managed:prefetch=on_new", "managed:prefetch=on_alloc", "pool:route=wrap"]
+    assert {"device", "managed", "async", "pool"} <= set(specs) and not {"rmm", "torch"} & set(specs)
 
 
 @pytest.mark.parametrize("ref, got, want", [

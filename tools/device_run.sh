@@ -69,6 +69,9 @@
 #                                         under CuPy's pool, pool and pool:route=wrap
 #   tools/device_run.sh call12            tests/gpu, bench alloc and streams, tools/debugging_walkthrough.sh
 #                                         (call12_json.tgz)
+#   tools/device_run.sh call13            tests/gpu, bench alloc, bench workloads with its A/A control and
+#                                         0.25 s samples (pooling strategies), the async cold probe
+#                                         (call13_json.tgz)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -327,6 +330,26 @@ if [ "$part" = call12 ]; then
   step "docs/debugging.md, worked on the GPU"
   timeout 240 bash tools/debugging_walkthrough.sh $J/debugging
   tar -czf "$OUT/call12_json.tgz" -C /tmp call12_json
+fi
+
+if [ "$part" = call13 ]; then
+  # the last commits of the previous session (never run on a GPU): tests/gpu in full; then bench
+  # workloads with its A/A control and 0.25 s samples for the pooling strategies, managed-large
+  # apart (cold), and where async's cold time goes (tools/probes/async_cold.py)
+  J=/tmp/call13_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"
+  step tests/gpu
+  timeout 340 python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$J/tests_gpu.xml"
+  BENCH_DIR=$J benches alloc
+  step "bench workloads (warm programs, pooling strategies)"
+  python3 -m cupy_memstrat bench workloads --rounds 9 --strategies "pool;async;managed;pool:route=wrap" \
+    --only cg-poisson,fft-convolution,kmeans,monte-carlo,multi-stream --json "$J/bench-workloads.json"
+  step "bench workloads managed-large (cold)"
+  python3 -m cupy_memstrat bench workloads --rounds 5 --strategies "pool;async" --only managed-large \
+    --json "$J/bench-workloads-cold.json"
+  step "probe: async's cold large allocation"
+  python3 tools/probes/async_cold.py --json "$J/async_cold.json"
+  tar -czf "$OUT/call13_json.tgz" -C /tmp call13_json
 fi
 
 if [ "$part" = call4 ]; then

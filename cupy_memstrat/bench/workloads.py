@@ -43,7 +43,7 @@ import time
 
 from ..sizes import format_size
 
-__all__ = ["WORKLOADS", "run", "format_table"]
+__all__ = ["WORKLOADS", "CONTROL", "run", "check_args", "default_specs", "format_table"]
 
 
 # -- the programs ------------------------------------------------------------------------------
@@ -350,33 +350,81 @@ def _ratio_in_rounds(runs: list[float], ref: list[float]) -> dict:
     return {"median": statistics.median(ok), "q1": q1, "q3": q3, "per_round": per}
 
 
-def run(*, rounds: int = 5, progress=None, strategies=None, scale: float = 1.0, only=None) -> dict:
-    """Every workload under CuPy's pool and each strategy; the report (seconds).
+CONTROL = "cupy-default-again"
+"""The label of the A/A control: CuPy's pool a second time, timed like any
+other path. Its ratio to ``cupy-default`` is what the bench cannot tell apart
+from 1 on that machine in that run."""
 
-    Args:
-        rounds: rounds of timed samples, each path once per round (after
-            one warm-up run each).
-        strategies: strategy specs to run (default: every registered one that needs no other library,
-            plus ``managed:prefetch=on_new`` and ``managed:prefetch=on_alloc``).
-        scale: multiplies the problem sizes (0 < scale <= 1 shrinks them).
-        only: workload names to run (default: all).
+
+def default_specs() -> list[str]:
+    """The strategy specs ``bench workloads`` runs when none are given: every
+    registered strategy that needs no other library (rmm and torch are
+    measured by ``bench alloc``), then ``managed:prefetch=on_new``,
+    ``managed:prefetch=on_alloc`` and ``pool:route=wrap``."""
+    from ..registry import get_registry
+
+    reg = get_registry()
+    return [n for n in reg.names() if not reg.get(n).requires] + [
+        "managed:prefetch=on_new", "managed:prefetch=on_alloc", "pool:route=wrap"]
+
+
+def check_args(*, strategies=None, only=None, scale=1.0, min_sample_s=0.25) -> tuple[list[str], list[str]]:
+    """Refuse bad arguments of :func:`run` before anything runs; return the
+    workload names and the strategy specs.
 
     Raises:
-        NoDeviceError, CuPyNotInstalledError: nothing to measure on.
-        ValueError: an unknown workload name or a bad ``scale``.
+        ValueError: an unknown workload name, an empty or repeated list, a
+            ``scale`` outside (0, 1], ``min_sample_s`` not a number of
+            seconds in [0, 10].
+        TypeError, ValueError (from :func:`cupy_memstrat.validate`): a
+            spec that does not parse, names no registered strategy or has a
+            bad option.
     """
-    from ..api import create
-    from ..info import collect
-    from ..registry import get_registry
-    from . import managed as _managed
-    from .alloc import require_real_gpu
+    from ..api import validate
 
     names = list(WORKLOADS) if only is None else list(only)
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown workload {unknown[0]!r}; workloads: {', '.join(WORKLOADS)}")
-    if not (isinstance(scale, (int, float)) and 0 < scale <= 1):
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"only: expected distinct workload names, at least one, got {names}")
+    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and 0 < scale <= 1):
         raise ValueError(f"scale: expected a number in (0, 1], got {scale!r}")
+    if isinstance(min_sample_s, bool) or not isinstance(min_sample_s, (int, float)) or not 0 <= min_sample_s <= 10:
+        raise ValueError(f"min_sample_s: expected seconds in [0, 10], got {min_sample_s!r}")
+    specs = default_specs() if strategies is None else list(strategies)
+    if len(set(specs)) != len(specs):
+        raise ValueError(f"strategies: each spec once, got {specs}")
+    for spec in specs:
+        validate(spec)
+    return names, specs
+
+
+def run(*, rounds: int = 5, progress=None, strategies=None, scale: float = 1.0, only=None,
+        min_sample_s: float = 0.25) -> dict:
+    """Every workload under CuPy's pool, the A/A control (:data:`CONTROL`)
+    and each strategy; the report (seconds).
+
+    Args:
+        rounds: rounds of timed samples, each path once per round (after
+            one warm-up run each).
+        strategies: strategy specs to run (default: :func:`default_specs`).
+        scale: multiplies the problem sizes (0 < scale <= 1 shrinks them).
+        only: workload names to run (default: all).
+        min_sample_s: seconds a timed sample lasts at least (a short
+            program runs several times in one sample; see :func:`measure`).
+
+    Raises:
+        NoDeviceError, CuPyNotInstalledError: nothing to measure on.
+        ValueError, TypeError: bad arguments (see :func:`check_args`),
+            refused before anything runs.
+    """
+    from ..api import create
+    from ..info import collect
+    from . import managed as _managed
+    from .alloc import require_real_gpu
+
+    names, specs = check_args(strategies=strategies, only=only, scale=scale, min_sample_s=min_sample_s)
     require_real_gpu()
     import cupy
     import cupyx.scipy.sparse as sp
@@ -394,17 +442,13 @@ def run(*, rounds: int = 5, progress=None, strategies=None, scale: float = 1.0, 
         "multi-stream": {"n": max(1024, int((1 << 21) * scale))},
     }
     workloads = {n: (WORKLOADS[n][0], kwargs[n]) for n in names}
-    # by default the strategies of this package alone (rmm and torch, which need their libraries,
-    # are measured by bench alloc)
-    specs = list(strategies) if strategies is not None else [
-        n for n in get_registry().names() if not get_registry().get(n).requires] + [
-        "managed:prefetch=on_new", "managed:prefetch=on_alloc", "pool:route=wrap"]
     pool = cupy.get_default_memory_pool()
     prev = cupy.cuda.get_allocator()
     # Each path gives its cache back when done: a data set of a quarter of the device cached by
     # several pools at once would leave the next path short (and managed memory must never be
-    # asked for beyond what is free).
-    paths = [("cupy-default", lambda: cupy.cuda.set_allocator(pool.malloc), None, pool.free_all_blocks)]
+    # asked for beyond what is free). The control is the same pool under another label.
+    paths = [(label, lambda: cupy.cuda.set_allocator(pool.malloc), None, pool.free_all_blocks)
+             for label in ("cupy-default", CONTROL)]
     made = []
     for spec in specs:
         s = create(spec)
@@ -418,7 +462,8 @@ def run(*, rounds: int = 5, progress=None, strategies=None, scale: float = 1.0, 
     try:
         results = measure(cupy, sp, paths, workloads, rounds=rounds, sync=lambda: cupy.cuda.Device().synchronize(),
                           to_host=cupy.asnumpy, say=say, stats=pool_stats,
-                          faults=faults if faults.counter is not None else None, cold=COLD)
+                          faults=faults if faults.counter is not None else None, cold=COLD,
+                          min_sample_s=min_sample_s)
     finally:
         cupy.cuda.set_allocator(prev)
         for s in made:
@@ -431,7 +476,8 @@ def run(*, rounds: int = 5, progress=None, strategies=None, scale: float = 1.0, 
     return {
         "benchmark": "workloads",
         "machine": collect(),
-        "params": {"rounds": rounds, "scale": scale, "sizes": kwargs, "cold": [n for n in names if n in COLD],
+        "params": {"rounds": rounds, "scale": scale, "min_sample_s": min_sample_s, "control": CONTROL,
+                   "sizes": kwargs, "cold": [n for n in names if n in COLD],
                    "descriptions": {n: WORKLOADS[n][1] for n in names},
                    "fault_counters": faults.source or faults.error},
         "results": results,
@@ -442,6 +488,9 @@ def format_table(report: dict) -> str:
     """Median seconds per workload and path, ratio to CuPy's pool, peaks, faults, check."""
     out = ["workloads: median wall seconds (ratio of the medians to CuPy's pool), the ratio to CuPy's pool's sample "
            "of the same round (median [quartiles]), peak in use / reserved, GPU faults, result"]
+    control = report["params"].get("control")
+    if control:
+        out.append(f"{control} is CuPy's pool again, timed as another path: its ratios are the run's own noise")
     cold = set(report["params"].get("cold") or ())
     for name, rows in report["results"].items():
         how = "; cold: each run starts with nothing cached" if name in cold else ""
