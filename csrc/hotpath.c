@@ -119,6 +119,8 @@ typedef struct {
     PyObject *last_arena;  /* owned, or NULL: arenas[last_d][last_key] */
     unsigned long long last_base;  /* the chunk of the last free, and its owner's arena (owned, or NULL) */
     PyObject *last_owner;
+    unsigned long long key_n;  /* the last size class looked up by key_of(), and its key (owned, or NULL) */
+    PyObject *key_obj;
 } Accounting;
 
 #define FIELDS(X) X(events) X(live) X(fold) X(unknown_free) X(failed) X(error) X(allocate) \
@@ -136,6 +138,7 @@ Accounting_traverse(Accounting *self, visitproc visit, void *arg)
     Py_VISIT(self->last_key);
     Py_VISIT(self->last_arena);
     Py_VISIT(self->last_owner);
+    Py_VISIT(self->key_obj);
     return 0;
 }
 
@@ -148,6 +151,7 @@ Accounting_clear(Accounting *self)
     Py_CLEAR(self->last_key);
     Py_CLEAR(self->last_arena);
     Py_CLEAR(self->last_owner);
+    Py_CLEAR(self->key_obj);
     return 0;
 }
 
@@ -548,6 +552,24 @@ poll_pending(Accounting *self)
     return 0;
 }
 
+/* The key of a free-list dict for a block of n bytes (its size rounded up to
+ * 512 B: the large lists of classes mode, the size-class caches of ordered
+ * mode), a new reference. The last one is kept: a program that allocates one
+ * size again and again makes no int per malloc and free. */
+static PyObject *
+key_of(Accounting *self, unsigned long long n)
+{
+    unsigned long long c = (n + 511) & ~511ULL;
+    if (self->key_obj != NULL && self->key_n == c)
+        return Py_NewRef(self->key_obj);
+    PyObject *k = PyLong_FromUnsignedLongLong(c);
+    if (k != NULL) {
+        Py_XSETREF(self->key_obj, Py_NewRef(k));
+        self->key_n = c;
+    }
+    return k;
+}
+
 /* classes mode: a block from the arena of stream `key`, or NULL with no error set
  * (a miss); *hit_large tells a large block was taken. */
 static PyObject *
@@ -584,7 +606,7 @@ arena_pop(Accounting *self, Py_ssize_t d, PyObject *key, intptr_t h, PyObject *s
             Py_DECREF(lst);
         }
     } else {
-        PyObject *k = PyLong_FromUnsignedLongLong((n + 511) & ~511ULL), *lst = NULL;
+        PyObject *k = key_of(self, n), *lst = NULL;
         if (k != NULL) {
             lst = PyDict_GetItemWithError(large, k);
             Py_XINCREF(lst);
@@ -615,9 +637,9 @@ class_pop(PyObject *cache, PyObject *cls)
 /* ptr onto a cache's free list of class `cls` if the list then holds at most `limit`
  * bytes: 1 (kept), 0 (no room), -1 (an error). */
 static int
-class_put(PyObject *cache, unsigned long long cls, PyObject *ptr, unsigned long long limit)
+class_put(Accounting *self, PyObject *cache, unsigned long long cls, PyObject *ptr, unsigned long long limit)
 {
-    PyObject *k = PyLong_FromUnsignedLongLong(cls);
+    PyObject *k = key_of(self, cls);  /* cls is a multiple of 512: its own class */
     if (k == NULL)
         return -1;
     PyObject *lst = PyDict_GetItemWithError(cache, k);  /* borrowed */
@@ -736,7 +758,7 @@ ordered_malloc(Accounting *self, Py_ssize_t d, PyObject *device, PyObject *size)
         if (stream == NULL && (stream = PyObject_CallOneArg(self->current_stream, device)) == NULL)
             goto fail;
         r = PyWeakref_NewRef(stream, NULL);
-        cls = r == NULL ? NULL : PyLong_FromUnsignedLongLong((n + 511) & ~511ULL);
+        cls = r == NULL ? NULL : key_of(self, n);
         if (cls == NULL)
             goto fail;
         PyObject *per_device = table_item(self->stream_caches, d, &PyDict_Type, "stream_caches");
@@ -759,7 +781,7 @@ ordered_malloc(Accounting *self, Py_ssize_t d, PyObject *device, PyObject *size)
         }
     } else if (h == 0 && fits && n <= limit) {
         /* the legacy default stream: its size class, from the cache if it can */
-        cls = PyLong_FromUnsignedLongLong((n + 511) & ~511ULL);
+        cls = key_of(self, n);
         if (cls == NULL)
             goto fail;
         PyObject *cache = table_item(self->caches, d, &PyDict_Type, "caches");
@@ -876,7 +898,7 @@ stream_cache_put(Accounting *self, PyObject *ptr, PyObject *size, Py_ssize_t d, 
         PyErr_SetString(PyExc_RuntimeError, "cupy_memstrat: a stream's cache is not a dict any more");
         return -1;
     }
-    int rc = class_put(sc, cls, ptr, limit);
+    int rc = class_put(self, sc, cls, ptr, limit);
     Py_DECREF(sc);
     return rc;
 }
@@ -909,7 +931,7 @@ ordered_give_back(Accounting *self, PyObject *ptr, PyObject *size, Py_ssize_t d,
             PyObject *cache = table_item(self->caches, d, &PyDict_Type, "caches");
             if (cache == NULL)
                 return -1;
-            int kept = class_put(cache, cls, ptr, limit);
+            int kept = class_put(self, cache, cls, ptr, limit);
             Py_DECREF(cache);
             if (kept != 0)
                 return kept < 0 ? -1 : 0;
@@ -1170,7 +1192,7 @@ cache_block(Accounting *self, Py_ssize_t d, PyObject *ptr, PyObject *size)
         }
     } else {
         /* the run's list, indexed when it was allocated */
-        PyObject *k = PyLong_FromUnsignedLongLong((n + 511) & ~511ULL);
+        PyObject *k = key_of(self, n);
         if (k != NULL) {
             PyObject *lst = PyDict_GetItemWithError(large, k);
             Py_XINCREF(lst);
@@ -1546,8 +1568,8 @@ PoolDirect_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
         ptr = PyObject_GetAttr(mem, S_ptr);
     if (ptr != NULL)
         size = PyObject_GetAttr(mem, S_size);
-    if (size != NULL)
-        device = PyObject_GetAttr(mem, S_device_id);
+    if (size != NULL)  /* one device: CuPy's pool has no other (a getattr less per malloc) */
+        device = acc->n_devices == 1 ? Py_NewRef(self->zero_obj) : PyObject_GetAttr(mem, S_device_id);
     int rc = device == NULL ? -1 : 0;
     if (rc == 0 && (!PyLong_CheckExact(ptr) || !PyLong_CheckExact(size) || PyObject_RichCompareBool(size, self->zero_obj, Py_LT) != 0)) {
         if (!PyErr_Occurred())
