@@ -81,6 +81,9 @@ def _hot_path() -> dict:
         name: "c" if status["hot_path"] == "c" and getattr(reg.get(name), "has_c_hot_path", True) else "python"
         for name in reg.names()
     }
+    from .strategies.cupy_pool import route_status
+
+    status["pool_route"] = route_status(status["hot_path"])
     return status
 
 
@@ -169,6 +172,9 @@ def format_report(report: dict) -> str:
             lines.append("  per strategy: " + ", ".join(f"{n} {p}" for n, p in per.items())
                          + (" (python: no C version of that strategy's hot path yet)"
                             if "python" in per.values() and hp["hot_path"] == "c" else ""))
+        pr = hp.get("pool_route")
+        if pr:
+            lines.append(f"  pool's route: {pr['route']}: {pr['reason']}")
     else:
         lines.append(f"allocation hot path: error: {hp.get('reason')}")
     lines.append("strategies:")

@@ -66,6 +66,23 @@ def test_info_says_which_hot_path_each_strategy_runs(monkeypatch):
     assert set(collect(FakeBackend())["hot_path"]["strategies"].values()) == {"python"}
 
 
+def test_info_says_which_route_pool_takes(monkeypatch):
+    """pool's route falls back to wrap without the C hot path or CuPy's PooledMemory.__dict__:
+    info says which one a pool made now takes, and why."""
+    from cupy_memstrat.strategies import base, cupy_pool
+
+    pytest.importorskip("cupy", reason="CuPy is not installed")
+    if base._c_hotpath is not None:
+        pr = collect(FakeBackend())["hot_path"]["pool_route"]
+        assert pr["route"] == "direct" and "own MemoryPointer" in pr["reason"]
+        assert "pool's route: direct" in format_report(collect(FakeBackend()))
+    monkeypatch.setattr(cupy_pool, "_pooled_memory_takes_attributes", lambda: False)
+    assert cupy_pool.route_status("c") == {
+        "route": "wrap", "reason": "this CuPy's PooledMemory has no __dict__ for the direct route's token"}
+    monkeypatch.setenv(base.HOT_PATH_ENV, "python")
+    assert collect(FakeBackend())["hot_path"]["pool_route"]["route"] == "wrap"
+
+
 @pytest.mark.skipif(_has_gpu(), reason="a GPU is present")
 def test_info_without_gpu_says_why_and_fails():
     r = _run("info")

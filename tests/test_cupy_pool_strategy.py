@@ -315,6 +315,18 @@ def _direct_strategy(fake):
     return s, s._direct, pool
 
 
+def test_route_says_which_route_cupys_arrays_take():
+    fake = FakeBackend()
+    assert cupy_memstrat.create("pool", route="direct", backend=fake).route == "wrap"  # the fake backend's fallback
+    assert cupy_memstrat.create("pool", route="wrap", backend=fake).route == "wrap"
+
+
+@needs_c
+def test_route_is_direct_once_cupy_gets_the_pools_own_objects():
+    s, _d, _pool = _direct_strategy(FakeBackend())
+    assert s.route == "direct"
+
+
 @pytest.fixture(autouse=True)
 def _cupy_allocator_back():
     """Tests here install stand-in allocators as CuPy's: put CuPy's back."""

@@ -72,6 +72,9 @@
 #   tools/device_run.sh call13            tests/gpu, bench alloc, bench workloads with its A/A control and
 #                                         0.25 s samples (pooling strategies), the async cold probe
 #                                         (call13_json.tgz)
+#   tools/device_run.sh call14            bench alloc, async and managed in one run (issue 18), the
+#                                         pool_direct_cost and hot_path_floor probes, then tests/gpu
+#                                         (call14_json.tgz)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -350,6 +353,24 @@ if [ "$part" = call13 ]; then
   step "probe: async's cold large allocation"
   python3 tools/probes/async_cold.py --json "$J/async_cold.json"
   tar -czf "$OUT/call13_json.tgz" -C /tmp call13_json
+fi
+
+if [ "$part" = call14 ]; then
+  # the allocation benches side by side in one run (bench alloc, async, managed), the two probes
+  # that say where the time goes (pool's direct route; PythonFunctionAllocator's floor and device
+  # against raw cudaMalloc), then tests/gpu in full, last so that a cut run still has the benches
+  J=/tmp/call14_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"
+  python3 -m cupy_memstrat info | tail -8
+  BENCH_DIR=$J benches alloc async managed
+  step "probe: where pool's direct route spends its time"
+  python3 tools/probes/pool_direct_cost.py --json "$J/pool_direct_cost.json"
+  step "probe: the floor of an allocator behind a PythonFunctionAllocator"
+  python3 tools/probes/hot_path_floor.py --json "$J/hot_path_floor.json" device managed pool
+  tar -czf "$OUT/call14_json.tgz" -C /tmp call14_json
+  step tests/gpu
+  timeout 420 python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$J/tests_gpu.xml"
+  tar -czf "$OUT/call14_json.tgz" -C /tmp call14_json
 fi
 
 if [ "$part" = call4 ]; then

@@ -22,7 +22,7 @@ from ..options import Option
 from ..stats import Stats
 from .base import Strategy
 
-__all__ = ["CuPyPoolStrategy"]
+__all__ = ["CuPyPoolStrategy", "route_status"]
 
 _ROUTES = ("wrap", "direct")
 
@@ -39,6 +39,23 @@ def _pooled_memory_takes_attributes() -> bool:
     from cupy.cuda import memory
 
     return getattr(getattr(memory, "PooledMemory", None), "__dictoffset__", 0) != 0
+
+
+def route_status(hot_path: str) -> dict:
+    """The route a ``pool`` strategy made now with the default ``route`` on a
+    CUDA device takes, for ``info``: ``{"route": "direct" | "wrap", "reason":
+    str}``, given which hot path new strategies get (``"c"`` or ``"python"``,
+    :func:`cupy_memstrat.hot_path_status`). On the fake backend it is always
+    ``"wrap"``. Never raises: no CuPy is a reason too."""
+    if hot_path != "c":
+        return {"route": "wrap", "reason": "the direct route needs the C hot path"}
+    try:
+        dict_ok = _pooled_memory_takes_attributes()
+    except ImportError as exc:
+        return {"route": "wrap", "reason": f"no CuPy ({exc})"}
+    if not dict_ok:
+        return {"route": "wrap", "reason": "this CuPy's PooledMemory has no __dict__ for the direct route's token"}
+    return {"route": "direct", "reason": "CuPy gets its pool's own MemoryPointer (the fake backend: wrap)"}
 
 
 class CuPyPoolStrategy(Strategy):
@@ -76,7 +93,7 @@ class CuPyPoolStrategy(Strategy):
     (docs/benchmarks.md). It needs the C hot path, CUDA, and CuPy's
     ``PooledMemory`` with a ``__dict__`` (CuPy 14.2 has one); elsewhere (the
     fake backend, ``track_origins``, ``CUPY_MEMSTRAT_HOT_PATH=python``)
-    ``"wrap"`` runs. ``"wrap"``: through CuPy's ``PythonFunctionAllocator``,
+    ``"wrap"`` runs (:attr:`route` says which one does). ``"wrap"``: through CuPy's ``PythonFunctionAllocator``,
     each array's memory object ours, holding the pool's ``MemoryPointer``.
     With ``"direct"``, :func:`cupy_memstrat.record_stream` keeps the
     recorded array's memory object, so that its block reaches CuPy's pool
@@ -136,6 +153,17 @@ class CuPyPoolStrategy(Strategy):
 
         self._allocate = allocate
         self._deallocate = blocks.pop  # dropping the MemoryPointer returns the block to the pool
+
+    @property
+    def route(self) -> str:
+        """The route CuPy's arrays take through this strategy: ``"direct"``
+        or ``"wrap"``, which can differ from the ``route`` option (see the
+        class docstring for when ``"direct"`` falls back). Asking makes the
+        CuPy allocator if :func:`cupy_memstrat.use` has not yet (no memory is
+        allocated)."""
+        if isinstance(self.backend, _cuda.RealBackend) and self._cupy_malloc is None:
+            self._make_cupy_malloc()
+        return "direct" if self._direct is not None else "wrap"
 
     # -- route="direct" --------------------------------------------------------------
     def _cupy_route(self, malloc, free):

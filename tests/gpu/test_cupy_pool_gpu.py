@@ -56,8 +56,12 @@ def test_freed_arrays_go_back_to_cupys_pool_and_trim_frees_its_cache(cp, spec):
 def test_route_direct_is_the_default_and_gives_cupy_the_pools_own_memory_object(cp):
     s = cupy_memstrat.use("pool:route=wrap")
     assert type(cp.empty(512, dtype=cp.uint8).data.mem).__name__ == "PythonFunctionAllocatorMemory"
+    assert s.route == "wrap"
     s = cupy_memstrat.use("pool")
-    assert s.config["route"] == "direct"
+    assert s.config["route"] == "direct" and s.route == "direct"
+    from cupy_memstrat.info import collect
+
+    assert collect()["hot_path"]["pool_route"]["route"] == "direct"  # what info says a new pool takes
     x = cp.empty(3 * MiB, dtype=cp.uint8)
     assert type(x.data.mem).__name__ == "PooledMemory" and s.hot_path == "c"
     assert type(cp.cuda.get_allocator()).__name__ == "PoolDirect"

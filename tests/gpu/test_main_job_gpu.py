@@ -59,13 +59,14 @@ def test_run_on_the_gpu(tmp_path):
 def test_the_workload_programs_run_under_a_strategy(cp):
     from cupy_memstrat.bench import workloads
 
-    report = workloads.run(rounds=1, strategies=["device"], scale=0.01)
+    report = workloads.run(rounds=1, strategies=["device"], scale=0.01, min_sample_s=0.01)
     res = report["results"]
     assert set(res) == set(workloads.WORKLOADS)
     for name, rows in res.items():
-        assert set(rows) == {"cupy-default", "device"}, name
+        assert set(rows) == {"cupy-default", workloads.CONTROL, "device"}, name
         assert rows["device"]["peak_bytes_in_use"] > 0, name
     for name in ("cg-poisson", "fft-convolution", "monte-carlo", "managed-large"):
         assert res[name]["device"]["check"]["identical"], (name, res[name]["device"]["check"])
+        assert res[name][workloads.CONTROL]["check"]["identical"], name  # CuPy's pool again: the same result
     assert res["kmeans"]["device"]["check"]["max_rel_diff"] < 1e-4
     assert all(r["check"]["equals_expected"] for r in res["managed-large"].values())
