@@ -1399,7 +1399,8 @@ static PyTypeObject AccountingType = {
     .tp_methods = Accounting_methods,
 };
 
-/* PoolDirect(accounting, pool_malloc, oom, failed, recorded_freed, held): the pool
+/* PoolDirect(accounting, pool_malloc, oom, failed, recorded_freed, held[, guard,
+ * guard_pending, capsule]): the pool
  * strategy's route=direct, CuPy's allocator callable without a memory object of
  * ours. malloc(size) returns the MemoryPointer of CuPy's pool itself (pool_malloc:
  * MemoryPool.malloc), as CuPy's default allocator does, and accounts its block
@@ -1434,7 +1435,11 @@ static PyTypeObject AccountingType = {
  * (checked again: its token will count nothing), and recorded_freed(...,
  * early=True) then defers it as every strategy defers a recorded block; once
  * the recorded streams' work is done the strategy drops the object, and CuPy's
- * pool has the block back. */
+ * pool has the block back.
+ *
+ * guard(device), if given, is the strategy's dead-stream guard (see
+ * direct_guard), guard_pending its per-device flags, capsule CuPy's
+ * get_stream_ptr (without it the guard runs at every malloc). */
 typedef struct {
     PyObject_HEAD
     Accounting *acc;
@@ -1446,6 +1451,11 @@ typedef struct {
     PyObject *held;            /* dict ptr -> memory object kept for record_stream (see above) */
     PyObject *zero_obj;
     long long generation;      /* of the last block handed out */
+    PyObject *guard;           /* guard(device): the dead-stream guard's slow path, or NULL */
+    PyObject *guard_pending;   /* the guard's list (device) of flags: a watched stream died */
+    intptr_t (*stream_fn)(int); /* CuPy's get_stream_ptr, or NULL: the guard runs at every malloc */
+    intptr_t last_h;           /* the stream the guard last watched, and its device */
+    Py_ssize_t last_hd;
     vectorcallfunc vectorcall;
 } PoolDirect;
 
@@ -1529,6 +1539,38 @@ static PyTypeObject PoolTokenType = {
     .tp_repr = (reprfunc)PoolToken_repr,
 };
 
+/* The dead-stream guard (strategies/stream_guard.py) for a block just taken on
+ * device d, before CuPy gets it: guard(device) waits for the device if a stream
+ * the guard watches died since, and watches the current stream. CuPy's pool finds
+ * a stream's free blocks by the stream's handle, which CUDA gives a new stream
+ * while the destroyed one's kernels may still run (docs/streams.md): after the
+ * wait, those kernels are done before the block is used. The call is skipped
+ * while the current stream is the one last watched (or a built-in one, never
+ * destroyed) and no watched stream died: a program on one stream pays one C call
+ * per malloc. */
+static int
+direct_guard(PoolDirect *self, Py_ssize_t d, PyObject *device)
+{
+    PyObject *pending = self->guard_pending;
+    int died = PyList_CheckExact(pending) && d < PyList_GET_SIZE(pending)
+               && PyList_GET_ITEM(pending, d) != Py_False;
+    intptr_t h = -1;
+    if (self->stream_fn != NULL) {
+        h = self->stream_fn((int)d);
+        if (h == -1 && PyErr_Occurred())
+            return -1;
+    }
+    if (!died && h >= 0 && (h <= 2 || (h == self->last_h && d == self->last_hd)))
+        return 0;
+    PyObject *r = PyObject_CallOneArg(self->guard, device);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    self->last_h = h;
+    self->last_hd = d;
+    return 0;
+}
+
 static PyObject *
 PoolDirect_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -1584,6 +1626,8 @@ PoolDirect_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
                          acc->n_devices);
             rc = -1;
         }
+        if (rc == 0 && self->guard != NULL)
+            rc = direct_guard(self, d, device);  /* on failure the block goes back with mp */
         PyObject *cur = rc < 0 ? NULL : PyDict_GetItemWithError(self->generations, ptr);  /* borrowed */
         if (cur != NULL) {  /* the last block at ptr went back to the pool, its token has not run yet */
             long long g = PyLong_AsLongLong(cur);
@@ -1627,8 +1671,17 @@ static int
 PoolDirect_init(PoolDirect *self, PyObject *args, PyObject *kwds)
 {
     PyObject *acc, *pool_malloc, *oom, *failed, *recorded_freed, *held;
-    if (!PyArg_ParseTuple(args, "O!OOOOO!:PoolDirect", &AccountingType, &acc, &pool_malloc, &oom, &failed,
-                          &recorded_freed, &PyDict_Type, &held))
+    PyObject *guard = Py_None, *guard_pending = Py_None, *capsule = Py_None;
+    if (!PyArg_ParseTuple(args, "O!OOOOO!|OOO:PoolDirect", &AccountingType, &acc, &pool_malloc, &oom, &failed,
+                          &recorded_freed, &PyDict_Type, &held, &guard, &guard_pending, &capsule))
+        return -1;
+    if (guard != Py_None && (!PyCallable_Check(guard) || !PyList_CheckExact(guard_pending))) {
+        PyErr_Format(PyExc_TypeError, "PoolDirect: expected guard(device) and the guard's list of flags, got %R, %R",
+                     guard, guard_pending);
+        return -1;
+    }
+    intptr_t (*stream_fn)(int) = NULL;
+    if (capsule != Py_None && capsule_stream_fn(capsule, &stream_fn) < 0)
         return -1;
     if (((Accounting *)acc)->ordered || ((Accounting *)acc)->allocate == NULL
         || ((Accounting *)acc)->allocate == Py_None) {
@@ -1666,6 +1719,13 @@ PoolDirect_init(PoolDirect *self, PyObject *args, PyObject *kwds)
     Py_XSETREF(self->failed, failed);
     Py_XSETREF(self->recorded_freed, recorded_freed);
     Py_XSETREF(self->generations, generations);
+    if (guard != Py_None) {
+        Py_XSETREF(self->guard, Py_NewRef(guard));
+        Py_XSETREF(self->guard_pending, Py_NewRef(guard_pending));
+    }
+    self->stream_fn = stream_fn;
+    self->last_h = -1;
+    self->last_hd = -1;
     self->vectorcall = PoolDirect_vectorcall;
     return 0;
 }
@@ -1680,6 +1740,8 @@ PoolDirect_traverse(PoolDirect *self, visitproc visit, void *arg)
     Py_VISIT(self->recorded_freed);
     Py_VISIT(self->generations);
     Py_VISIT(self->held);
+    Py_VISIT(self->guard);
+    Py_VISIT(self->guard_pending);
     return 0;
 }
 
@@ -1694,6 +1756,8 @@ PoolDirect_clear(PoolDirect *self)
     Py_CLEAR(self->generations);
     Py_CLEAR(self->held);
     Py_CLEAR(self->zero_obj);
+    Py_CLEAR(self->guard);
+    Py_CLEAR(self->guard_pending);
     return 0;
 }
 
@@ -1895,7 +1959,8 @@ static PyMemberDef PoolDirect_members[] = {
 static PyTypeObject PoolDirectType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "cupy_memstrat._hotpath.PoolDirect",
-    .tp_doc = PyDoc_STR("PoolDirect(accounting, pool_malloc, oom, failed, recorded_freed, held): malloc(size) -> "
+    .tp_doc = PyDoc_STR("PoolDirect(accounting, pool_malloc, oom, failed, recorded_freed, held[, guard, "
+                        "guard_pending, capsule]): malloc(size) -> "
                         "CuPy's pool's MemoryPointer, accounted (see csrc/hotpath.c)."),
     .tp_basicsize = sizeof(PoolDirect),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,

@@ -21,6 +21,7 @@ from .._userwarn import warn_at_user
 from ..options import Option
 from ..stats import Stats
 from .base import Strategy
+from .stream_guard import DeadStreamGuard
 
 __all__ = ["CuPyPoolStrategy", "route_status"]
 
@@ -79,6 +80,16 @@ class CuPyPoolStrategy(Strategy):
 
     :meth:`trim` calls the pool's ``free_all_blocks()``.
 
+    Dead streams: CuPy's pool finds a stream's free blocks by the stream's
+    handle, and CUDA gives a destroyed stream's handle to the next new stream
+    while the destroyed one's kernels may still run, so under CuPy's pool
+    alone that stream can get a block they still write (measured on an H200,
+    docs/streams.md). This strategy watches the streams it allocates on
+    (:attr:`guard`, a
+    :class:`~cupy_memstrat.strategies.stream_guard.DeadStreamGuard`): after
+    one dies, the next allocation waits for the device first
+    (``cudaDeviceSynchronize``), once per destroyed stream that allocated.
+
     With a backend other than CUDA (``cupy_memstrat.testing.FakeBackend``)
     there is no CuPy pool: it allocates with the backend's ``malloc`` / ``free``
     and caches nothing (``bytes_reserved`` equals ``bytes_in_use``).
@@ -125,10 +136,23 @@ class CuPyPoolStrategy(Strategy):
         self._reserved_lock = threading.Lock()
         self._direct = None  # route="direct": the extension's PoolDirect, once CuPy's allocator is made
         self._held: dict = {}  # route="direct": ptr -> CuPy's memory object of a record_stream'd block
+        #: CuPy's pool finds a stream's free blocks by the stream's handle, which CUDA gives a new
+        #: stream while a destroyed one's kernels may still run: after a stream that allocated
+        #: dies, the next allocation waits for the device (docs/streams.md)
+        self.guard = DeadStreamGuard(self.backend, n)
+        current_stream, get_device, before = self.backend.current_stream, self.backend.get_device, \
+            self.guard.before_allocation
         if not isinstance(self.backend, _cuda.RealBackend):
             self._pool = None
             self.reserved_is_in_use = True  # nothing cached: the backend's malloc/free
-            self._allocate = self.backend.malloc
+            fake_malloc = self.backend.malloc
+
+            def allocate_fake(size):
+                d = get_device()
+                before(current_stream(d), d)
+                return fake_malloc(size)
+
+            self._allocate = allocate_fake
             self._deallocate = self.backend.free
             return
         import cupy
@@ -143,6 +167,8 @@ class CuPyPoolStrategy(Strategy):
         pool_malloc, Error, status = pool.malloc, self._Error, _cuda.ERROR_MEMORY_ALLOCATION
 
         def allocate(size):
+            d = get_device()
+            before(current_stream(d), d)  # before CuPy's pool hands out a block cached under a dead handle
             try:
                 mp = pool_malloc(size)
             except OutOfMemoryError:  # the pool already freed its cache and retried
@@ -174,12 +200,23 @@ class CuPyPoolStrategy(Strategy):
         if (self.config["route"] != "direct" or self._pool is None or self.hot_path != "c" or acc is None
                 or not _pooled_memory_takes_attributes()):
             return super()._cupy_route(malloc, free)
-        hotpath = importlib.import_module("cupy_memstrat._hotpath")  # built: the C hot path runs
-        direct = hotpath.PoolDirect(acc, self._pool.malloc, self._OutOfMemoryError, self._direct_failed,
-                                    self._recorded_freed, self._held)
+        direct = self._pool_direct(acc, self._pool.malloc, self._OutOfMemoryError)
         self._gc_safe = True  # CuPy's PooledMemory is not tracked by the garbage collector
         self._direct = direct
         return direct, acc
+
+    def _pool_direct(self, acc, pool_malloc, oom):
+        """The extension's ``PoolDirect`` over ``pool_malloc`` (CuPy's pool's
+        ``malloc``; ``oom`` its out-of-memory error) and this strategy's
+        tables (``acc``), behind its dead-stream guard."""
+        hotpath = importlib.import_module("cupy_memstrat._hotpath")  # built: the C hot path runs
+        current_stream, before = self.backend.current_stream, self.guard.before_allocation
+
+        def guard(device):  # PoolDirect calls it when the current stream changed or a watched one died
+            before(current_stream(device), device)
+
+        return hotpath.PoolDirect(acc, pool_malloc, oom, self._direct_failed, self._recorded_freed, self._held,
+                                  guard, self.guard.pending, self.backend.current_stream_ptr_capsule())
 
     def _hold_recorded(self, mem) -> None:
         """route="direct": :func:`cupy_memstrat.record_stream` recorded a

@@ -1,5 +1,5 @@
 """Ordering for caches keyed by a stream's handle (RMM's pool resources,
-PyTorch's caching allocator), when CuPy destroys a stream.
+PyTorch's caching allocator, CuPy's own pool), when CuPy destroys a stream.
 
 Such a cache gives a block freed on stream handle ``H`` back to the next
 allocation on ``H`` at once, with no event: the stream is taken to be the
