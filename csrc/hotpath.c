@@ -1400,7 +1400,7 @@ static PyTypeObject AccountingType = {
 };
 
 /* PoolDirect(accounting, pool_malloc, oom, failed, recorded_freed, held[, guard,
- * guard_pending, capsule]): the pool
+ * guard_deaths, guard_synced, capsule]): the pool
  * strategy's route=direct, CuPy's allocator callable without a memory object of
  * ours. malloc(size) returns the MemoryPointer of CuPy's pool itself (pool_malloc:
  * MemoryPool.malloc), as CuPy's default allocator does, and accounts its block
@@ -1438,8 +1438,8 @@ static PyTypeObject AccountingType = {
  * pool has the block back.
  *
  * guard(device), if given, is the strategy's dead-stream guard (see
- * direct_guard), guard_pending its per-device flags, capsule CuPy's
- * get_stream_ptr (without it the guard runs at every malloc). */
+ * direct_guard), guard_deaths and guard_synced its per-device counts, capsule
+ * CuPy's get_stream_ptr (without it the guard runs at every malloc). */
 typedef struct {
     PyObject_HEAD
     Accounting *acc;
@@ -1451,11 +1451,14 @@ typedef struct {
     PyObject *held;            /* dict ptr -> memory object kept for record_stream (see above) */
     PyObject *zero_obj;
     long long generation;      /* of the last block handed out */
-    PyObject *guard;           /* guard(device): the dead-stream guard's slow path, or NULL */
-    PyObject *guard_pending;   /* the guard's list (device) of flags: a watched stream died */
-    intptr_t (*stream_fn)(int); /* CuPy's get_stream_ptr, or NULL: the guard runs at every malloc */
-    intptr_t last_h;           /* the stream the guard last watched, and its device */
-    Py_ssize_t last_hd;
+    PyObject *guard;           /* guard(device) -> bool: the dead-stream guard's slow path, or NULL */
+    PyObject *guard_deaths;    /* the guard's lists (device) of ints: watched streams that died, */
+    PyObject *guard_synced;    /* and how many of those deaths a wait covered */
+    PyObject *capsule;         /* CuPy's get_stream_ptr, kept while stream_fn is used, or NULL */
+    intptr_t (*stream_fn)(int); /* its C function, or NULL: the guard runs at every malloc */
+    intptr_t last_h;           /* the stream the guard last said it watches (-1: none), its device, */
+    Py_ssize_t last_hd;        /* and the deaths counted on that device before that call */
+    long long last_epoch;
     vectorcallfunc vectorcall;
 } PoolDirect;
 
@@ -1539,35 +1542,60 @@ static PyTypeObject PoolTokenType = {
     .tp_repr = (reprfunc)PoolToken_repr,
 };
 
+/* deaths[d] or synced[d] of the dead-stream guard; -1 with an error set if the
+ * list is not the guard's any more. */
+static long long
+guard_count(PyObject *list, Py_ssize_t d)
+{
+    if (!PyList_CheckExact(list) || d >= PyList_GET_SIZE(list) || !PyLong_CheckExact(PyList_GET_ITEM(list, d))) {
+        PyErr_SetString(PyExc_RuntimeError, "cupy_memstrat: the dead-stream guard's counts are not a list of ints");
+        return -1;
+    }
+    return PyLong_AsLongLong(PyList_GET_ITEM(list, d));
+}
+
 /* The dead-stream guard (strategies/stream_guard.py) for a block just taken on
  * device d, before CuPy gets it: guard(device) waits for the device if a stream
- * the guard watches died since, and watches the current stream. CuPy's pool finds
- * a stream's free blocks by the stream's handle, which CUDA gives a new stream
- * while the destroyed one's kernels may still run (docs/streams.md): after the
- * wait, those kernels are done before the block is used. The call is skipped
- * while the current stream is the one last watched (or a built-in one, never
- * destroyed) and no watched stream died: a program on one stream pays one C call
- * per malloc. */
+ * the guard watches died since (deaths[d] != synced[d]), and watches the current
+ * stream. CuPy's pool finds a stream's free blocks by the stream's handle, which
+ * CUDA gives a new stream while the destroyed one's kernels may still run
+ * (docs/streams.md): after the wait, those kernels are done before the block is
+ * used. The call is skipped only while no watched stream's death is uncovered and
+ * the current stream is a built-in one (never destroyed) or the one the guard
+ * last said it watches, with no death on that device since (a death there may
+ * have been that stream's, its handle now another's): a program on one stream
+ * pays one C call per malloc. */
 static int
 direct_guard(PoolDirect *self, Py_ssize_t d, PyObject *device)
 {
-    PyObject *pending = self->guard_pending;
-    int died = PyList_CheckExact(pending) && d < PyList_GET_SIZE(pending)
-               && PyList_GET_ITEM(pending, d) != Py_False;
+    long long deaths = guard_count(self->guard_deaths, d);
+    if (deaths == -1 && PyErr_Occurred())
+        return -1;
+    long long synced = guard_count(self->guard_synced, d);
+    if (synced == -1 && PyErr_Occurred())
+        return -1;
     intptr_t h = -1;
     if (self->stream_fn != NULL) {
         h = self->stream_fn((int)d);
         if (h == -1 && PyErr_Occurred())
             return -1;
     }
-    if (!died && h >= 0 && (h <= 2 || (h == self->last_h && d == self->last_hd)))
+    if (deaths == synced && h >= 0
+        && (h <= 2 || (h == self->last_h && d == self->last_hd && deaths == self->last_epoch)))
         return 0;
+    self->last_h = -1;  /* until the guard says it watches this stream */
     PyObject *r = PyObject_CallOneArg(self->guard, device);
     if (r == NULL)
         return -1;
+    int watched = PyObject_IsTrue(r);
     Py_DECREF(r);
-    self->last_h = h;
-    self->last_hd = d;
+    if (watched < 0)
+        return -1;
+    if (watched && h > 2) {
+        self->last_h = h;
+        self->last_hd = d;
+        self->last_epoch = deaths;  /* read before the call: a death during it makes the next malloc ask */
+    }
     return 0;
 }
 
@@ -1671,13 +1699,14 @@ static int
 PoolDirect_init(PoolDirect *self, PyObject *args, PyObject *kwds)
 {
     PyObject *acc, *pool_malloc, *oom, *failed, *recorded_freed, *held;
-    PyObject *guard = Py_None, *guard_pending = Py_None, *capsule = Py_None;
-    if (!PyArg_ParseTuple(args, "O!OOOOO!|OOO:PoolDirect", &AccountingType, &acc, &pool_malloc, &oom, &failed,
-                          &recorded_freed, &PyDict_Type, &held, &guard, &guard_pending, &capsule))
+    PyObject *guard = Py_None, *guard_deaths = Py_None, *guard_synced = Py_None, *capsule = Py_None;
+    if (!PyArg_ParseTuple(args, "O!OOOOO!|OOOO:PoolDirect", &AccountingType, &acc, &pool_malloc, &oom, &failed,
+                          &recorded_freed, &PyDict_Type, &held, &guard, &guard_deaths, &guard_synced, &capsule))
         return -1;
-    if (guard != Py_None && (!PyCallable_Check(guard) || !PyList_CheckExact(guard_pending))) {
-        PyErr_Format(PyExc_TypeError, "PoolDirect: expected guard(device) and the guard's list of flags, got %R, %R",
-                     guard, guard_pending);
+    if (guard != Py_None && (!PyCallable_Check(guard) || !PyList_CheckExact(guard_deaths)
+                             || !PyList_CheckExact(guard_synced))) {
+        PyErr_Format(PyExc_TypeError, "PoolDirect: expected guard(device) and the guard's lists of deaths and "
+                     "waits, got %R, %R, %R", guard, guard_deaths, guard_synced);
         return -1;
     }
     intptr_t (*stream_fn)(int) = NULL;
@@ -1721,11 +1750,15 @@ PoolDirect_init(PoolDirect *self, PyObject *args, PyObject *kwds)
     Py_XSETREF(self->generations, generations);
     if (guard != Py_None) {
         Py_XSETREF(self->guard, Py_NewRef(guard));
-        Py_XSETREF(self->guard_pending, Py_NewRef(guard_pending));
+        Py_XSETREF(self->guard_deaths, Py_NewRef(guard_deaths));
+        Py_XSETREF(self->guard_synced, Py_NewRef(guard_synced));
     }
+    if (stream_fn != NULL)
+        Py_XSETREF(self->capsule, Py_NewRef(capsule));  /* its function must outlive this route */
     self->stream_fn = stream_fn;
     self->last_h = -1;
     self->last_hd = -1;
+    self->last_epoch = -1;
     self->vectorcall = PoolDirect_vectorcall;
     return 0;
 }
@@ -1741,7 +1774,9 @@ PoolDirect_traverse(PoolDirect *self, visitproc visit, void *arg)
     Py_VISIT(self->generations);
     Py_VISIT(self->held);
     Py_VISIT(self->guard);
-    Py_VISIT(self->guard_pending);
+    Py_VISIT(self->guard_deaths);
+    Py_VISIT(self->guard_synced);
+    Py_VISIT(self->capsule);
     return 0;
 }
 
@@ -1757,7 +1792,10 @@ PoolDirect_clear(PoolDirect *self)
     Py_CLEAR(self->held);
     Py_CLEAR(self->zero_obj);
     Py_CLEAR(self->guard);
-    Py_CLEAR(self->guard_pending);
+    Py_CLEAR(self->guard_deaths);
+    Py_CLEAR(self->guard_synced);
+    Py_CLEAR(self->capsule);
+    self->stream_fn = NULL;
     return 0;
 }
 
@@ -1960,7 +1998,7 @@ static PyTypeObject PoolDirectType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "cupy_memstrat._hotpath.PoolDirect",
     .tp_doc = PyDoc_STR("PoolDirect(accounting, pool_malloc, oom, failed, recorded_freed, held[, guard, "
-                        "guard_pending, capsule]): malloc(size) -> "
+                        "guard_deaths, guard_synced, capsule]): malloc(size) -> "
                         "CuPy's pool's MemoryPointer, accounted (see csrc/hotpath.c)."),
     .tp_basicsize = sizeof(PoolDirect),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,

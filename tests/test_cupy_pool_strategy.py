@@ -718,7 +718,7 @@ def test_route_direct_waits_for_a_dead_streams_work_before_cupy_gets_its_block(m
     del B  # a watched stream died: the next malloc waits, whatever the stream
     d(4096)
     assert s.guard.n_syncs == [2]
-    del keep
+    s._keep_stream_fn = keep  # the C callback stays alive while the route may still be called
 
     # the control: no guard
     fake2 = FakeBackend()
@@ -734,7 +734,162 @@ def test_route_direct_waits_for_a_dead_streams_work_before_cupy_gets_its_block(m
 def test_route_direct_refuses_a_guard_without_its_flags_and_a_bad_capsule():
     s, _d, pool = _direct_strategy(FakeBackend())
     args = (s._malloc.__self__, pool.malloc, _PoolOOM, s._direct_failed, s._recorded_freed, s._held)
-    with pytest.raises(TypeError, match="expected guard\\(device\\) and the guard's list of flags"):
-        base._c_hotpath.PoolDirect(*args, lambda device: None, None)
+    with pytest.raises(TypeError, match="expected guard\\(device\\) and the guard's lists of deaths and waits"):
+        base._c_hotpath.PoolDirect(*args, lambda device: None, None, [0])
     with pytest.raises(TypeError, match="capsule must hold a C function intptr_t \\(int\\)"):
-        base._c_hotpath.PoolDirect(*args, lambda device: None, [False], object())
+        base._c_hotpath.PoolDirect(*args, lambda device: None, [0], [0], object())
+
+
+# From the adversarial review of the guard: each failed before the fix.
+
+def _direct_with_capsule(monkeypatch):
+    """The direct route with a stream function, as CuPy's get_stream_ptr: the C check caches."""
+    fake = FakeBackend()
+    capsule, keep = _capsule_of(lambda device: fake.current_stream_ptr(device))
+    monkeypatch.setattr(fake, "current_stream_ptr_capsule", lambda: capsule)
+    s, d, pool = _direct_strategy(fake)
+    s._keep_stream_fn = keep
+    return fake, s, d
+
+
+def _dies_with_its_kernel_running(fake, alloc, stream):
+    """``stream`` allocates, runs a long kernel on that block, frees it and dies."""
+    import gc
+
+    held = []
+    with stream:
+        held.append(alloc(MiB))
+    fake.launch(stream)
+    with stream:
+        held.clear()
+    del stream
+    gc.collect()
+
+
+@needs_c
+def test_route_direct_watches_a_new_stream_on_a_cached_handle_when_the_wait_came_from_elsewhere(monkeypatch):
+    """A allocates through the route (its handle cached), dies; a raw_malloc (the same guard)
+    waits; B gets A's handle and allocates: B must be watched, or C (the handle again) gets
+    B's block while B's kernel runs."""
+    import gc
+
+    fake, s, d = _direct_with_capsule(monkeypatch)
+    A = fake.stream(non_blocking=True)
+    with A:
+        m = d(MiB)
+    h = A.ptr
+    del m, A
+    gc.collect()
+    s.raw_free(s.raw_malloc(MiB))  # on the null stream: waits, covers A's death
+    assert s.guard.pending == [False]
+    B = fake.stream(non_blocking=True)
+    assert B.ptr == h
+    _dies_with_its_kernel_running(fake, d, B)
+    del B
+    C = fake.stream(non_blocking=True)
+    assert C.ptr == h and fake.busy_destroyed_streams() == 1
+    with C:
+        d(MiB)
+    assert fake.busy_destroyed_streams() == 0
+
+
+@needs_c
+def test_route_direct_does_not_cache_a_wrapper_of_a_stream_owned_elsewhere(monkeypatch):
+    """An ExternalStream wrapper is not watched (its owner destroys the handle): the route must
+    not take its handle for a watched one when an owned stream gets it later."""
+    import gc
+
+    fake, s, d = _direct_with_capsule(monkeypatch)
+    owner = fake.stream(non_blocking=True)
+    ext = fake.external_stream(owner)
+    with ext:
+        m = d(MiB)
+    h = owner.ptr
+    del m, ext, owner
+    gc.collect()
+    B = fake.stream(non_blocking=True)
+    assert B.ptr == h
+    _dies_with_its_kernel_running(fake, d, B)
+    del B
+    C = fake.stream(non_blocking=True)
+    assert C.ptr == h and fake.busy_destroyed_streams() == 1
+    with C:
+        d(MiB)
+    assert fake.busy_destroyed_streams() == 0
+
+
+@needs_c
+@pytest.mark.parametrize("route", ["direct", "wrap"])
+def test_a_wait_that_raises_is_made_again_at_the_next_allocation(monkeypatch, route):
+    import gc
+
+    fake, s, d = _direct_with_capsule(monkeypatch)
+    alloc = d if route == "direct" else s.raw_malloc
+    A = fake.stream(non_blocking=True)
+    h = A.ptr
+    _dies_with_its_kernel_running(fake, alloc, A)
+    del A
+    gc.collect()
+    B = fake.stream(non_blocking=True)
+    assert B.ptr == h
+    real = fake.device_synchronize
+
+    def interrupted(device):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(fake, "device_synchronize", interrupted)
+    with B, pytest.raises(RuntimeError, match="interrupted"):
+        alloc(MiB)
+    assert fake.busy_destroyed_streams() == 1 and s.guard.pending == [True]
+    monkeypatch.setattr(fake, "device_synchronize", real)
+    with B:
+        alloc(MiB)
+    assert fake.busy_destroyed_streams() == 0
+
+
+@needs_c
+@pytest.mark.parametrize("route", ["direct", "wrap"])
+def test_an_allocation_while_another_waits_for_the_device_waits_too(monkeypatch, route):
+    """CuPy releases the GIL in cudaDeviceSynchronize: another thread allocating meanwhile must
+    not find the death covered before the wait has returned (simulated: the allocation runs from
+    inside the first one's wait)."""
+    import gc
+
+    fake, s, d = _direct_with_capsule(monkeypatch)
+    alloc = d if route == "direct" else s.raw_malloc
+    A = fake.stream(non_blocking=True)
+    h = A.ptr
+    _dies_with_its_kernel_running(fake, alloc, A)
+    del A
+    gc.collect()
+    B = fake.stream(non_blocking=True)
+    assert B.ptr == h
+    real, seen = fake.device_synchronize, []
+
+    def wait(device):
+        if not seen:  # the other thread, on B, while this wait has not returned yet
+            seen.append(None)
+            with B:
+                keep = alloc(MiB)
+            seen.append(fake.busy_destroyed_streams())
+            del keep
+        real(device)
+
+    monkeypatch.setattr(fake, "device_synchronize", wait)
+    alloc(MiB)  # on the null stream: the first wait
+    assert seen == [None, 0]
+
+
+def test_pool_strategies_over_one_pool_share_one_guard():
+    """use("pool") and using("pool") make a new strategy each time over CuPy's one pool (here,
+    one fake backend): a stream watched by the first is still watched by the next."""
+    fake = FakeBackend()
+    s1 = cupy_memstrat.create("pool", backend=fake)
+    s2 = cupy_memstrat.create("pool:route=wrap", backend=fake)
+    assert s1.guard is s2.guard
+    assert cupy_memstrat.create("pool", backend=FakeBackend()).guard is not s1.guard
+    busy, B = _a_stream_dies_while_its_kernel_runs(fake, lambda: s1.raw_malloc(MiB), s1.raw_free)
+    assert busy == 0
+    del B
+    s2.raw_free(s2.raw_malloc(MiB))  # B died, watched through s1: s2's allocation waits
+    assert s2.guard.n_syncs == [2]

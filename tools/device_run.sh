@@ -75,6 +75,9 @@
 #   tools/device_run.sh call14            bench alloc, async and managed in one run (issue 18), the
 #                                         pool_direct_cost and hot_path_floor probes, then tests/gpu
 #                                         (call14_json.tgz)
+#   tools/device_run.sh call15            (carry .whl, .cupy_tests) tests/gpu, bench alloc, async and
+#                                         managed in one run, then the plugin's cost on CuPy's subset
+#                                         (two rotated rounds of plain and --gpumem) (call15_json.tgz)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -371,6 +374,30 @@ if [ "$part" = call14 ]; then
   step tests/gpu
   timeout 420 python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$J/tests_gpu.xml"
   tar -czf "$OUT/call14_json.tgz" -C /tmp call14_json
+fi
+
+if [ "$part" = call15 ]; then
+  # the final code (pool's dead-stream guard): tests/gpu in full first, then bench alloc, async and
+  # managed side by side in one run (issue 18), then the plugin's cost on CuPy's subset again
+  J=/tmp/call15_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"
+  python3 -m cupy_memstrat info | tail -6
+  step tests/gpu
+  timeout 380 python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$J/tests_gpu.xml"
+  tar -czf "$OUT/call15_json.tgz" -C /tmp call15_json
+  BENCH_DIR=$J benches alloc async managed
+  tar -czf "$OUT/call15_json.tgz" -C /tmp call15_json
+  if [ -d .cupy_tests/tests ]; then
+    R=$J/plugin; mkdir -p $R
+    step "plugin cost: warm-up, then plain and --gpumem in two rotated rounds"
+    run_subset $R warmup
+    for mode in plain measure measure plain; do
+      n=$(ls $R/${mode}_*.xml 2>/dev/null | wc -l)
+      if [ $mode = plain ]; then run_subset $R plain_$((n + 1)); \
+      else run_subset $R measure_$((n + 1)) --gpumem --gpumem-budget=64GiB --gpumem-leaks=fail; fi
+    done
+  fi
+  tar -czf "$OUT/call15_json.tgz" -C /tmp call15_json
 fi
 
 if [ "$part" = call4 ]; then

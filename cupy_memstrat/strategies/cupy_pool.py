@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import weakref
 from dataclasses import replace
 
 from .. import cuda as _cuda
@@ -40,6 +41,27 @@ def _pooled_memory_takes_attributes() -> bool:
     from cupy.cuda import memory
 
     return getattr(getattr(memory, "PooledMemory", None), "__dictoffset__", 0) != 0
+
+
+_guards: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # CuPy pool or fake backend -> its guard
+_strong_guards: dict = {}  # id(key) -> (key, guard), for a key without weak references
+_guards_lock = threading.Lock()
+
+
+def _shared_guard(key, backend, n_devices: int) -> DeadStreamGuard:
+    """The dead-stream guard of CuPy pool (or fake backend) ``key``, made on first use."""
+    with _guards_lock:
+        try:
+            g = _guards.get(key)
+        except TypeError:
+            g = _strong_guards.get(id(key), (None, None))[1]
+        if g is None:
+            g = DeadStreamGuard(backend, n_devices)
+            try:
+                _guards[key] = g
+            except TypeError:
+                _strong_guards[id(key)] = (key, g)  # kept with its key: the id stays its own
+        return g
 
 
 def route_status(hot_path: str) -> dict:
@@ -136,29 +158,35 @@ class CuPyPoolStrategy(Strategy):
         self._reserved_lock = threading.Lock()
         self._direct = None  # route="direct": the extension's PoolDirect, once CuPy's allocator is made
         self._held: dict = {}  # route="direct": ptr -> CuPy's memory object of a record_stream'd block
+        real = isinstance(self.backend, _cuda.RealBackend)
+        if real:
+            import cupy
+
+            pool = cupy.get_default_memory_pool()
         #: CuPy's pool finds a stream's free blocks by the stream's handle, which CUDA gives a new
         #: stream while a destroyed one's kernels may still run: after a stream that allocated
-        #: dies, the next allocation waits for the device (docs/streams.md)
-        self.guard = DeadStreamGuard(self.backend, n)
+        #: dies, the next allocation waits for the device (docs/streams.md). One guard for every
+        #: pool strategy over the same CuPy pool (over the same fake backend), since they share it.
+        self.guard = _shared_guard(pool if real else self.backend, self.backend, n)
         current_stream, get_device, before = self.backend.current_stream, self.backend.get_device, \
             self.guard.before_allocation
-        if not isinstance(self.backend, _cuda.RealBackend):
+
+        def guarded(take):  # each route's allocation, behind the guard
+            def allocate(size):
+                d = get_device()
+                before(current_stream(d), d)  # before CuPy's pool hands out a block cached under a dead handle
+                return take(size)
+
+            return allocate
+
+        if not real:
             self._pool = None
             self.reserved_is_in_use = True  # nothing cached: the backend's malloc/free
-            fake_malloc = self.backend.malloc
-
-            def allocate_fake(size):
-                d = get_device()
-                before(current_stream(d), d)
-                return fake_malloc(size)
-
-            self._allocate = allocate_fake
+            self._allocate = guarded(self.backend.malloc)
             self._deallocate = self.backend.free
             return
-        import cupy
         from cupy.cuda.memory import OutOfMemoryError
 
-        pool = cupy.get_default_memory_pool()
         self._pool = pool
         self._OutOfMemoryError = OutOfMemoryError
         self._Device = cupy.cuda.Device
@@ -166,9 +194,7 @@ class CuPyPoolStrategy(Strategy):
         self._blocks = blocks
         pool_malloc, Error, status = pool.malloc, self._Error, _cuda.ERROR_MEMORY_ALLOCATION
 
-        def allocate(size):
-            d = get_device()
-            before(current_stream(d), d)  # before CuPy's pool hands out a block cached under a dead handle
+        def take(size):
             try:
                 mp = pool_malloc(size)
             except OutOfMemoryError:  # the pool already freed its cache and retried
@@ -177,7 +203,7 @@ class CuPyPoolStrategy(Strategy):
             blocks[ptr] = mp
             return ptr
 
-        self._allocate = allocate
+        self._allocate = guarded(take)
         self._deallocate = blocks.pop  # dropping the MemoryPointer returns the block to the pool
 
     @property
@@ -213,10 +239,11 @@ class CuPyPoolStrategy(Strategy):
         current_stream, before = self.backend.current_stream, self.guard.before_allocation
 
         def guard(device):  # PoolDirect calls it when the current stream changed or a watched one died
-            before(current_stream(device), device)
+            return before(current_stream(device), device)
 
         return hotpath.PoolDirect(acc, pool_malloc, oom, self._direct_failed, self._recorded_freed, self._held,
-                                  guard, self.guard.pending, self.backend.current_stream_ptr_capsule())
+                                  guard, self.guard.deaths, self.guard.synced,
+                                  self.backend.current_stream_ptr_capsule())
 
     def _hold_recorded(self, mem) -> None:
         """route="direct": :func:`cupy_memstrat.record_stream` recorded a

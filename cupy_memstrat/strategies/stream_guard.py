@@ -36,44 +36,65 @@ class DeadStreamGuard:
             ``stream_owns_handle(stream)``).
         n_devices: devices to track.
 
-    The weak reference's callback only sets a flag (it runs in the stream's
-    deallocation, possibly inside the garbage collector): the synchronisation
-    itself happens in :meth:`before_allocation`, on the allocating thread.
+    The weak reference's callback only counts the death (it runs in the
+    stream's deallocation, possibly inside the garbage collector): the
+    synchronisation itself happens in :meth:`before_allocation`, on the
+    allocating thread. Deaths are counted (:attr:`deaths`) and a wait
+    records the count it covered (:attr:`synced`) once it has returned, so
+    a wait that raises is made again, and another thread that allocates
+    while one waits (CuPy releases the GIL there) waits too.
+
+    Not seen: the death of a stream CuPy does not own (an ``ExternalStream``
+    or ``Stream.from_external`` wrapper: its owner destroys the handle), and
+    of a stream that allocated before the guard watched it (under CuPy's
+    pool alone, before a strategy was installed).
     """
 
     def __init__(self, backend, n_devices: int):
         self._backend = backend
         self._watched: list[dict[int, weakref.ref]] = [{} for _ in range(n_devices)]
-        self.pending = [False] * n_devices
+        #: per device: watched streams that died, and how many of those deaths a wait covered
+        self.deaths = [0] * n_devices
+        self.synced = [0] * n_devices
         #: synchronisations made because a watched stream died (per device)
         self.n_syncs = [0] * n_devices
 
-    def before_allocation(self, stream, device: int) -> None:
+    @property
+    def pending(self) -> list[bool]:
+        """Per device: whether a watched stream died that no wait has covered yet."""
+        return [d != s for d, s in zip(self.deaths, self.synced)]
+
+    def before_allocation(self, stream, device: int) -> bool:
         """Call before each allocation on ``device`` with CuPy's current
         stream object there. Waits for the device if a watched stream of it
-        died since; starts watching ``stream``."""
-        if self.pending[device]:
-            self.pending[device] = False
-            self._backend.device_synchronize(device)
+        died since; starts watching ``stream``. Returns whether the guard
+        will see ``stream``'s death (watched, or a default stream, which is
+        never destroyed): False for a wrapper of a stream owned elsewhere."""
+        target = self.deaths[device]
+        if target != self.synced[device]:
+            self._backend.device_synchronize(device)  # if it raises, the next allocation waits again
+            if self.synced[device] < target:
+                self.synced[device] = target
             self.n_syncs[device] += 1
         key = getattr(stream, "ptr", 0)
         if key in _BUILTIN_HANDLES:
-            return
+            return True
         watched = self._watched[device]
         r = watched.get(key)
         if r is not None and r() is stream:
-            return
+            return True
         owns = getattr(self._backend, "stream_owns_handle", None)
         if owns is not None and not owns(stream):
-            return  # a wrapper of a stream someone else owns: its death destroys nothing
-        pending = self.pending
+            return False  # a wrapper of a stream someone else owns: its death destroys nothing
+        deaths = self.deaths
 
         def gone(ref, device=device, key=key):
             if watched.get(key) is ref:
                 del watched[key]
-            pending[device] = True
+            deaths[device] += 1
 
         try:
             watched[key] = weakref.ref(stream, gone)
         except TypeError:  # a stream type without weak references
-            pass
+            return False
+        return True
