@@ -71,6 +71,8 @@ def test_dead_stream_under_cupys_own_pool_only_with_its_handle(cp, kern):
     _run(cp, "cupy-default", lambda: S.dead_stream(cp, kern, rounds=8, per_round=rounds))
     print(f"CuPy's pool: (handle reused, wrong elements) per round: {rounds}")
     assert len(rounds) == 8
+    if all(reused for reused, _wrong in rounds):
+        pytest.skip(f"CUDA gave B A's handle in every round: nothing to check ({rounds})")
     assert all(wrong == 0 for reused, wrong in rounds if not reused), rounds
 
 
