@@ -76,8 +76,9 @@
 #                                         pool_direct_cost and hot_path_floor probes, then tests/gpu
 #                                         (call14_json.tgz)
 #   tools/device_run.sh call15            (carry .whl, .cupy_tests) tests/gpu, bench alloc, async and
-#                                         managed in one run, then the plugin's cost on CuPy's subset
-#                                         (two rotated rounds of plain and --gpumem) (call15_json.tgz)
+#                                         managed in one run (CALL15_BENCHES=alloc: alloc alone), then
+#                                         the plugin's cost on CuPy's subset (two rotated rounds of
+#                                         plain and --gpumem; without .cupy_tests, none) (call15_json.tgz)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -385,7 +386,7 @@ if [ "$part" = call15 ]; then
   step tests/gpu
   timeout 380 python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$J/tests_gpu.xml"
   tar -czf "$OUT/call15_json.tgz" -C /tmp call15_json
-  BENCH_DIR=$J benches alloc async managed
+  BENCH_DIR=$J benches ${CALL15_BENCHES:-alloc async managed}
   tar -czf "$OUT/call15_json.tgz" -C /tmp call15_json
   if [ -d .cupy_tests/tests ]; then
     R=$J/plugin; mkdir -p $R
