@@ -100,7 +100,12 @@ def _cmd_bench(args) -> int:
         try:  # before the GPU is touched: a typo must not cost a run
             mod.check_args(**extra)
         except (TypeError, ValueError) as exc:
-            print(f"bench {group}: {exc}", file=sys.stderr)
+            text = str(exc)
+            for name, flag in (("min_sample_s: ", "--min-sample: "), ("strategies: ", "--strategies: "),
+                               ("only: ", "--only: ")):
+                if text.startswith(name):  # the option as the user typed it, not run()'s argument
+                    text = flag + text[len(name):]
+            print(f"bench {group}: {text}", file=sys.stderr)
             return 2
     say = None if args.quiet else mod.progress_printer()
     rounds = args.rounds if args.rounds is not None else _DEFAULT_ROUNDS.get(group, 7)
@@ -529,8 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
             g.add_argument("--only", metavar="NAME,NAME...", type=_name_list, default=None,
                            help="workloads to run (default: all): " + ", ".join(_workload_names()))
             g.add_argument("--min-sample", metavar="SECONDS", type=float, default=None, dest="min_sample_s",
-                           help="seconds a timed sample lasts at least; a short program runs several times "
-                                "in one sample (default 0.25)")
+                           help="seconds a timed sample lasts at least, 0 to 10; a short program runs several "
+                                "times in one sample (default 0.25)")
         g.set_defaults(func=_cmd_bench)
 
     pl = sub.add_parser("plot", help="draw a benchmark's JSON, or a memory timeline (needs matplotlib)")

@@ -125,6 +125,11 @@ def collect(backend=None) -> dict:
             report["page_fault_counters"] = faults.status()
         else:
             report["page_fault_counters"] = f"the {backend.name} backend's simulated counters (exact)"
+            hp = report["hot_path"]
+            if hp.get("hot_path"):  # what a pool made here takes: the simulated GPU has no CuPy pool
+                from .strategies.cupy_pool import route_status
+
+                hp["pool_route"] = route_status(hp["hot_path"], cuda=False)
     except (MemstratError, ValueError) as exc:  # ValueError: a bad CUPY_MEMSTRAT_BACKEND
         report["error"] = str(exc)
         from . import faults

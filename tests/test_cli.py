@@ -69,18 +69,20 @@ def test_info_says_which_hot_path_each_strategy_runs(monkeypatch):
 def test_info_says_which_route_pool_takes(monkeypatch):
     """pool's route falls back to wrap without the C hot path or CuPy's PooledMemory.__dict__:
     info says which one a pool made now takes, and why."""
+    import cupy_memstrat
     from cupy_memstrat.strategies import base, cupy_pool
 
     pytest.importorskip("cupy", reason="CuPy is not installed")
+    pr = collect(FakeBackend())["hot_path"]["pool_route"]  # a pool made on the simulated GPU
+    assert pr["route"] == "wrap" and "the simulated GPU has no CuPy pool" in pr["reason"]
+    assert cupy_memstrat.create("pool", backend=FakeBackend()).route == pr["route"]
     if base._c_hotpath is not None:
-        pr = collect(FakeBackend())["hot_path"]["pool_route"]
-        assert pr["route"] == "direct" and "own MemoryPointer" in pr["reason"]
-        assert "pool's route: direct" in format_report(collect(FakeBackend()))
+        assert cupy_pool.route_status("c") == {"route": "direct", "reason": "CuPy gets its pool's own MemoryPointer"}
     monkeypatch.setattr(cupy_pool, "_pooled_memory_takes_attributes", lambda: False)
     assert cupy_pool.route_status("c") == {
         "route": "wrap", "reason": "this CuPy's PooledMemory has no __dict__ for the direct route's token"}
     monkeypatch.setenv(base.HOT_PATH_ENV, "python")
-    assert collect(FakeBackend())["hot_path"]["pool_route"]["route"] == "wrap"
+    assert cupy_pool.route_status("python")["route"] == "wrap"
 
 
 @pytest.mark.skipif(_has_gpu(), reason="a GPU is present")
@@ -311,7 +313,9 @@ def test_bench_workloads_takes_strategies_workloads_and_sample_length(monkeypatc
     # refused before the run: nothing was measured
     for argv, message in ((["--only", "nbody"], "unknown workload 'nbody'"),
                           (["--strategies", "pool;nope"], "unknown strategy 'nope'"),
-                          (["--min-sample", "20"], "min_sample_s: expected seconds in [0, 10], got 20.0")):
+                          (["--min-sample", "20"], "bench workloads: --min-sample: expected seconds in [0, 10], "
+                                                   "got 20.0"),
+                          (["--strategies", "pool;pool"], "bench workloads: --strategies: each spec once")):
         n = len(seen)
         assert cli.main(["bench", "workloads", "--quiet", *argv]) == 2
         err = capsys.readouterr().err

@@ -64,12 +64,16 @@ def _shared_guard(key, backend, n_devices: int) -> DeadStreamGuard:
         return g
 
 
-def route_status(hot_path: str) -> dict:
-    """The route a ``pool`` strategy made now with the default ``route`` on a
-    CUDA device takes, for ``info``: ``{"route": "direct" | "wrap", "reason":
-    str}``, given which hot path new strategies get (``"c"`` or ``"python"``,
-    :func:`cupy_memstrat.hot_path_status`). On the fake backend it is always
-    ``"wrap"``. Never raises: no CuPy is a reason too."""
+def route_status(hot_path: str, cuda: bool = True) -> dict:
+    """The route a ``pool`` strategy made now with the default ``route``
+    takes, for ``info``: ``{"route": "direct" | "wrap", "reason": str}``,
+    given which hot path new strategies get (``"c"`` or ``"python"``,
+    :func:`cupy_memstrat.hot_path_status`) and whether the backend is CUDA
+    (``cuda=False``: the fake backend, which has no CuPy pool). Never raises:
+    no CuPy is a reason too."""
+    if not cuda:
+        return {"route": "wrap", "reason": "the simulated GPU has no CuPy pool (on a CUDA device: direct, "
+                                           "where CuPy's PooledMemory has a __dict__)"}
     if hot_path != "c":
         return {"route": "wrap", "reason": "the direct route needs the C hot path"}
     try:
@@ -78,7 +82,7 @@ def route_status(hot_path: str) -> dict:
         return {"route": "wrap", "reason": f"no CuPy ({exc})"}
     if not dict_ok:
         return {"route": "wrap", "reason": "this CuPy's PooledMemory has no __dict__ for the direct route's token"}
-    return {"route": "direct", "reason": "CuPy gets its pool's own MemoryPointer (the fake backend: wrap)"}
+    return {"route": "direct", "reason": "CuPy gets its pool's own MemoryPointer"}
 
 
 class CuPyPoolStrategy(Strategy):
