@@ -893,3 +893,93 @@ def test_pool_strategies_over_one_pool_share_one_guard():
     del B
     s2.raw_free(s2.raw_malloc(MiB))  # B died, watched through s1: s2's allocation waits
     assert s2.guard.n_syncs == [2]
+
+
+# From the second review of the guard: each failed before its fix.
+
+@needs_c
+@pytest.mark.parametrize("route", ["direct", "wrap"])
+def test_a_stream_made_between_cudastreamdestroy_and_the_weakref_callback(monkeypatch, route):
+    """CuPy destroys a stream's handle in Stream.__del__, before weak references are cleared:
+    a stream B made at that moment (another thread) gets the handle before the death is
+    counted. The wrap route counts it when B's allocation finds the handle watched for
+    another stream; the direct route's C check, which knows handles only, cannot tell B from
+    A in that window (documented: on a build with the GIL nothing runs there)."""
+    import gc
+
+    from cupy_memstrat.testing import FakeStream
+
+    fake, s, d = _direct_with_capsule(monkeypatch)
+    alloc = d if route == "direct" else s.raw_malloc
+    A = fake.stream(non_blocking=True)
+    h = A.ptr
+    held = []
+    with A:
+        held.append(alloc(MiB))
+        held.append(alloc(MiB))
+    fake.launch(A)
+    with A:
+        held.clear()
+    seen = []
+    orig = FakeStream.destroy
+
+    def destroy(self):
+        orig(self)
+        if self.ptr == h and not seen:  # in the window between the handle's destruction and the callback
+            B = fake.stream(non_blocking=True)
+            assert B.ptr == h
+            with B:
+                keep = s.raw_malloc(MiB)  # the wrap route's allocation (the Python guard)
+            seen.append(fake.busy_destroyed_streams())
+            s.raw_free(keep)
+            del B  # here, not with the patched function (its closure must not hold a stream)
+
+    monkeypatch.setattr(FakeStream, "destroy", destroy)
+    del A
+    gc.collect()
+    assert seen == [0]
+    gc.collect()
+    assert s.guard.deaths == [2]  # A's death once (its callback went with its entry), then B's
+    s.raw_free(s.raw_malloc(512))
+    assert s.guard.synced == [2]
+
+
+@pytest.mark.parametrize("name", ["torch", "rmm", "pool"])
+def test_strategies_over_one_process_wide_cache_share_their_guard(name):
+    """PyTorch's caching allocator and RMM's current resource are process-wide, like CuPy's
+    pool: a stream watched through one strategy dies; the next strategy (use() again, a
+    using() block) must not hand its block to a new stream on that handle."""
+    import gc
+
+    fake = FakeBackend()
+    s1 = cupy_memstrat.create(name, backend=fake)
+    A = fake.stream(non_blocking=True)
+    h = A.ptr
+    with A:
+        p = s1.raw_malloc(MiB)
+    fake.launch(A)
+    with A:
+        s1.raw_free(p)
+    s2 = cupy_memstrat.create(name, backend=fake)  # e.g. cupy_memstrat.use(name) again
+    assert s2.guard is s1.guard
+    del A
+    gc.collect()
+    B = fake.stream(non_blocking=True)
+    assert B.ptr == h and fake.busy_destroyed_streams() == 1
+    with B:
+        s2.raw_free(s2.raw_malloc(MiB))
+    assert fake.busy_destroyed_streams() == 0
+
+
+def test_a_simulated_backends_guards_go_with_it():
+    import gc
+    import weakref as _weakref
+
+    fake = FakeBackend()
+    s = cupy_memstrat.create("pool", backend=fake)
+    s.raw_free(s.raw_malloc(512))
+    s.close()
+    ref = _weakref.ref(fake)
+    del s, fake
+    gc.collect()
+    assert ref() is None

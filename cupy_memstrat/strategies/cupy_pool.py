@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import threading
-import weakref
 from dataclasses import replace
 
 from .. import cuda as _cuda
@@ -22,7 +21,7 @@ from .._userwarn import warn_at_user
 from ..options import Option
 from ..stats import Stats
 from .base import Strategy
-from .stream_guard import DeadStreamGuard
+from .stream_guard import shared_guard
 
 __all__ = ["CuPyPoolStrategy", "route_status"]
 
@@ -41,27 +40,6 @@ def _pooled_memory_takes_attributes() -> bool:
     from cupy.cuda import memory
 
     return getattr(getattr(memory, "PooledMemory", None), "__dictoffset__", 0) != 0
-
-
-_guards: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # CuPy pool or fake backend -> its guard
-_strong_guards: dict = {}  # id(key) -> (key, guard), for a key without weak references
-_guards_lock = threading.Lock()
-
-
-def _shared_guard(key, backend, n_devices: int) -> DeadStreamGuard:
-    """The dead-stream guard of CuPy pool (or fake backend) ``key``, made on first use."""
-    with _guards_lock:
-        try:
-            g = _guards.get(key)
-        except TypeError:
-            g = _strong_guards.get(id(key), (None, None))[1]
-        if g is None:
-            g = DeadStreamGuard(backend, n_devices)
-            try:
-                _guards[key] = g
-            except TypeError:
-                _strong_guards[id(key)] = (key, g)  # kept with its key: the id stays its own
-        return g
 
 
 def route_status(hot_path: str, cuda: bool = True) -> dict:
@@ -171,7 +149,7 @@ class CuPyPoolStrategy(Strategy):
         #: stream while a destroyed one's kernels may still run: after a stream that allocated
         #: dies, the next allocation waits for the device (docs/streams.md). One guard for every
         #: pool strategy over the same CuPy pool (over the same fake backend), since they share it.
-        self.guard = _shared_guard(pool if real else self.backend, self.backend, n)
+        self.guard = shared_guard(pool if real else "pool", self.backend, n)
         current_stream, get_device, before = self.backend.current_stream, self.backend.get_device, \
             self.guard.before_allocation
 

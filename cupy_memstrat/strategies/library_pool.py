@@ -9,7 +9,7 @@ from __future__ import annotations
 from .. import cuda as _cuda
 from ..errors import CuPyNotInstalledError, NoDeviceError
 from .base import Strategy
-from .stream_guard import DeadStreamGuard
+from .stream_guard import DeadStreamGuard, shared_guard
 
 __all__ = ["LibraryPoolStrategy"]
 
@@ -48,7 +48,12 @@ class LibraryPoolStrategy(Strategy):
         super().__init__(backend=backend, **options)
         #: the library's module with CUDA; None with the fake backend
         self.library = lib
-        self.guard = DeadStreamGuard(self.backend, self.backend.device_count())
+        # one guard per cache of the process (use() and using() make new strategies over it); a
+        # cache of the user's own (an RMM resource given) has its strategy's guard: the table
+        # of shared guards must not keep it, and its memory, alive
+        key = self._guard_key(lib) if real else (None if self.config.get("resource") is not None else self.name)
+        n = self.backend.device_count()
+        self.guard = shared_guard(key, self.backend, n) if key is not None else DeadStreamGuard(self.backend, n)
         if real:
             allocate_on, deallocate = self._library_hooks(lib)
         else:
@@ -68,6 +73,12 @@ class LibraryPoolStrategy(Strategy):
     @staticmethod
     def _import_library():
         raise NotImplementedError
+
+    def _guard_key(self, lib):
+        """The process-wide cache this strategy allocates from, whose dead-stream
+        guard it shares (default: the library itself), or None for a guard of
+        its own."""
+        return lib
 
     def _check_library(self, lib, backend) -> None:
         """Raise if the library cannot serve this backend's devices (default: it can)."""

@@ -108,6 +108,11 @@ class RMMStrategy(LibraryPoolStrategy):
 
     _import_library = staticmethod(_import_rmm)
 
+    def _guard_key(self, rmm):
+        # RMM's current resource (per device, replaceable) is the process's: one guard for RMM; a
+        # resource given is the user's, with a guard of its own (kept nowhere else)
+        return rmm if self.config["resource"] is None else None
+
     def _library_hooks(self, rmm):
         from rmm.pylibrmm.device_buffer import DeviceBuffer
         from rmm.pylibrmm.stream import Stream

@@ -19,9 +19,34 @@ the hot path otherwise.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
-__all__ = ["DeadStreamGuard"]
+from .. import cuda as _cuda
+
+__all__ = ["DeadStreamGuard", "shared_guard"]
+
+_registry: dict = {}  # id(key) -> (key, guard): caches of the process (CUDA), kept for good
+_registry_lock = threading.Lock()
+
+
+def shared_guard(key, backend, n_devices: int) -> "DeadStreamGuard":
+    """The guard of the process-wide cache ``key`` (CuPy's pool, PyTorch's
+    caching allocator, an RMM resource), made on first use, so that every
+    strategy over that cache sees the deaths of the streams any of them
+    watched: ``use()`` and ``using()`` make a new strategy each time, over
+    the same cache. With a simulated backend the table is kept on the
+    backend, and goes with it."""
+    with _registry_lock:
+        if isinstance(backend, _cuda.RealBackend):
+            table = _registry
+        else:
+            table = backend.__dict__.setdefault("_memstrat_dead_stream_guards", {})
+        hit = table.get(id(key))
+        if hit is None or hit[0] is not key:
+            hit = (key, DeadStreamGuard(backend, n_devices))
+            table[id(key)] = hit  # the key is kept with it: its id stays its own
+        return hit[1]
 
 # CuPy's legacy default stream (0), cudaStreamLegacy (1), cudaStreamPerThread (2): never destroyed
 _BUILTIN_HANDLES = (0, 1, 2)
@@ -70,20 +95,28 @@ class DeadStreamGuard:
         died since; starts watching ``stream``. Returns whether the guard
         will see ``stream``'s death (watched, or a default stream, which is
         never destroyed): False for a wrapper of a stream owned elsewhere."""
+        key = getattr(stream, "ptr", 0)
+        watched = self._watched[device]
+        owns = getattr(self._backend, "stream_owns_handle", None)
+        r = None if key in _BUILTIN_HANDLES else watched.get(key)
+        if r is not None and r() is not stream and (owns is None or owns(stream)):
+            # A stream of our own at a handle watched for another: that one is destroyed, and its
+            # callback has not run yet (CuPy destroys the handle in Stream.__del__, before weak
+            # references are cleared). Replacing the entry would drop the weak reference and its
+            # callback with it: the death is counted here instead.
+            del watched[key]
+            self.deaths[device] += 1
+            r = None
         target = self.deaths[device]
         if target != self.synced[device]:
             self._backend.device_synchronize(device)  # if it raises, the next allocation waits again
             if self.synced[device] < target:
                 self.synced[device] = target
             self.n_syncs[device] += 1
-        key = getattr(stream, "ptr", 0)
         if key in _BUILTIN_HANDLES:
             return True
-        watched = self._watched[device]
-        r = watched.get(key)
         if r is not None and r() is stream:
             return True
-        owns = getattr(self._backend, "stream_owns_handle", None)
         if owns is not None and not owns(stream):
             return False  # a wrapper of a stream someone else owns: its death destroys nothing
         deaths = self.deaths
