@@ -766,6 +766,20 @@ def _dies_with_its_kernel_running(fake, alloc, stream):
     gc.collect()
 
 
+def _a_new_stream_at_h_allocates_dies_then_the_next_one_waits(fake, d, h):
+    """B gets handle ``h``, allocates through ``d`` and dies with its kernel running; C gets
+    ``h`` too: C's allocation must wait for B's kernel (B must have been watched)."""
+    B = fake.stream(non_blocking=True)
+    assert B.ptr == h
+    _dies_with_its_kernel_running(fake, d, B)
+    del B
+    C = fake.stream(non_blocking=True)
+    assert C.ptr == h and fake.busy_destroyed_streams() == 1
+    with C:
+        d(MiB)
+    assert fake.busy_destroyed_streams() == 0
+
+
 @needs_c
 def test_route_direct_watches_a_new_stream_on_a_cached_handle_when_the_wait_came_from_elsewhere(monkeypatch):
     """A allocates through the route (its handle cached), dies; a raw_malloc (the same guard)
@@ -782,15 +796,7 @@ def test_route_direct_watches_a_new_stream_on_a_cached_handle_when_the_wait_came
     gc.collect()
     s.raw_free(s.raw_malloc(MiB))  # on the null stream: waits, covers A's death
     assert s.guard.pending == [False]
-    B = fake.stream(non_blocking=True)
-    assert B.ptr == h
-    _dies_with_its_kernel_running(fake, d, B)
-    del B
-    C = fake.stream(non_blocking=True)
-    assert C.ptr == h and fake.busy_destroyed_streams() == 1
-    with C:
-        d(MiB)
-    assert fake.busy_destroyed_streams() == 0
+    _a_new_stream_at_h_allocates_dies_then_the_next_one_waits(fake, d, h)
 
 
 @needs_c
@@ -807,15 +813,7 @@ def test_route_direct_does_not_cache_a_wrapper_of_a_stream_owned_elsewhere(monke
     h = owner.ptr
     del m, ext, owner
     gc.collect()
-    B = fake.stream(non_blocking=True)
-    assert B.ptr == h
-    _dies_with_its_kernel_running(fake, d, B)
-    del B
-    C = fake.stream(non_blocking=True)
-    assert C.ptr == h and fake.busy_destroyed_streams() == 1
-    with C:
-        d(MiB)
-    assert fake.busy_destroyed_streams() == 0
+    _a_new_stream_at_h_allocates_dies_then_the_next_one_waits(fake, d, h)
 
 
 @needs_c
