@@ -52,13 +52,16 @@
  * called (using() lets go of a strategy). If allocate raises the backend's
  * error, failed(size, device, exc) recovers and returns the pointer, or raises.
  *
- * Accounting, as the Python version (base.py's module docstring): per device, an
- * allocation appends +size to events[device] before inserting ptr -> size into
- * live[device]; a free pops live[device][ptr] before appending -size; when a
- * device's event list grows past fold_at, fold(device) folds it into the
- * counters. All of it runs under the GIL without calling Python code in between
- * (int keys hash and compare in C), so it is as exact under threads as the
- * Python version, and takes no lock (CuPy frees from finalisers).
+ * Accounting: per device, an allocation inserts ptr -> size into live[device],
+ * then adds size to the device's counts (the running sum, its largest value,
+ * the number of allocations); a free pops live[device][ptr], then subtracts the
+ * size and counts the free. The counts are C integers: drain(device) hands them
+ * to the strategy's counters and starts them again from 0 (base.py's _fold), so
+ * no list of events grows and none is folded. The Python version appends +size /
+ * -size to a per-device event list instead, folded by the strategy. All of it
+ * runs under the GIL without calling Python code in between (int keys hash and
+ * compare in C), so it is exact under threads and takes no lock (CuPy frees from
+ * finalisers).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -67,14 +70,18 @@
 #include <stdint.h>
 #include <string.h>
 
+/* A device's counts since the last drain(): the sum of +size / -size, the largest
+ * running sum (0 at the drain), the allocations and the frees counted. */
+typedef struct {
+    long long sum, max, allocs, frees;
+} DevCounts;
+
 typedef struct {
     PyObject_HEAD
     Py_ssize_t n_devices;
-    Py_ssize_t fold_at;
+    DevCounts *counts;        /* one per device; drain(device) hands them to the strategy's counters */
     unsigned long long small_max;
-    PyObject *events;         /* list (per device) of lists of +size / -size */
     PyObject *live;           /* list (per device) of dicts ptr -> size */
-    PyObject *fold;           /* fold(device) */
     PyObject *unknown_free;   /* unknown_free(ptr, stacklevel) -> (device, size or None) */
     PyObject *failed;         /* failed(size, device, exc): raises */
     PyObject *error;          /* the backend's error class */
@@ -123,7 +130,7 @@ typedef struct {
     PyObject *key_obj;
 } Accounting;
 
-#define FIELDS(X) X(events) X(live) X(fold) X(unknown_free) X(failed) X(error) X(allocate) \
+#define FIELDS(X) X(live) X(unknown_free) X(failed) X(error) X(allocate) \
     X(deallocate) X(dealloc_failed) X(arenas) X(owner) X(arena_of) X(stream_ptr) X(capsule) X(miss) X(large_hit) \
     X(recorded) X(defer) X(pending) X(poll) X(watch) X(pool_malloc) X(free_async) X(pools) X(ensure_pool) \
     X(current_stream) X(get_device) X(caches) X(cache_limits) X(stream_of) X(free_off_path) X(recover_pool) \
@@ -160,6 +167,8 @@ Accounting_dealloc(Accounting *self)
 {
     PyObject_GC_UnTrack(self);
     Accounting_clear(self);
+    PyMem_Free(self->counts);
+    self->counts = NULL;
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -196,14 +205,14 @@ capsule_stream_fn(PyObject *capsule, intptr_t (**fn)(int))
 static int
 Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"events", "live", "fold", "fold_at", "unknown_free", "failed", "error",
+    static char *kwlist[] = {"live", "unknown_free", "failed", "error",
                              "allocate", "deallocate", "dealloc_failed",
                              "arenas", "owner", "arena_of", "chunk_bytes", "stream_ptr", "capsule", "small_max",
                              "miss", "large_hit", "recorded", "defer", "pending", "poll", "watch",
                              "pool_malloc", "free_async", "pools", "ensure_pool", "current_stream", "get_device",
                              "caches", "cache_limits", "stream_of", "free_off_path", "recover_pool",
                              "stream_caches", "new_stream_cache", "dead", "reap", NULL};
-    PyObject *events, *live, *fold, *unknown_free, *failed, *error;
+    PyObject *live, *unknown_free, *failed, *error;
     PyObject *allocate = Py_None, *deallocate = Py_None, *dealloc_failed = Py_None;
     PyObject *arenas = Py_None, *owner = Py_None, *arena_of = Py_None, *stream_ptr = Py_None, *capsule = Py_None;
     unsigned long long chunk_bytes = 0;
@@ -213,27 +222,25 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
     PyObject *current_stream = Py_None, *get_device = Py_None, *caches = Py_None, *cache_limits = Py_None;
     PyObject *stream_of = Py_None, *free_off_path = Py_None, *recover_pool = Py_None;
     PyObject *stream_caches = Py_None, *new_stream_cache = Py_None, *dead = Py_None, *reap = Py_None;
-    Py_ssize_t fold_at;
     Py_ssize_t small_max = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOnOOO|$OOOOOOKOOnOOOOOOOOOOOOOOOOOOOOOO", kwlist, &events, &live,
-                                     &fold, &fold_at, &unknown_free, &failed, &error, &allocate, &deallocate,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOKOOnOOOOOOOOOOOOOOOOOOOOOO", kwlist, &live,
+                                     &unknown_free, &failed, &error, &allocate, &deallocate,
                                      &dealloc_failed, &arenas, &owner, &arena_of, &chunk_bytes, &stream_ptr,
                                      &capsule, &small_max, &miss, &large_hit, &recorded, &defer, &pending, &poll,
                                      &watch, &pool_malloc, &free_async, &pools, &ensure_pool, &current_stream,
                                      &get_device, &caches, &cache_limits, &stream_of, &free_off_path,
                                      &recover_pool, &stream_caches, &new_stream_cache, &dead, &reap))
         return -1;
-    if (!PyList_CheckExact(events)) {
-        PyErr_SetString(PyExc_TypeError, "Accounting: events must be a list");
+    if (!PyList_CheckExact(live) || PyList_GET_SIZE(live) == 0) {
+        PyErr_SetString(PyExc_TypeError, "Accounting: live must be a list with one dict per device");
         return -1;
     }
     if (small_max < 0 || small_max > ((Py_ssize_t)1 << 40)) {
         PyErr_Format(PyExc_ValueError, "Accounting: small_max must be in [0, 2**40], got %zd", small_max);
         return -1;
     }
-    Py_ssize_t n = PyList_GET_SIZE(events);
-    if (check_per_device(events, "events", n, &PyList_Type) < 0 ||
-        check_per_device(live, "live", n, &PyDict_Type) < 0)
+    Py_ssize_t n = PyList_GET_SIZE(live);
+    if (check_per_device(live, "live", n, &PyDict_Type) < 0)
         return -1;
     /* record_stream and using(): required */
     if (recorded == NULL || pending == NULL || watch == NULL || defer == NULL || poll == NULL) {
@@ -303,17 +310,25 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
         if (capsule != Py_None && capsule_stream_fn(capsule, &stream_fn) < 0)
             return -1;
     }
-    if (!PyCallable_Check(fold) || !PyCallable_Check(unknown_free) || !PyCallable_Check(failed)) {
-        PyErr_SetString(PyExc_TypeError, "Accounting: fold, unknown_free and failed must be callables");
+    if (!PyCallable_Check(unknown_free) || !PyCallable_Check(failed)) {
+        PyErr_SetString(PyExc_TypeError, "Accounting: unknown_free and failed must be callables");
         return -1;
     }
     if (!PyExceptionClass_Check(error)) {
         PyErr_SetString(PyExc_TypeError, "Accounting: error must be an exception class");
         return -1;
     }
+    if (self->counts != NULL) {
+        PyErr_SetString(PyExc_TypeError, "Accounting: already initialised (its counts belong to its tables)");
+        return -1;
+    }
+    self->counts = PyMem_Calloc((size_t)n, sizeof(DevCounts));
+    if (self->counts == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     self->n_devices = n;
     self->ordered = ordered;
-    self->fold_at = fold_at;
     self->small_max = (unsigned long long)small_max;
     self->stream_fn = stream_fn;
     self->chunk_mask = ~(chunk_bytes ? chunk_bytes - 1 : 0ULL);
@@ -396,12 +411,11 @@ list_pop(PyObject *lst)
     Py_ssize_t n = PyList_GET_SIZE(lst);
     if (n == 0)
         return NULL;
+    /* as list.pop() does, without its call: the list's reference goes to the caller
+     * (every list here is an exact list; its capacity is kept for the next append) */
     PyObject *item = PyList_GET_ITEM(lst, n - 1);
-    Py_INCREF(item);
-    if (PyList_SetSlice(lst, n - 1, n, NULL) < 0) {
-        Py_DECREF(item);
-        return NULL;
-    }
+    PyList_SET_ITEM(lst, n - 1, NULL);
+    Py_SET_SIZE(lst, n - 1);
     return item;
 }
 
@@ -497,6 +511,30 @@ small_list(PyObject *small, unsigned long long n)
     return table_item(small, (Py_ssize_t)((n + 511) >> 9), &PyList_Type, "arena small");
 }
 
+/* A pointer as an unsigned long long, -1 with an error set if it is not an int in
+ * [0, 2**64). PyLong_AsUnsignedLongLong takes a generic path for ints of more than
+ * one digit (every device pointer); an exact int whose value survives the mask is
+ * converted by the masking loop instead. */
+static unsigned long long
+ptr_value(PyObject *ptr)
+{
+    if (PyLong_CheckExact(ptr)) {
+#if PY_VERSION_HEX >= 0x030D0000
+        unsigned long long p = 0;
+        Py_ssize_t need = PyLong_AsNativeBytes(ptr, &p, sizeof p, Py_ASNATIVEBYTES_NATIVE_ENDIAN
+                                               | Py_ASNATIVEBYTES_UNSIGNED_BUFFER
+                                               | Py_ASNATIVEBYTES_REJECT_NEGATIVE);
+        if (need >= 0 && (size_t)need <= sizeof p)
+            return p;
+        PyErr_Clear();
+#else
+        if (_PyLong_Sign(ptr) >= 0 && _PyLong_NumBits(ptr) <= 64)
+            return PyLong_AsUnsignedLongLongMask(ptr);
+#endif
+    }
+    return PyLong_AsUnsignedLongLong(ptr);  /* raises for what is not a pointer */
+}
+
 /* The size as an unsigned long long; 0 with no error set if it is an int that does
  * not fit (the strategy's slow path then says why), -1 with an error otherwise. */
 static int
@@ -513,30 +551,53 @@ size_value(PyObject *size, unsigned long long *n)
     return 1;
 }
 
-/* Accounting of an allocation: +size to events[d], then live[d][ptr] = size. */
+/* A block's size as a count: a non-negative int of at most 2**63 - 1 bytes
+ * (CUDA's size_t requests are at most that in practice); -1 with an error set. */
+static long long
+count_of(PyObject *size)
+{
+    long long n = PyLong_AsLongLong(size);
+    if (n < 0) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "cupy_memstrat: a block's size must be >= 0, got %R", size);
+        return -1;
+    }
+    return n;
+}
+
+/* Accounting of an allocation: live[d][ptr] = size, then the counts of device d. */
 static int
 account_malloc(Accounting *self, Py_ssize_t d, PyObject *device, PyObject *ptr, PyObject *size)
 {
-    PyObject *ev = table_item(self->events, d, &PyList_Type, "events");
-    if (ev == NULL)
+    long long n = count_of(size);
+    if (n < 0)
         return -1;
     PyObject *live = table_item(self->live, d, &PyDict_Type, "live");
-    if (live == NULL) {
-        Py_DECREF(ev);
+    if (live == NULL)
         return -1;
-    }
-    /* before the live insert: the matching -size can only follow it */
-    int rc = PyList_Append(ev, size) < 0 || PyDict_SetItem(live, ptr, size) < 0 ? -1 : 0;
-    Py_ssize_t queued = PyList_GET_SIZE(ev);
+    int rc = PyDict_SetItem(live, ptr, size);
     Py_DECREF(live);
-    Py_DECREF(ev);
-    if (rc == 0 && queued > self->fold_at) {
-        PyObject *r = PyObject_CallOneArg(self->fold, device);
-        if (r == NULL)
-            return -1;
-        Py_DECREF(r);
+    if (rc == 0) {  /* no Python code runs from here to the end of the free that pops it */
+        DevCounts *c = &self->counts[d];
+        c->sum += n;
+        if (c->sum > c->max)
+            c->max = c->sum;
+        c->allocs++;
     }
     return rc;
+}
+
+/* Accounting of a free whose size was popped from live[d]. */
+static int
+account_free(Accounting *self, Py_ssize_t d, PyObject *size)
+{
+    long long n = count_of(size);
+    if (n < 0)
+        return -1;
+    DevCounts *c = &self->counts[d];
+    c->sum -= n;
+    c->frees++;
+    return 0;
 }
 
 /* Blocks freed with record_stream() may be done: poll() gives them back. */
@@ -1115,16 +1176,18 @@ live_pop(Accounting *self, Py_ssize_t d, PyObject *ptr)
     PyObject *live = table_item(self->live, d, &PyDict_Type, "live");
     if (live == NULL)
         return NULL;
-    PyObject *size = PyDict_GetItemWithError(live, ptr);  /* borrowed */
-    if (size != NULL) {
-        Py_INCREF(size);
-        if (PyDict_DelItem(live, ptr) < 0) {
-            Py_CLEAR(size);
-            PyErr_Clear();  /* gone meanwhile (an int subclass's __eq__): not there */
-        }
-    } else {
-        PyErr_Clear();  /* not there, or not hashable: not a pointer of this device */
-    }
+    /* one lookup: found, absent, or not hashable (not a pointer of this device) */
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *size = NULL;
+    if (PyDict_Pop(live, ptr, &size) < 0)
+        PyErr_Clear();
+#else
+    PyObject *size = _PyDict_Pop(live, ptr, Py_Ellipsis);  /* no size is Ellipsis */
+    if (size == Py_Ellipsis)
+        Py_CLEAR(size);
+    else if (size == NULL)
+        PyErr_Clear();
+#endif
     Py_DECREF(live);
     return size;
 }
@@ -1143,7 +1206,7 @@ cache_block(Accounting *self, Py_ssize_t d, PyObject *ptr, PyObject *size)
     }
     /* the arena its chunk belongs to: owner[ptr rounded down to a chunk], else arena_of(ptr, device) */
     PyObject *arena = NULL;
-    unsigned long long p = PyLong_AsUnsignedLongLong(ptr);
+    unsigned long long p = ptr_value(ptr);
     if (p == (unsigned long long)-1 && PyErr_Occurred())
         return -1;
     if (self->last_owner != NULL && (p & self->chunk_mask) == self->last_base) {
@@ -1268,17 +1331,10 @@ Accounting_free(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
         if (size == Py_None)
             return size;
     }
-    PyObject *minus = PyNumber_Negative(size), *ev = NULL;
-    if (minus != NULL)
-        ev = table_item(self->events, d, &PyList_Type, "events");
-    if (ev == NULL || PyList_Append(ev, minus) < 0) {
-        Py_XDECREF(ev);
-        Py_XDECREF(minus);
+    if (account_free(self, d, size) < 0) {
         Py_DECREF(size);
         return NULL;
     }
-    Py_DECREF(ev);
-    Py_DECREF(minus);
     int rc = 0;
     int deferred = 0;
     if (PyDict_GET_SIZE(self->recorded)) {
@@ -1371,7 +1427,34 @@ Accounting_give_back(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* drain(device) -> (sum, max, allocs, frees): the counts of device `device` since
+ * the last drain (the sum of the sizes allocated minus those freed, the largest
+ * running sum, 0 or more, and the numbers of allocations and frees), reset in the
+ * same call. The strategy adds them to its counters: peak = max(peak, in_use + max),
+ * in_use += sum. One C call under the GIL, so exact whatever threads do. */
+static PyObject *
+Accounting_drain(Accounting *self, PyObject *device)
+{
+    if (self->counts == NULL) {
+        PyErr_SetString(PyExc_TypeError, "Accounting: not initialised");
+        return NULL;
+    }
+    Py_ssize_t d = device_index(self, device);
+    if (d < 0) {
+        PyErr_Format(PyExc_ValueError, "drain: device %R is not a device ordinal in range(%zd)", device,
+                     self->n_devices);
+        return NULL;
+    }
+    DevCounts *c = &self->counts[d];
+    PyObject *r = Py_BuildValue("(LLLL)", c->sum, c->max, c->allocs, c->frees);
+    if (r != NULL)  /* nothing ran in between: no count is lost or counted twice */
+        memset(c, 0, sizeof(DevCounts));
+    return r;
+}
+
 static PyMethodDef Accounting_methods[] = {
+    {"drain", (PyCFunction)Accounting_drain, METH_O,
+     "drain(device) -> (sum, max, allocs, frees): device's counts since the last drain, reset."},
     {"give_back", (PyCFunction)(void (*)(void))Accounting_give_back, METH_FASTCALL,
      "give_back(ptr, size, device, stacklevel=1): ordered mode: return a block whose accounting is done "
      "to its stream's pool (or the cache)."},
@@ -1492,12 +1575,7 @@ direct_free(PoolDirect *o, PyObject *ptr, Py_ssize_t d, long long g, int early)
     PyObject *size = live_pop(acc, d, ptr);
     if (size == NULL)
         return PyErr_Occurred() ? -1 : 0;
-    PyObject *minus = PyNumber_Negative(size), *ev = NULL;
-    if (minus != NULL)
-        ev = table_item(acc->events, d, &PyList_Type, "events");
-    int rc = ev == NULL ? -1 : PyList_Append(ev, minus);
-    Py_XDECREF(ev);
-    Py_XDECREF(minus);
+    int rc = account_free(acc, d, size);
     if (rc == 0 && PyDict_GET_SIZE(acc->recorded) && PyDict_Contains(acc->recorded, ptr) == 1) {
         PyObject *device = PyLong_FromSsize_t(d), *r = NULL;
         if (device != NULL)

@@ -101,27 +101,27 @@ def test_c_malloc_refuses_a_bad_device_before_allocating(monkeypatch):
 @needs_c
 def test_c_accounting_checks_its_tables():
     A = base._c_hotpath.Accounting
-    ok = dict(fold=print, fold_at=10, unknown_free=print, failed=print, error=RuntimeError,
+    ok = dict(unknown_free=print, failed=print, error=RuntimeError,
               recorded={}, defer=print, pending=[], poll=print, watch=[None])
     with pytest.raises(TypeError, match="recorded, defer, pending, poll and watch are required"):
-        A([[]], [{}], allocate=print, deallocate=print, dealloc_failed=print,
+        A([{}], allocate=print, deallocate=print, dealloc_failed=print,
           **{k: v for k, v in ok.items() if k != "watch"})
     with pytest.raises(TypeError, match="watch a 1-item list"):
-        A([[]], [{}], allocate=print, deallocate=print, dealloc_failed=print, **dict(ok, watch=[]))
+        A([{}], allocate=print, deallocate=print, dealloc_failed=print, **dict(ok, watch=[]))
     with pytest.raises(TypeError, match="capsule must hold a C function"):
-        A([[]], [{}], arenas=[{}], owner={}, arena_of=print, chunk_bytes=1 << 21, stream_ptr=print, capsule=3,
+        A([{}], arenas=[{}], owner={}, arena_of=print, chunk_bytes=1 << 21, stream_ptr=print, capsule=3,
           miss=print, **ok)
-    with pytest.raises(TypeError, match="live must be a list with one entry per device"):
-        A([[]], [], allocate=print, deallocate=print, dealloc_failed=print, **ok)
-    with pytest.raises(TypeError, match=r"events\[0\] must be a list"):
-        A([()], [{}], allocate=print, deallocate=print, dealloc_failed=print, **ok)
+    with pytest.raises(TypeError, match="live must be a list with one dict per device"):
+        A([], allocate=print, deallocate=print, dealloc_failed=print, **ok)
+    with pytest.raises(TypeError, match=r"live\[0\] must be a dict"):
+        A([[]], allocate=print, deallocate=print, dealloc_failed=print, **ok)
     with pytest.raises(TypeError, match="must be callables"):
-        A([[]], [{}], allocate=print, deallocate=3, dealloc_failed=print, **ok)
+        A([{}], allocate=print, deallocate=3, dealloc_failed=print, **ok)
     with pytest.raises(TypeError, match=r"arenas\[0\] must be a dict"):
-        A([[]], [{}], arenas=[[]], owner={}, arena_of=print, chunk_bytes=1 << 21, stream_ptr=print, small_max=1024,
+        A([{}], arenas=[[]], owner={}, arena_of=print, chunk_bytes=1 << 21, stream_ptr=print, small_max=1024,
           miss=print, **ok)
     with pytest.raises(TypeError, match="error must be an exception class"):
-        A([[]], [{}], allocate=print, deallocate=print, dealloc_failed=print, **dict(ok, error=3))
+        A([{}], allocate=print, deallocate=print, dealloc_failed=print, **dict(ok, error=3))
 
 
 @needs_c
@@ -158,7 +158,7 @@ def test_c_accounting_refuses_a_small_max_out_of_range():
     f = print
     for bad in (-1, 1 << 41):
         with pytest.raises(ValueError, match=rf"small_max must be in \[0, 2\*\*40\], got {bad}"):
-            base._c_hotpath.Accounting([[]], [{}], f, 10, f, f, RuntimeError, arenas=[{}], owner={}, arena_of=f,
+            base._c_hotpath.Accounting([{}], f, f, RuntimeError, arenas=[{}], owner={}, arena_of=f,
                                        chunk_bytes=1 << 21,
                                        stream_ptr=f, small_max=bad, miss=f, recorded={}, defer=f, pending=[],
                                        poll=f, watch=[None])
@@ -170,7 +170,7 @@ def test_tables_changed_behind_the_hot_paths_back_raise_instead_of_crashing(fake
     would take the interpreter down)."""
     s = cupy_memstrat.create(name, backend=fake)
     s.raw_free(s.raw_malloc(8))
-    s._events.clear()
+    s._live.clear()
     with pytest.raises((RuntimeError, IndexError)):
         s.raw_malloc(4096)
 

@@ -79,6 +79,10 @@
 #                                         managed in one run (CALL15_BENCHES=alloc: alloc alone), then
 #                                         the plugin's cost on CuPy's subset (two rotated rounds of
 #                                         plain and --gpumem; without .cupy_tests, none) (call15_json.tgz)
+#   tools/device_run.sh call16            the C counts (no event lists): bench alloc, managed and async in
+#                                         one run, the pool_direct_cost and hot_path_floor probes, bench
+#                                         workloads (9 rounds, pooling strategies, A/A control), then
+#                                         tests/gpu (call16_json.tgz)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -399,6 +403,28 @@ if [ "$part" = call15 ]; then
     done
   fi
   tar -czf "$OUT/call15_json.tgz" -C /tmp call15_json
+fi
+
+if [ "$part" = call16 ]; then
+  # the hot path's counts in C (no event lists to fold): the allocation benches side by side, the
+  # two probes that say where the time goes, bench workloads for the pooling strategies, then
+  # tests/gpu in full, last so that a cut run still has the benches
+  J=/tmp/call16_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"
+  python3 -m cupy_memstrat info | tail -6
+  BENCH_DIR=$J benches alloc managed async
+  step "probe: where pool's direct route spends its time"
+  python3 tools/probes/pool_direct_cost.py --json "$J/pool_direct_cost.json"
+  step "probe: the floor of an allocator behind a PythonFunctionAllocator"
+  python3 tools/probes/hot_path_floor.py --json "$J/hot_path_floor.json" device managed pool
+  tar -czf "$OUT/call16_json.tgz" -C /tmp call16_json
+  step "bench workloads (warm programs, pooling strategies)"
+  python3 -m cupy_memstrat bench workloads --rounds 9 --strategies "pool;async;managed" \
+    --only cg-poisson,fft-convolution,kmeans,monte-carlo,multi-stream --json "$J/bench-workloads.json"
+  tar -czf "$OUT/call16_json.tgz" -C /tmp call16_json
+  step tests/gpu
+  timeout ${GPU_TIMEOUT:-330} python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$J/tests_gpu.xml"
+  tar -czf "$OUT/call16_json.tgz" -C /tmp call16_json
 fi
 
 if [ "$part" = call4 ]; then

@@ -430,8 +430,8 @@ class AsyncPoolStrategy(Strategy):
         b = self.backend
         Accounting = _c_accounting(self._track_origins)
         if Accounting is not None:
-            acc = Accounting(
-                self._events, self._live, self._fold, _FOLD_AT, self._unknown_free, self._recover, self._Error,
+            acc = self._new_accounting(
+                Accounting, self._unknown_free, self._recover,
                 capsule=b.current_stream_ptr_capsule(), recorded=self._recorded, defer=self._defer,
                 pending=self._pending, poll=self._poll_pending, watch=self._watch,
                 pool_malloc=b.malloc_from_pool_async, free_async=b.free_async, pools=self._pools,

@@ -298,6 +298,7 @@ class Strategy:
         self._origins: dict[int, object] = {}
         self._events: list[list[int]] = [[] for _ in range(n)]
         self._counters = [_Counters() for _ in range(n)]
+        self._drains: list = []  # drain(device) of each C hot path's counts (_new_accounting)
         self._fold_lock = threading.RLock()
         self._cupy_malloc = self._pfa = None
         self._malloc = self._free = None  # the hot path, built on first use
@@ -436,8 +437,8 @@ class Strategy:
         recorded, pending, poll, defer, watch = self._recorded, self._pending, self._poll_pending, self._defer, self._watch
         Accounting = _c_accounting(track)
         if Accounting is not None:
-            acc = Accounting(
-                events, live, fold, _FOLD_AT, unknown_free, recover, Error,
+            acc = self._new_accounting(
+                Accounting, unknown_free, recover,
                 allocate=allocate, deallocate=deallocate, dealloc_failed=self._deallocation_failed,
                 recorded=recorded, defer=defer, pending=pending, poll=poll, watch=watch,
             )
@@ -823,9 +824,24 @@ class Strategy:
             if c.reserved > c.peak_reserved:
                 c.peak_reserved = c.reserved
 
+    def _new_accounting(self, Accounting, unknown_free, failed, **tables):
+        """The C hot path's ``Accounting`` over this strategy's live tables
+        (``csrc/hotpath.c``), its counts drained into the counters by
+        :meth:`_fold`."""
+        acc = Accounting(self._live, unknown_free, failed, self._Error, **tables)
+        self._drains.append(acc.drain)
+        return acc
+
     def _fold(self, device: int) -> _Counters:
         with self._fold_lock:
             c = self._counters[device]
+            for drain in self._drains:  # the C hot path's counts (one C call each)
+                total, top, n_allocs, n_frees = drain(device)
+                if n_allocs or n_frees:
+                    c.peak_in_use = max(c.peak_in_use, c.in_use + top)
+                    c.in_use += total
+                    c.n_allocs += n_allocs
+                    c.n_frees += n_frees
             ev = self._events[device]
             # Only _fold removes (under the lock) and only the first n items;
             # appends racing with us land after them. Both are single C calls.

@@ -812,8 +812,8 @@ class ManagedStrategy(Strategy):
         capsule, stream_ptr = self._stream_source()
         Accounting = _c_accounting(track)
         if Accounting is not None:  # the same steps in C (csrc/hotpath.c, "classes" mode)
-            acc = Accounting(
-                events, live, fold, _FOLD_AT, unknown_free, self._allocation_failed, self._Error,
+            acc = self._new_accounting(
+                Accounting, unknown_free, self._allocation_failed,
                 arenas=arenas, owner=owner, arena_of=arena_of, chunk_bytes=CHUNK_BYTES,
                 stream_ptr=stream_ptr, capsule=capsule,
                 small_max=SMALL_MAX, miss=miss,

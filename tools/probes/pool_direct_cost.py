@@ -9,7 +9,7 @@ variant in interleaved rounds (median of 7 rounds of 200 000 pairs):
   no-dict        the token is not put in the pool's memory object (no __dict__
                  made and cleared; the token dies at once and accounts the free
                  at the malloc)
-  no-accounting  the live table, the event list and the generations untouched
+  no-accounting  the live table, the counts and the generations untouched
   bare           PoolDirect returns the pool's MemoryPointer and does nothing
                  else: the cost of a C callable in front of CuPy's pool
 
@@ -35,9 +35,9 @@ CUTS = {
     "no-accounting": [
         ("rc = gen == NULL ? -1 : account_malloc(acc, d, device, ptr, size);", "rc = gen == NULL ? -1 : 0;"),
         ("    PyObject *size = live_pop(acc, d, ptr);\n    if (size == NULL)\n        return PyErr_Occurred() ? -1 : 0;\n"
-         "    PyObject *minus",
+         "    int rc = account_free(acc",
          "    if (1)\n        return 0;\n    PyObject *size = live_pop(acc, d, ptr);\n    if (size == NULL)\n"
-         "        return PyErr_Occurred() ? -1 : 0;\n    PyObject *minus"),
+         "        return PyErr_Occurred() ? -1 : 0;\n    int rc = account_free(acc"),
     ],
     "bare": [("    PyObject *mem = PyObject_GetAttr(mp, S_mem), *ptr = NULL, *size = NULL, *device = NULL;",
               "    if (1)\n        return mp;\n    PyObject *mem = PyObject_GetAttr(mp, S_mem), *ptr = NULL, *size = NULL, "
