@@ -1482,6 +1482,110 @@ static PyTypeObject AccountingType = {
     .tp_methods = Accounting_methods,
 };
 
+/* GenMap: pointer -> generation, an open-addressing table with linear probing
+ * (pointer 0, never a block, marks an empty slot; a deletion shifts the entries
+ * after it back, so no tombstones). The direct route asks it at every malloc and
+ * free: a C table makes no int object and runs no hash of Python ints. */
+typedef struct {
+    unsigned long long key;
+    long long gen;
+} GenSlot;
+
+typedef struct {
+    GenSlot *slots;
+    size_t mask;   /* capacity - 1 (a power of two), or 0 before the first set */
+    size_t used;
+} GenMap;
+
+static inline size_t
+gen_hash(unsigned long long k)
+{
+    k ^= k >> 33;  /* blocks are 512-byte aligned: mix the high bits down (murmur3's finaliser) */
+    k *= 0xff51afd7ed558ccdULL;
+    k ^= k >> 33;
+    return (size_t)k;
+}
+
+/* The slot of key k, or of the empty slot where it would go. */
+static inline GenSlot *
+gen_slot(const GenMap *m, unsigned long long k)
+{
+    size_t i = gen_hash(k) & m->mask;
+    while (m->slots[i].key != 0 && m->slots[i].key != k)
+        i = (i + 1) & m->mask;
+    return &m->slots[i];
+}
+
+/* 1 and *gen if k is in the map, else 0. */
+static inline int
+gen_get(const GenMap *m, unsigned long long k, long long *gen)
+{
+    if (m->mask == 0)
+        return 0;
+    GenSlot *e = gen_slot(m, k);
+    if (e->key == 0)
+        return 0;
+    *gen = e->gen;
+    return 1;
+}
+
+static int
+gen_grow(GenMap *m)
+{
+    size_t cap = m->mask ? (m->mask + 1) * 2 : 64;
+    GenSlot *old = m->slots, *slots = PyMem_Calloc(cap, sizeof(GenSlot));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t old_cap = m->mask ? m->mask + 1 : 0;
+    m->slots = slots;
+    m->mask = cap - 1;
+    for (size_t i = 0; i < old_cap; i++)
+        if (old[i].key != 0)
+            *gen_slot(m, old[i].key) = old[i];
+    PyMem_Free(old);
+    return 0;
+}
+
+/* map[k] = gen (k != 0); -1 with an error set (out of memory). */
+static int
+gen_set(GenMap *m, unsigned long long k, long long gen)
+{
+    if ((m->used + 1) * 2 > (m->mask ? m->mask + 1 : 0) && gen_grow(m) < 0)
+        return -1;  /* at most half full */
+    GenSlot *e = gen_slot(m, k);
+    if (e->key == 0) {
+        e->key = k;
+        m->used++;
+    }
+    e->gen = gen;
+    return 0;
+}
+
+static void
+gen_del(GenMap *m, unsigned long long k)
+{
+    if (m->mask == 0)
+        return;
+    GenSlot *e = gen_slot(m, k);
+    if (e->key == 0)
+        return;
+    size_t i = (size_t)(e - m->slots), j = i;
+    for (;;) {  /* shift back every later entry of the run whose home is not between the hole and it */
+        j = (j + 1) & m->mask;
+        if (m->slots[j].key == 0)
+            break;
+        size_t home = gen_hash(m->slots[j].key) & m->mask;
+        if (i <= j ? (home <= i || home > j) : (home <= i && home > j)) {
+            m->slots[i] = m->slots[j];
+            i = j;
+        }
+    }
+    m->slots[i].key = 0;
+    m->used--;
+}
+
 /* PoolDirect(accounting, pool_malloc, oom, failed, recorded_freed, held[, guard,
  * guard_deaths, guard_synced, capsule]): the pool
  * strategy's route=direct, CuPy's allocator callable without a memory object of
@@ -1499,7 +1603,7 @@ static PyTypeObject AccountingType = {
  * the pool has handed the block out again before the token ran, the new
  * allocation finds its pointer still in the live table: the old block's free is
  * accounted then, and its token, whose generation is no longer the one counted at
- * that pointer (generations), accounts nothing.
+ * that pointer (generations, a GenMap), accounts nothing.
  *
  * On CuPy's OutOfMemoryError (the pool has already freed its cache and collected
  * garbage), failed(size, exc) recovers or raises the strategy's error; it returns
@@ -1523,6 +1627,8 @@ static PyTypeObject AccountingType = {
  * guard(device), if given, is the strategy's dead-stream guard (see
  * direct_guard), guard_deaths and guard_synced its per-device counts, capsule
  * CuPy's get_stream_ptr (without it the guard runs at every malloc). */
+#define GUARD_SEEN 8  /* streams a program switches between without a Python call (multi-stream pipelines) */
+
 typedef struct {
     PyObject_HEAD
     Accounting *acc;
@@ -1530,7 +1636,7 @@ typedef struct {
     PyObject *oom;             /* CuPy's OutOfMemoryError */
     PyObject *failed;          /* failed(size, exc) -> MemoryPointer, or raises */
     PyObject *recorded_freed;  /* recorded_freed(ptr, size, device, early) */
-    PyObject *generations;     /* dict ptr -> generation of the block at ptr that the live table counts */
+    GenMap generations;        /* ptr -> generation of the block at ptr that the live table counts */
     PyObject *held;            /* dict ptr -> memory object kept for record_stream (see above) */
     PyObject *zero_obj;
     long long generation;      /* of the last block handed out */
@@ -1539,9 +1645,10 @@ typedef struct {
     PyObject *guard_synced;    /* and how many of those deaths a wait covered */
     PyObject *capsule;         /* CuPy's get_stream_ptr, kept while stream_fn is used, or NULL */
     intptr_t (*stream_fn)(int); /* its C function, or NULL: the guard runs at every malloc */
-    intptr_t last_h;           /* the stream the guard last said it watches (-1: none), its device, */
-    Py_ssize_t last_hd;        /* and the deaths counted on that device before that call */
-    long long last_epoch;
+    intptr_t seen[GUARD_SEEN]; /* the last streams the guard said it watches (n_seen of them), their */
+    int n_seen, next_seen;     /* device, and the deaths counted on that device before the first of */
+    Py_ssize_t seen_d;         /* those calls (a death there since empties the list) */
+    long long seen_epoch;
     vectorcallfunc vectorcall;
 } PoolDirect;
 
@@ -1549,6 +1656,7 @@ typedef struct {
     PyObject_HEAD
     PoolDirect *owner;
     PyObject *ptr;
+    unsigned long long p;  /* ptr's value */
     Py_ssize_t d;
     long long generation;
 } PoolToken;
@@ -1559,19 +1667,15 @@ static PyObject *S_mem, *S_size, *S_device_id, *S_token;
  * table still counts that block (not a later one at the same pointer, whose
  * malloc accounted this free already). */
 static int
-direct_free(PoolDirect *o, PyObject *ptr, Py_ssize_t d, long long g, int early)
+direct_free(PoolDirect *o, PyObject *ptr, unsigned long long pv, Py_ssize_t d, long long g, int early)
 {
     Accounting *acc = o->acc;
-    PyObject *cur = PyDict_GetItemWithError(o->generations, ptr);  /* borrowed */
-    if (cur == NULL)
-        return PyErr_Occurred() ? -1 : 0;  /* not counted (tables cleared): nothing to account */
-    long long c = PyLong_AsLongLong(cur);
-    if (c == -1 && PyErr_Occurred())
-        return -1;
+    long long c;
+    if (acc == NULL || !gen_get(&o->generations, pv, &c))
+        return 0;  /* not counted (tables cleared): nothing to account */
     if (c != g)
         return 0;  /* a later block at ptr: this one's free was accounted at its malloc */
-    if (PyDict_DelItem(o->generations, ptr) < 0)
-        return -1;
+    gen_del(&o->generations, pv);
     PyObject *size = live_pop(acc, d, ptr);
     if (size == NULL)
         return PyErr_Occurred() ? -1 : 0;
@@ -1596,7 +1700,7 @@ PoolToken_dealloc(PoolToken *t)
 {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);  /* a destructor may run while an exception is raised */
-    if (t->owner != NULL && t->ptr != NULL && direct_free(t->owner, t->ptr, t->d, t->generation, 0) < 0)
+    if (t->owner != NULL && t->ptr != NULL && direct_free(t->owner, t->ptr, t->p, t->d, t->generation, 0) < 0)
         PyErr_WriteUnraisable((PyObject *)t->owner);
     PyErr_Restore(type, value, tb);
     Py_XDECREF(t->ptr);
@@ -1639,10 +1743,10 @@ guard_count(PyObject *list, Py_ssize_t d)
  * CUDA gives a new stream while the destroyed one's kernels may still run
  * (docs/streams.md): after the wait, those kernels are done before the block is
  * used. The call is skipped only while no watched stream's death is uncovered and
- * the current stream is a built-in one (never destroyed) or the one the guard
- * last said it watches, with no death on that device since (a death there may
- * have been that stream's, its handle now another's): a program on one stream
- * pays one C call per malloc. */
+ * the current stream is a built-in one (never destroyed) or one of the last
+ * GUARD_SEEN streams the guard said it watches, with no death on that device
+ * since (a death there may have been one of theirs, its handle now another's): a
+ * program on one stream, or switching between a few, pays one C call per malloc. */
 static int
 direct_guard(PoolDirect *self, Py_ssize_t d, PyObject *device)
 {
@@ -1658,10 +1762,15 @@ direct_guard(PoolDirect *self, Py_ssize_t d, PyObject *device)
         if (h == -1 && PyErr_Occurred())
             return -1;
     }
-    if (deaths == synced && h >= 0
-        && (h <= 2 || (h == self->last_h && d == self->last_hd && deaths == self->last_epoch)))
-        return 0;
-    self->last_h = -1;  /* until the guard says it watches this stream */
+    if (d != self->seen_d || deaths != self->seen_epoch)
+        self->n_seen = 0;  /* a death on the device: any of those handles may be another stream's now */
+    if (deaths == synced && h >= 0) {
+        if (h <= 2)
+            return 0;
+        for (int i = 0; i < self->n_seen; i++)
+            if (self->seen[i] == h)
+                return 0;
+    }
     PyObject *r = PyObject_CallOneArg(self->guard, device);
     if (r == NULL)
         return -1;
@@ -1670,9 +1779,13 @@ direct_guard(PoolDirect *self, Py_ssize_t d, PyObject *device)
     if (watched < 0)
         return -1;
     if (watched && h > 2) {
-        self->last_h = h;
-        self->last_hd = d;
-        self->last_epoch = deaths;  /* read before the call: a death during it makes the next malloc ask */
+        if (self->n_seen == 0 || d != self->seen_d || deaths != self->seen_epoch) {
+            self->n_seen = self->next_seen = 0;
+            self->seen_d = d;
+            self->seen_epoch = deaths;  /* read before the call: a death during it makes the next malloc ask */
+        }
+        int i = self->n_seen < GUARD_SEEN ? self->n_seen++ : self->next_seen++ % GUARD_SEEN;
+        self->seen[i] = h;
     }
     return 0;
 }
@@ -1734,29 +1847,29 @@ PoolDirect_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
         }
         if (rc == 0 && self->guard != NULL)
             rc = direct_guard(self, d, device);  /* on failure the block goes back with mp */
-        PyObject *cur = rc < 0 ? NULL : PyDict_GetItemWithError(self->generations, ptr);  /* borrowed */
-        if (cur != NULL) {  /* the last block at ptr went back to the pool, its token has not run yet */
-            long long g = PyLong_AsLongLong(cur);
-            rc = g == -1 && PyErr_Occurred() ? -1 : direct_free(self, ptr, d, g, 0);
-        } else if (PyErr_Occurred()) {
+        unsigned long long pv = rc < 0 ? 0 : ptr_value(ptr);
+        if (pv == (unsigned long long)-1 && PyErr_Occurred())
             rc = -1;
-        }
+        long long cur;
+        if (rc == 0 && gen_get(&self->generations, pv, &cur))  /* the last block at ptr went back to the
+                                                                  pool, its token has not run yet */
+            rc = direct_free(self, ptr, pv, d, cur, 0);
         long long g = ++self->generation;
-        PyObject *gen = rc < 0 ? NULL : PyLong_FromLongLong(g);
         if (rc == 0)
-            rc = gen == NULL ? -1 : account_malloc(acc, d, device, ptr, size);
-        if (rc == 0)
-            rc = PyDict_SetItem(self->generations, ptr, gen);
-        Py_XDECREF(gen);
+            rc = gen_set(&self->generations, pv, g);
+        if (rc == 0 && (rc = account_malloc(acc, d, device, ptr, size)) < 0)
+            gen_del(&self->generations, pv);
         if (rc == 0) {
             PoolToken *t = PyObject_New(PoolToken, &PoolTokenType);
             if (t == NULL) {
+                direct_free(self, ptr, pv, d, g, 0);  /* the block goes back with mp: its free now */
                 rc = -1;
             } else {
                 Py_INCREF(self);
                 Py_INCREF(ptr);
                 t->owner = self;
                 t->ptr = ptr;
+                t->p = pv;
                 t->d = d;
                 t->generation = g;
                 rc = PyObject_SetAttr(mem, S_token, (PyObject *)t);
@@ -1806,12 +1919,9 @@ PoolDirect_init(PoolDirect *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "PoolDirect: already initialised (its blocks' frees go to its tables)");
         return -1;
     }
-    PyObject *generations = PyDict_New(), *zero = PyLong_FromLong(0);
-    if (generations == NULL || zero == NULL) {
-        Py_XDECREF(generations);
-        Py_XDECREF(zero);
+    PyObject *zero = PyLong_FromLong(0);
+    if (zero == NULL)
         return -1;
-    }
     self->zero_obj = zero;
     Py_INCREF(acc);
     Py_INCREF(pool_malloc);
@@ -1825,7 +1935,6 @@ PoolDirect_init(PoolDirect *self, PyObject *args, PyObject *kwds)
     Py_XSETREF(self->oom, oom);
     Py_XSETREF(self->failed, failed);
     Py_XSETREF(self->recorded_freed, recorded_freed);
-    Py_XSETREF(self->generations, generations);
     if (guard != Py_None) {
         Py_XSETREF(self->guard, Py_NewRef(guard));
         Py_XSETREF(self->guard_deaths, Py_NewRef(guard_deaths));
@@ -1834,9 +1943,9 @@ PoolDirect_init(PoolDirect *self, PyObject *args, PyObject *kwds)
     if (stream_fn != NULL)
         Py_XSETREF(self->capsule, Py_NewRef(capsule));  /* its function must outlive this route */
     self->stream_fn = stream_fn;
-    self->last_h = -1;
-    self->last_hd = -1;
-    self->last_epoch = -1;
+    self->n_seen = self->next_seen = 0;
+    self->seen_d = -1;
+    self->seen_epoch = -1;
     self->vectorcall = PoolDirect_vectorcall;
     return 0;
 }
@@ -1849,7 +1958,6 @@ PoolDirect_traverse(PoolDirect *self, visitproc visit, void *arg)
     Py_VISIT(self->oom);
     Py_VISIT(self->failed);
     Py_VISIT(self->recorded_freed);
-    Py_VISIT(self->generations);
     Py_VISIT(self->held);
     Py_VISIT(self->guard);
     Py_VISIT(self->guard_deaths);
@@ -1866,7 +1974,6 @@ PoolDirect_clear(PoolDirect *self)
     Py_CLEAR(self->oom);
     Py_CLEAR(self->failed);
     Py_CLEAR(self->recorded_freed);
-    Py_CLEAR(self->generations);
     Py_CLEAR(self->held);
     Py_CLEAR(self->zero_obj);
     Py_CLEAR(self->guard);
@@ -1882,6 +1989,8 @@ PoolDirect_dealloc(PoolDirect *self)
 {
     PyObject_GC_UnTrack(self);
     PoolDirect_clear(self);
+    PyMem_Free(self->generations.slots);
+    self->generations = (GenMap){NULL, 0, 0};
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -1894,7 +2003,7 @@ PoolDirect_call(PyObject *self, PyObject *args, PyObject *kwargs)
 static int
 PoolDirect_ready(PoolDirect *o)
 {
-    if (o->acc == NULL || o->generations == NULL || o->recorded_freed == NULL || o->held == NULL) {
+    if (o->acc == NULL || o->recorded_freed == NULL || o->held == NULL) {
         PyErr_SetString(PyExc_TypeError, "PoolDirect: not initialised");
         return 0;
     }
@@ -1906,7 +2015,18 @@ PoolDirect_generations(PoolDirect *self, void *Py_UNUSED(closure))
 {
     if (!PoolDirect_ready(self))
         return NULL;
-    return PyDict_Copy(self->generations);
+    PyObject *out = PyDict_New();
+    for (size_t i = 0; out != NULL && self->generations.mask && i <= self->generations.mask; i++) {
+        GenSlot e = self->generations.slots[i];
+        if (e.key == 0)
+            continue;
+        PyObject *k = PyLong_FromUnsignedLongLong(e.key), *v = k ? PyLong_FromLongLong(e.gen) : NULL;
+        if (v == NULL || PyDict_SetItem(out, k, v) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+    }
+    return out;
 }
 
 /* The token of this PoolDirect in memory object mem's __dict__, if it is the one
@@ -1928,13 +2048,8 @@ current_token(PoolDirect *self, PyObject *mem)
     if (tok == NULL || !Py_IS_TYPE(tok, &PoolTokenType) || ((PoolToken *)tok)->owner != self)
         return NULL;
     PoolToken *t = (PoolToken *)tok;
-    PyObject *cur = PyDict_GetItemWithError(self->generations, t->ptr);  /* borrowed */
-    if (cur == NULL)
-        return NULL;
-    long long g = PyLong_AsLongLong(cur);
-    if (g == -1 && PyErr_Occurred())
-        return NULL;
-    return g == t->generation ? t : NULL;
+    long long g;
+    return gen_get(&self->generations, t->p, &g) && g == t->generation ? t : NULL;
 }
 
 /* hold(mem): keep CuPy's memory object mem in `held` if it is one this route
@@ -2042,7 +2157,7 @@ PoolDirect_free_early(PoolDirect *self, PyObject *ptr)
         Py_RETURN_FALSE;
     }
     Py_INCREF(t);  /* direct_free runs Python code (recorded_freed) */
-    int rc = direct_free(self, t->ptr, t->d, t->generation, 1);
+    int rc = direct_free(self, t->ptr, t->p, t->d, t->generation, 1);
     Py_DECREF(t);
     if (rc < 0)
         return NULL;

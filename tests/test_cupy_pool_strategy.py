@@ -186,6 +186,35 @@ def test_route_direct_counts_a_block_the_pool_gave_out_again_before_its_free_was
 
 
 @needs_c
+def test_route_direct_counts_thousands_of_blocks_freed_in_random_order():
+    """The route's table of the block counted at each pointer (a C hash table
+    that grows and closes the gaps its deletions leave) stays exact through
+    growth and random frees."""
+    import random
+
+    s, d, pool, _ = _direct()
+    rng = random.Random(15)
+    live, expected, gen = {}, {}, 0
+    for step in range(20_000):
+        if live and (rng.random() < 0.45 or len(live) > 3000):
+            ptr = rng.choice(list(live)) if step % 7 else next(iter(live))
+            del live[ptr], expected[ptr]
+        else:
+            mp = d(rng.choice((512, 4096, 1 << 20)))
+            gen += 1
+            assert mp.ptr not in live
+            live[mp.ptr], expected[mp.ptr] = mp, gen
+        if step % 997 == 0:
+            assert d.generations == expected
+    assert d.generations == expected
+    st = s.stats()
+    assert st.n_live == len(live) and st.bytes_in_use == sum(m.mem.size for m in live.values())
+    mp = None
+    live.clear()
+    assert d.generations == {} and s.stats().bytes_in_use == 0
+
+
+@needs_c
 def test_route_direct_out_of_memory_goes_to_the_strategys_recovery_and_other_errors_pass():
     s, d, pool, calls = _direct()
     with pytest.raises(MemoryError, match="strategy out of memory for 1099511627776"):
@@ -797,6 +826,48 @@ def test_route_direct_watches_a_new_stream_on_a_cached_handle_when_the_wait_came
     s.raw_free(s.raw_malloc(MiB))  # on the null stream: waits, covers A's death
     assert s.guard.pending == [False]
     _a_new_stream_at_h_allocates_dies_then_the_next_one_waits(fake, d, h)
+
+
+@needs_c
+def test_route_direct_switches_between_a_few_watched_streams_without_asking_the_guard(monkeypatch):
+    """A pipeline over four streams asks the guard once per stream; once a watched stream dies
+    each is asked again, and a new stream at the dead one's handle is watched (the next one
+    there waits for its work). More streams than the route remembers are asked again."""
+    import gc
+
+    fake, s, d = _direct_with_capsule(monkeypatch)
+    calls = []
+    before = s.guard.before_allocation
+    monkeypatch.setattr(s.guard, "before_allocation", lambda st, dev: calls.append(st.ptr) or before(st, dev))
+    s._direct = d = s._pool_direct(s._malloc.__self__, s._pool.malloc, _PoolOOM)  # with the counting guard
+    streams = [fake.stream(non_blocking=True) for _ in range(4)]
+    keep = []
+    for _ in range(5):
+        for st in streams:
+            with st:
+                keep.append(d(4096))
+    assert sorted(calls) == sorted(st.ptr for st in streams)  # once each, then in C
+    keep.clear()
+    A = streams.pop()
+    h = A.ptr
+    del A, st
+    gc.collect()
+    n = len(calls)
+    for st in streams:
+        with st:
+            keep.append(d(4096))
+    assert sorted(calls[n:]) == sorted(x.ptr for x in streams) and s.guard.n_syncs == [1]
+    keep.clear()
+    _a_new_stream_at_h_allocates_dies_then_the_next_one_waits(fake, d, h)
+
+    many = [fake.stream(non_blocking=True) for _ in range(10)]
+    n = len(calls)
+    for _ in range(3):
+        for st in many:
+            with st:
+                keep.append(d(4096))
+    assert len(calls) - n > len(many)  # the route remembers 8: the others are asked again
+    assert s.stats().n_live == len(keep)
 
 
 @needs_c

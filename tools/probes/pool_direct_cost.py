@@ -33,11 +33,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CUTS = {
     "no-dict": [("rc = PyObject_SetAttr(mem, S_token, (PyObject *)t);", "rc = 0;")],
     "no-accounting": [
-        ("rc = gen == NULL ? -1 : account_malloc(acc, d, device, ptr, size);", "rc = gen == NULL ? -1 : 0;"),
-        ("    PyObject *size = live_pop(acc, d, ptr);\n    if (size == NULL)\n        return PyErr_Occurred() ? -1 : 0;\n"
-         "    int rc = account_free(acc",
-         "    if (1)\n        return 0;\n    PyObject *size = live_pop(acc, d, ptr);\n    if (size == NULL)\n"
-         "        return PyErr_Occurred() ? -1 : 0;\n    int rc = account_free(acc"),
+        ("        if (rc == 0)\n            rc = gen_set(&self->generations, pv, g);\n"
+         "        if (rc == 0 && (rc = account_malloc(acc, d, device, ptr, size)) < 0)\n"
+         "            gen_del(&self->generations, pv);\n", ""),
+        ("    Accounting *acc = o->acc;\n    long long c;\n",
+         "    if (1)\n        return 0;\n    Accounting *acc = o->acc;\n    long long c;\n"),
     ],
     "bare": [("    PyObject *mem = PyObject_GetAttr(mp, S_mem), *ptr = NULL, *size = NULL, *device = NULL;",
               "    if (1)\n        return mp;\n    PyObject *mem = PyObject_GetAttr(mp, S_mem), *ptr = NULL, *size = NULL, "
