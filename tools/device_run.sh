@@ -83,6 +83,12 @@
 #                                         one run, the pool_direct_cost and hot_path_floor probes, bench
 #                                         workloads (9 rounds, pooling strategies, A/A control), then
 #                                         tests/gpu (call16_json.tgz)
+#   tools/device_run.sh call17            (carry .whl) bench alloc, managed and async in one run, bench
+#                                         workloads (9 rounds, pooling strategies, A/A control), managed-large
+#                                         cold, then tests/gpu (call17_json.tgz)
+#   tools/device_run.sh call18            (carry .cupy_tests) the pool_direct_cost and hot_path_floor
+#                                         probes, then the plugin's cost on CuPy's subset: a warm-up, then
+#                                         plain and --gpumem in three rotated rounds (call18_json.tgz)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -425,6 +431,49 @@ if [ "$part" = call16 ]; then
   step tests/gpu
   timeout ${GPU_TIMEOUT:-330} python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$J/tests_gpu.xml"
   tar -czf "$OUT/call16_json.tgz" -C /tmp call16_json
+fi
+
+if [ "$part" = call17 ]; then
+  # the final hot path: the allocation benches side by side, bench workloads for the pooling
+  # strategies and managed-large cold, then tests/gpu in full, last so that a cut run keeps the benches
+  J=/tmp/call17_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"
+  python3 -m cupy_memstrat info | tail -6
+  BENCH_DIR=$J benches alloc managed async
+  tar -czf "$OUT/call17_json.tgz" -C /tmp call17_json
+  step "bench workloads (warm programs, pooling strategies)"
+  python3 -m cupy_memstrat bench workloads --rounds 9 --strategies "pool;async;managed" \
+    --only cg-poisson,fft-convolution,kmeans,monte-carlo,multi-stream --json "$J/bench-workloads.json"
+  step "bench workloads managed-large (cold)"
+  python3 -m cupy_memstrat bench workloads --rounds 5 --strategies "pool;async;managed" --only managed-large \
+    --json "$J/bench-workloads-cold.json"
+  tar -czf "$OUT/call17_json.tgz" -C /tmp call17_json
+  step tests/gpu
+  timeout ${GPU_TIMEOUT:-330} python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$J/tests_gpu.xml"
+  tar -czf "$OUT/call17_json.tgz" -C /tmp call17_json
+fi
+
+if [ "$part" = call18 ]; then
+  # where pool's time goes now, the PythonFunctionAllocator floor, then the plugin's cost on
+  # CuPy's subset (issue 18): a warm-up, then plain and --gpumem in three rotated rounds
+  J=/tmp/call18_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"
+  step "probe: where pool's direct route spends its time"
+  python3 tools/probes/pool_direct_cost.py --json "$J/pool_direct_cost.json"
+  step "probe: the floor of an allocator behind a PythonFunctionAllocator"
+  python3 tools/probes/hot_path_floor.py --json "$J/hot_path_floor.json" device managed pool
+  tar -czf "$OUT/call18_json.tgz" -C /tmp call18_json
+  if [ -d .cupy_tests/tests ]; then
+    R=$J/plugin; mkdir -p $R
+    step "plugin cost: warm-up, then plain and --gpumem in three rotated rounds"
+    run_subset $R warmup
+    for mode in plain measure measure plain plain measure; do
+      n=$(ls $R/${mode}_*.xml 2>/dev/null | wc -l)
+      if [ $mode = plain ]; then run_subset $R plain_$((n + 1)); \
+      else run_subset $R measure_$((n + 1)) --gpumem --gpumem-budget=64GiB --gpumem-leaks=fail; fi
+    done
+  fi
+  tar -czf "$OUT/call18_json.tgz" -C /tmp call18_json
 fi
 
 if [ "$part" = call4 ]; then
