@@ -86,8 +86,8 @@
 #   tools/device_run.sh call17            (carry .whl) bench alloc, managed and async in one run, bench
 #                                         workloads (9 rounds, pooling strategies, A/A control), managed-large
 #                                         cold, then tests/gpu (call17_json.tgz)
-#   tools/device_run.sh call18            (carry .cupy_tests) the pool_direct_cost and hot_path_floor
-#                                         probes, then the plugin's cost on CuPy's subset: a warm-up, then
+#   tools/device_run.sh call18            (carry .cupy_tests) the pool_direct_cost, hot_path_floor and
+#                                         torch_pluggable probes, then the plugin's cost on CuPy's subset: a warm-up, then
 #                                         plain and --gpumem in three rotated rounds (call18_json.tgz)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
@@ -462,6 +462,8 @@ if [ "$part" = call18 ]; then
   python3 tools/probes/pool_direct_cost.py --json "$J/pool_direct_cost.json"
   step "probe: the floor of an allocator behind a PythonFunctionAllocator"
   python3 tools/probes/hot_path_floor.py --json "$J/hot_path_floor.json" device managed pool
+  step "probe: PyTorch allocating through a strategy (CUDAPluggableAllocator)"
+  timeout 300 python3 tools/probes/torch_pluggable.py --json "$J/torch_pluggable.json"
   tar -czf "$OUT/call18_json.tgz" -C /tmp call18_json
   if [ -d .cupy_tests/tests ]; then
     R=$J/plugin; mkdir -p $R
