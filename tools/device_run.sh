@@ -89,6 +89,7 @@
 #   tools/device_run.sh call18            (carry .cupy_tests) the pool_direct_cost, hot_path_floor and
 #                                         torch_pluggable probes, then the plugin's cost on CuPy's subset: a warm-up, then
 #                                         plain and --gpumem in three rotated rounds (call18_json.tgz)
+#   tools/device_run.sh call19            the torch_pluggable probe alone, with each child's last step
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -476,6 +477,16 @@ if [ "$part" = call18 ]; then
     done
   fi
   tar -czf "$OUT/call18_json.tgz" -C /tmp call18_json
+fi
+
+if [ "$part" = call19 ]; then
+  # the CUDAPluggableAllocator probe again, with the step each child reached (call18's
+  # pluggable-pool child died of SIGSEGV before its output could be kept)
+  J=/tmp/call19_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"
+  step "probe: PyTorch allocating through a strategy (CUDAPluggableAllocator)"
+  timeout 300 python3 tools/probes/torch_pluggable.py --json "$J/torch_pluggable.json"
+  tar -czf "$OUT/call19_json.tgz" -C /tmp call19_json
 fi
 
 if [ "$part" = call4 ]; then

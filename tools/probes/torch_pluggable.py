@@ -52,6 +52,10 @@ CHILD = r"""
 import ctypes, json, statistics, sys, threading, time
 mode, so = sys.argv[1], sys.argv[2]
 out = {"mode": mode}
+
+def at(step):  # on stderr, so that a crash shows where it came
+    print("at:", step, file=sys.stderr, flush=True)
+
 import torch
 if mode != "native":
     import cupy
@@ -103,11 +107,13 @@ def pairs(n, k):
     return (time.perf_counter() - t0) / k * 1e6
 
 torch.cuda.init()
+at("timing")
 for n in (512, 1 << 20):
     pairs(n, 2000)
     out[f"pair_us_{n}"] = statistics.median(pairs(n, 20000) for _ in range(7))
 torch.cuda.synchronize()
 if mode == "pluggable-pool":
+    at("backward")
     main = threading.get_ident()
     x = torch.ones(1 << 16, device="cuda", requires_grad=True)
     ((x * 2).sin().sum()).backward()
@@ -115,17 +121,20 @@ if mode == "pluggable-pool":
     out["backward_ok"] = bool(torch.allclose(x.grad, 2 * torch.cos(2 * torch.ones_like(x))))
     out["threads_calling_in"] = len(calls["threads"])
     out["a_thread_other_than_the_main_one_called_in"] = any(t != main for t in calls["threads"])
+    at("record_stream")
     n_alloc, n_free = calls["alloc"], calls["free"]
     side = torch.cuda.Stream()
     t = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
     t.record_stream(side)
     out["record_stream_calls_into_the_allocator"] = (calls["alloc"], calls["free"]) != (n_alloc + 1, n_free)
     del t
+    at("memory_allocated")
     try:
         torch.cuda.memory_allocated()
         out["memory_allocated"] = "answers"
     except Exception as exc:  # noqa: BLE001
         out["memory_allocated"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    at("refused allocation")
     refused = calls["refused"]
     try:
         big = torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # 1 PiB: the strategy refuses
@@ -136,7 +145,8 @@ if mode == "pluggable-pool":
         out["refused_allocation"] = {"raised": f"{type(exc).__name__}: {str(exc).splitlines()[0]}",
                                      "strategy_refused": calls["refused"] - refused}
     out["strategy_stats"] = str(s.stats())
-print(json.dumps(out))
+print(json.dumps(out), flush=True)
+at("exit, with x and its gradient alive as a program leaves them")
 """
 
 
@@ -153,12 +163,13 @@ def main() -> int:
         subprocess.run(cc + ["-shared", "-fPIC", "-O2", c, "-o", so], check=True)
         for mode in ("native", "pluggable-floor", "pluggable-pool"):
             r = subprocess.run([sys.executable, "-c", CHILD, mode, so], capture_output=True, text=True, timeout=240)
-            if r.returncode != 0:
-                res["modes"][mode] = {"rc": r.returncode, "stderr_tail": r.stderr[-2000:]}
-            else:
-                res["modes"][mode] = json.loads(r.stdout.strip().splitlines()[-1])
-                if r.stderr.strip():
-                    res["modes"][mode]["stderr_tail"] = r.stderr[-1500:]
+            lines = [ln for ln in r.stdout.strip().splitlines() if ln.startswith("{")]
+            res["modes"][mode] = json.loads(lines[-1]) if lines else {}
+            res["modes"][mode]["rc"] = r.returncode  # -11: the process died of SIGSEGV
+            steps = [ln[4:] for ln in r.stderr.splitlines() if ln.startswith("at: ")]
+            res["modes"][mode]["last_step"] = steps[-1] if steps else None
+            if r.returncode != 0 or r.stderr.strip():
+                res["modes"][mode]["stderr_tail"] = r.stderr[-1500:]
             print(mode, json.dumps(res["modes"][mode]), flush=True)
     native = res["modes"].get("native", {})
     for mode, v in res["modes"].items():
