@@ -12,13 +12,17 @@ table, the :class:`~cupy_memstrat.Stats` counters (exact under threads),
 origin tracking, out-of-memory errors, invalid frees, and the CuPy allocator
 callable.
 
-The hot path takes no lock: each allocation is one dict insert and one
-``list.append`` of its size to a per-device event buffer (a free: one dict
-pop and one append of minus its size), operations that are atomic in CPython.
-(A list, not an ``array('q')``: its append costs about a seventh as much.)
-:meth:`Strategy.stats` folds that buffer, in order, into the counters, so
-``peak_bytes_in_use`` is the exact peak of that sequence, also with many
-threads. Taking no lock also
+The hot path takes no lock. In C (below) each allocation is one dict insert
+and an update of the device's counts, C integers (the running sum of sizes,
+its largest value, the numbers of allocations and frees; a free: one dict pop
+and the same update), all under the GIL with no Python code in between;
+:meth:`Strategy.stats` drains them into the counters in one C call. In Python
+each allocation is one dict insert and one ``list.append`` of its size to a
+per-device event buffer (a free: one dict pop and one append of minus its
+size), operations that are atomic in CPython, and :meth:`Strategy.stats`
+folds that buffer, in order, into the counters. Either way
+``peak_bytes_in_use`` is the exact peak of the sequence of allocations and
+frees, also with many threads. Taking no lock also
 matters because CuPy frees memory from finalisers, which the garbage collector
 can run in the middle of an allocation on the same thread: a lock there
 deadlocks (seen on the H200 with CuPy's test suite).
@@ -291,9 +295,10 @@ class Strategy:
         self._track_origins = self.config["track_origins"]
         self._Error = backend.Error
         n = backend.device_count()
-        # Per device: live pointer -> size, and +size / -size events appended
-        # lock-free, folded into the counters by _fold() (stats, reset_peak,
-        # or a long buffer). Origins (track_origins=True) are kept aside.
+        # Per device: live pointer -> size, and the Python hot path's +size / -size
+        # events appended lock-free, folded into the counters by _fold() (stats,
+        # reset_peak, or a long buffer; the C hot path's counts are drained there
+        # too). Origins (track_origins=True) are kept aside.
         self._live: list[dict[int, int]] = [{} for _ in range(n)]
         self._origins: dict[int, object] = {}
         self._events: list[list[int]] = [[] for _ in range(n)]
@@ -427,7 +432,8 @@ class Strategy:
         > 0 and the current device; ``free`` gets the allocating device as a
         hint. A strategy with a faster way may override this; it must keep
         the same accounting: ``events[device].append(+size)`` before the
-        ``live`` insert, ``append(-size)`` after the ``live`` pop.
+        ``live`` insert, ``append(-size)`` after the ``live`` pop (or, in C,
+        an ``Accounting`` from :meth:`_new_accounting`).
         """
         allocate, deallocate, Error = self._allocate, self._deallocate, self._Error
         events, live, origins = self._events, self._live, self._origins
