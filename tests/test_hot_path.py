@@ -216,3 +216,40 @@ def test_a_bad_hot_path_setting_is_refused_at_use_also_on_the_fake(monkeypatch, 
     with pytest.raises(ValueError, match="CUPY_MEMSTRAT_HOT_PATH='bogus': expected one of auto, c, python"):
         cupy_memstrat.use("device", backend=FakeBackend(memory="1GiB"))
     assert cupy.cuda.get_allocator() is before  # nothing installed
+
+
+@needs_c
+@pytest.mark.parametrize("name", ["device", "managed", "async", "pool"])
+def test_both_hot_paths_count_a_random_sequence_alike(monkeypatch, name):
+    """The C hot path keeps its counts in C and hands them over at each read; the
+    Python one folds a list of events. The same random sequence of allocations,
+    frees, reads and peak resets on two devices gives the same statistics after
+    every step (peaks included), on each hot path."""
+    import random
+
+    runs = {}
+    for hot_path in ("c", "python"):
+        monkeypatch.setenv(base.HOT_PATH_ENV, hot_path)
+        fake = FakeBackend(devices=2, memory=["1GiB", "1GiB"])
+        s = cupy_memstrat.create(name, backend=fake)
+        rng, live, seen = random.Random(20261202), [], []
+        for step in range(3000):
+            r = rng.random()
+            if r < 0.45 or not live:
+                dev = rng.randrange(2)
+                fake.set_device(dev)
+                live.append((s.raw_malloc(rng.choice((1, 512, 4000, 1 << 20, 3 << 20))), dev))
+            elif r < 0.9:
+                ptr, dev = live.pop(rng.randrange(len(live)))
+                s.raw_free(ptr)
+            elif r < 0.97:
+                seen.append([s.stats(d) for d in (0, 1)])
+            else:
+                s.reset_peak(rng.randrange(2))
+        seen.append([s.stats(d) for d in (0, 1)])
+        assert s.hot_path == hot_path
+        runs[hot_path] = seen
+        for ptr, _ in live:
+            s.raw_free(ptr)
+        assert all(s.stats(d).n_live == 0 and s.stats(d).bytes_in_use == 0 for d in (0, 1))
+    assert runs["c"] == runs["python"]
