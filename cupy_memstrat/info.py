@@ -132,6 +132,9 @@ def collect(backend=None) -> dict:
                 hp["pool_route"] = route_status(hp["hot_path"], cuda=False)
     except (MemstratError, ValueError) as exc:  # ValueError: a bad CUPY_MEMSTRAT_BACKEND
         report["error"] = str(exc)
+        pr = report["hot_path"].get("pool_route")
+        if pr and pr.get("route") == "direct":  # no device here: what a pool would take on one
+            pr["reason"] = f"on a CUDA device ({pr['reason']}); there is none here"
         from . import faults
 
         report["page_fault_counters"] = faults.status()  # never raises; says why not

@@ -22,7 +22,10 @@ class Stats:
     Attributes:
         device: CUDA device ordinal.
         strategy: the strategy's name.
-        bytes_in_use: bytes of live allocations, as requested by CuPy.
+        bytes_in_use: bytes of live allocations, as CuPy sees them
+            (``memptr.mem.size``): rounded up to a multiple of 512 by the
+            pooling strategies, as CuPy's pool rounds; as requested by
+            ``device``.
         peak_bytes_in_use: highest ``bytes_in_use`` since creation or the last
             :meth:`~cupy_memstrat.Strategy.reset_peak`.
         bytes_reserved: bytes the strategy holds from CUDA (in use + cached).
@@ -30,7 +33,8 @@ class Stats:
         peak_bytes_reserved: highest ``bytes_reserved``, reset likewise.
         n_allocs, n_frees: successful allocations and frees of non-empty blocks.
         n_live: allocations not yet freed (``n_allocs - n_frees``).
-        n_failed: allocation requests that raised ``OutOfMemoryError``.
+        n_failed: allocation requests that raised (``OutOfMemoryError``, or
+            the CUDA error of a failure other than out of memory).
         n_invalid_frees: frees of pointers the strategy did not own (unknown
             or already freed); each was warned about and ignored.
         n_oom_recoveries: allocations that CUDA (or the managed guard) first

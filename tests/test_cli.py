@@ -91,7 +91,10 @@ def test_info_without_gpu_says_why_and_fails():
     assert r.returncode == 1
     assert "GPU: " in r.stdout and ("no CUDA device is available" in r.stdout or "CuPy is not installed" in r.stdout)
     r = _run("info", "--json")
-    assert r.returncode == 1 and "error" in json.loads(r.stdout)
+    doc = json.loads(r.stdout)
+    assert r.returncode == 1 and "error" in doc
+    pr = doc["hot_path"].get("pool_route")
+    assert pr is None or pr["route"] == "wrap" or pr["reason"].startswith("on a CUDA device (")
 
 
 @pytest.mark.skipif(_has_gpu(), reason="a GPU is present")
