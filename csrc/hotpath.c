@@ -558,8 +558,13 @@ count_of(PyObject *size)
 {
     long long n = PyLong_AsLongLong(size);
     if (n < 0) {
-        if (!PyErr_Occurred())
+        if (PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_OverflowError, "cupy_memstrat: a block of %R bytes is more than the statistics "
+                         "count (at most 2**63 - 1 bytes)", size);
+        } else if (!PyErr_Occurred()) {
             PyErr_Format(PyExc_ValueError, "cupy_memstrat: a block's size must be >= 0, got %R", size);
+        }
         return -1;
     }
     return n;
@@ -1784,7 +1789,13 @@ direct_guard(PoolDirect *self, Py_ssize_t d, PyObject *device)
             self->seen_d = d;
             self->seen_epoch = deaths;  /* read before the call: a death during it makes the next malloc ask */
         }
-        int i = self->n_seen < GUARD_SEEN ? self->n_seen++ : self->next_seen++ % GUARD_SEEN;
+        int i = self->n_seen;
+        if (i < GUARD_SEEN) {
+            self->n_seen++;
+        } else {  /* full: replace the oldest (next_seen stays in [0, GUARD_SEEN)) */
+            i = self->next_seen;
+            self->next_seen = (i + 1) % GUARD_SEEN;
+        }
         self->seen[i] = h;
     }
     return 0;

@@ -153,9 +153,7 @@ class _RecordingAllocator:
 def _recording_allocator(strategy, h: History) -> _RecordingAllocator:
     from .strategies import base
 
-    malloc, free = strategy._malloc, strategy._free
-    if malloc is None:
-        malloc, free = strategy._build_hot_path()
+    malloc, free = strategy._hot_path()
     events, clock, origins, live = h.events, time.perf_counter_ns, h.origins, strategy._live
     # the strategy's track_origins=N frames (as configured: the checking layer tracks one frame
     # on its own whatever it was given), else one

@@ -253,3 +253,39 @@ def test_both_hot_paths_count_a_random_sequence_alike(monkeypatch, name):
             s.raw_free(ptr)
         assert all(s.stats(d).n_live == 0 and s.stats(d).bytes_in_use == 0 for d in (0, 1))
     assert runs["c"] == runs["python"]
+
+
+@needs_c
+def test_threads_making_a_strategys_first_allocations_at_once_build_one_hot_path(monkeypatch):
+    """Two C hot paths would each count on their own, and the peak drained from them
+    one after the other would be wrong: a second thread arriving while the first
+    builds waits for that build (it would reach the build within the wait here)."""
+    import threading
+
+    MiB = 1 << 20
+    s = cupy_memstrat.create("device", backend=FakeBackend())
+    real = base.Strategy._build_hot_path
+    builders, entered, second = [], threading.Event(), threading.Event()
+
+    def build(self):
+        builders.append(threading.get_ident())
+        if len(builders) == 1:
+            entered.set()
+            second.wait(0.5)  # the other thread, if nothing stops it, is building too by now
+        else:
+            second.set()
+        return real(self)
+
+    monkeypatch.setattr(base.Strategy, "_build_hot_path", build)
+    ptrs = []
+    threads = [threading.Thread(target=lambda: ptrs.append(s.raw_malloc(MiB))) for _ in range(2)]
+    threads[0].start()
+    assert entered.wait(5)
+    threads[1].start()
+    for t in threads:
+        t.join()
+    assert len(builders) == 1 and len(s._drains) == 1
+    st = s.stats()
+    assert st.n_allocs == 2 and st.bytes_in_use == st.peak_bytes_in_use == 2 * MiB
+    for p in ptrs:
+        s.raw_free(p)

@@ -278,10 +278,7 @@ class CheckedStrategy(Strategy):
     # -- the hot path --------------------------------------------------------------------------
     def _build_hot_path(self):
         inner = self.inner
-        if inner._malloc is not None:
-            inner_malloc, inner_free = inner._malloc, inner._free
-        else:
-            inner_malloc, inner_free = inner._build_hot_path()
+        inner_malloc, inner_free = inner._hot_path()
         self._inner_free = inner_free
         b = self.backend
         current_stream, memset = b.current_stream, b.memset_async

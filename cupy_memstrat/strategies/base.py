@@ -306,7 +306,8 @@ class Strategy:
         self._drains: list = []  # drain(device) of each C hot path's counts (_new_accounting)
         self._fold_lock = threading.RLock()
         self._cupy_malloc = self._pfa = None
-        self._malloc = self._free = None  # the hot path, built on first use
+        self._malloc = self._free = None  # the hot path, built on first use (_hot_path)
+        self._build_lock = threading.RLock()  # one build, whichever threads allocate first
         #: "c" or "python": the hot path built on first use (None before).
         self.hot_path: str | None = None
         self._pinned = False
@@ -397,7 +398,7 @@ class Strategy:
             return 0
         if not self._pinned:
             self._pin()
-        return (self._malloc or self._build_hot_path()[0])(size, current)
+        return (self._malloc or self._hot_path()[0])(size, current)
 
     def raw_free(self, ptr: int, device: int | None = None) -> None:
         """Free a pointer from :meth:`raw_malloc`.
@@ -420,7 +421,18 @@ class Strategy:
             ptr = operator.index(ptr)
         if device is not None and (type(device) is not int or not 0 <= device < len(self._live)):
             device = None  # a bad hint: the block is found by its pointer
-        (self._free or self._build_hot_path()[1])(ptr, device, 2)
+        (self._free or self._hot_path()[1])(ptr, device, 2)
+
+    def _hot_path(self):
+        """``(malloc, free)``, built by :meth:`_build_hot_path` once: threads
+        making a strategy's first allocations at the same time get the same
+        two functions (two C hot paths would each keep counts of their own, and
+        the peak drained from them one after the other would not be the peak)."""
+        if self._malloc is None:
+            with self._build_lock:
+                if self._malloc is None:
+                    self._build_hot_path()
+        return self._malloc, self._free
 
     def _build_hot_path(self):
         """Build ``malloc(size, device) -> ptr`` and ``free(ptr, device)``,
@@ -1193,7 +1205,7 @@ class Strategy:
         return cupy_malloc, pfa
 
     def _make_cupy_malloc(self):
-        malloc, free = self._build_hot_path() if self._malloc is None else (self._malloc, self._free)
+        malloc, free = self._hot_path()
         cupy_malloc, pfa = self._cupy_route(malloc, free)
         if pfa is not None:
             self._pfa = pfa
