@@ -314,13 +314,17 @@ def stats(device: int | None = None) -> Stats:
     return _require_current().stats(device)
 
 
-def reset_peak(device: int | None = None) -> None:
-    """:meth:`Strategy.reset_peak` of :func:`current`.
+def reset_peak(device: int | None = None, *, reserved: bool = True) -> None:
+    """:meth:`Strategy.reset_peak` of :func:`current`: the peaks of
+    ``device`` (default: current) set to the present values, the reserved
+    one too unless ``reserved=False``.
 
     Raises:
         NoStrategyError: no strategy is installed in this thread.
+        TypeError: ``reserved`` is not True or False.
+        ValueError, TypeError: ``device`` is not a device ordinal.
     """
-    _require_current().reset_peak(device)
+    _require_current().reset_peak(device, reserved=reserved)
 
 
 def live_allocations(device: int | None = None) -> list[Allocation]:

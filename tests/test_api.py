@@ -151,6 +151,23 @@ def test_module_level_views_follow_current(fake):
     assert s.stats().peak_bytes_in_use == 4096 and s.stats().bytes_in_use == 0
 
 
+def test_reset_peak_at_module_level_takes_reserved_and_refuses_a_non_bool(fake):
+    s = cupy_memstrat.use("managed", backend=fake)
+    a = s.raw_malloc(4 << 20)
+    s.raw_free(s.raw_malloc(8 << 20))
+    before = s.stats()
+    for bad in ("no", 0, None):
+        with pytest.raises(TypeError, match=f"reset_peak: reserved must be True or False, got {bad!r}"):
+            cupy_memstrat.reset_peak(reserved=bad)
+        assert s.stats() == before  # nothing reset
+    cupy_memstrat.reset_peak(reserved=False)
+    st = s.stats()
+    assert st.peak_bytes_in_use == 4 << 20 and st.peak_bytes_reserved == before.peak_bytes_reserved
+    cupy_memstrat.reset_peak()
+    assert s.stats().peak_bytes_reserved == s.stats().bytes_reserved
+    s.raw_free(a)
+
+
 def test_a_finaliser_freeing_in_the_middle_of_an_allocation_neither_deadlocks_nor_miscounts(fake):
     """CuPy frees from finalisers, which the garbage collector can run at any
     call inside an allocation on the same thread (a lock there hung CuPy's
@@ -158,7 +175,7 @@ def test_a_finaliser_freeing_in_the_middle_of_an_allocation_neither_deadlocks_no
     call that the allocation path makes."""
     s = cupy_memstrat.create("device", backend=fake)
     victims = [s.raw_malloc(100, 0) for _ in range(200)]
-    malloc = s._build_hot_path()[0]  # the hot path CuPy calls
+    malloc = s._hot_path()[0]  # the hot path CuPy calls
     # At every C call of the Python hot path; the C hot path runs no Python code
     # of its own, so there at the call of the backend's malloc it makes.
     code, event_at = (malloc.__code__, "c_call") if s.hot_path == "python" else (type(fake).malloc.__code__, "call")

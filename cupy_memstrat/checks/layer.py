@@ -642,7 +642,6 @@ class CheckedStrategy(Strategy):
     def _release_oldest(self) -> None:
         ptr, padded, device, ent, info = self._quarantine.popleft()
         self._q_bytes -= padded
-        b = self.backend
         try:
             sptr = ent[2]
             if ent[1]() is None:

@@ -1028,7 +1028,14 @@ class Strategy:
     def reset_peak(self, device: int | None = None, *, reserved: bool = True) -> None:
         """Set the peaks of ``device`` (default: current) to the present
         values: the peak in use, and with ``reserved`` (default) the peak
-        reserved too (``reserved=False`` touches nothing in CUDA)."""
+        reserved too (``reserved=False`` touches nothing in CUDA).
+
+        Raises:
+            TypeError: ``reserved`` is not True or False (nothing is reset).
+            ValueError, TypeError: ``device`` is not a device ordinal.
+        """
+        if reserved is not True and reserved is not False:
+            raise TypeError(f"reset_peak: reserved must be True or False, got {reserved!r}")
         device = self._device_or_current(device)
         self._settle()
         with self._fold_lock:
