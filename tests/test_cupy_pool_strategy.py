@@ -887,9 +887,9 @@ def test_route_direct_does_not_cache_a_wrapper_of_a_stream_owned_elsewhere(monke
     _a_new_stream_at_h_allocates_dies_then_the_next_one_waits(fake, d, h)
 
 
-@needs_c
-@pytest.mark.parametrize("route", ["direct", "wrap"])
-def test_a_wait_that_raises_is_made_again_at_the_next_allocation(monkeypatch, route):
+def _b_at_a_dead_streams_handle(monkeypatch, route):
+    """A allocates through the route (or raw_malloc), dies with its kernel running; B gets
+    A's handle. Returns (fake, strategy, the allocation function, B)."""
     import gc
 
     fake, s, d = _direct_with_capsule(monkeypatch)
@@ -901,6 +901,13 @@ def test_a_wait_that_raises_is_made_again_at_the_next_allocation(monkeypatch, ro
     gc.collect()
     B = fake.stream(non_blocking=True)
     assert B.ptr == h
+    return fake, s, alloc, B
+
+
+@needs_c
+@pytest.mark.parametrize("route", ["direct", "wrap"])
+def test_a_wait_that_raises_is_made_again_at_the_next_allocation(monkeypatch, route):
+    fake, s, alloc, B = _b_at_a_dead_streams_handle(monkeypatch, route)
     real = fake.device_synchronize
 
     def interrupted(device):
@@ -922,17 +929,7 @@ def test_an_allocation_while_another_waits_for_the_device_waits_too(monkeypatch,
     """CuPy releases the GIL in cudaDeviceSynchronize: another thread allocating meanwhile must
     not find the death covered before the wait has returned (simulated: the allocation runs from
     inside the first one's wait)."""
-    import gc
-
-    fake, s, d = _direct_with_capsule(monkeypatch)
-    alloc = d if route == "direct" else s.raw_malloc
-    A = fake.stream(non_blocking=True)
-    h = A.ptr
-    _dies_with_its_kernel_running(fake, alloc, A)
-    del A
-    gc.collect()
-    B = fake.stream(non_blocking=True)
-    assert B.ptr == h
+    fake, s, alloc, B = _b_at_a_dead_streams_handle(monkeypatch, route)
     real, seen = fake.device_synchronize, []
 
     def wait(device):
