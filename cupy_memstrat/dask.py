@@ -139,6 +139,7 @@ class MemstratPlugin(WorkerPlugin):
         self._peaks: dict[int, int] = {}  # device -> the worker's peak in use before the last task's reset
         self.worker_address = None
         self._previous = None
+        self._said_displaced = False
         self._lock = threading.Lock()
         self._running: dict[str, tuple[float, int, int]] = {}  # key -> (start, device, in use at start)
         self._overlapped: set[str] = set()
@@ -286,12 +287,31 @@ class MemstratPlugin(WorkerPlugin):
                 p["left_bytes"] += rec.left_bytes
                 p["errors"] += finish == "error"
 
+    def displaced_by(self) -> str | None:
+        """``repr`` of CuPy's allocator on this worker when it is no longer this
+        plugin's strategy (another worker plugin, dask-cuda's ``RMMSetup`` for
+        one, or a task set it after ``setup``), else None: from then on the
+        strategy counts nothing CuPy allocates here."""
+        if self.strategy is None:
+            return None
+        if cupy_memstrat.current() is self.strategy:  # (also through our recording's allocator)
+            return None
+        import cupy
+
+        return repr(cupy.cuda.get_allocator())
+
     def records(self) -> dict:
         """This worker's records (picklable): ``stats``, ``tasks`` and ``prefixes``."""
+        displaced = self.displaced_by()
+        if displaced is not None and not self._said_displaced:
+            self._said_displaced = True
+            logging.getLogger("distributed.worker.cupy_memstrat").warning(
+                "cupy_memstrat.dask: on worker %s CuPy's allocator is now %s, set after MemstratPlugin(%r): "
+                "the strategy counts nothing CuPy allocates here since", self.worker_address, displaced, self.spec)
         with self._lock:
             return {"stats": self.worker_stats() if self.strategy is not None else None,
                     "strategy": self.strategy.name if self.strategy is not None else None,
-                    "error": self.setup_error,
+                    "error": self.setup_error, "displaced_by": displaced,
                     "tasks": [asdict(r) for r in self._tasks.values()],
                     "prefixes": [dict(p) for p in self._prefixes.values()]}
 
@@ -439,6 +459,13 @@ def _gather(client) -> dict:
             f"cupy_memstrat.dask: worker{'s' if len(failed) > 1 else ''} {', '.join(failed)} could not install the "
             f"strategy ({why}); register a MemstratPlugin they can run"
         )
+    displaced = sorted(a for a, r in got.items() if r.get("displaced_by"))
+    if displaced:
+        warnings.warn(
+            f"cupy_memstrat.dask: on worker{'s' if len(displaced) > 1 else ''} {', '.join(displaced)} CuPy's "
+            f"allocator was replaced after the MemstratPlugin (now {got[displaced[0]]['displaced_by']}; dask-cuda's "
+            "RMMSetup registered after it does this): the statistics there count only what CuPy allocated before; "
+            "register the MemstratPlugin last", RuntimeWarning, stacklevel=3)
     return got
 
 

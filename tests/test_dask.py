@@ -362,3 +362,49 @@ def test_the_workers_prometheus_endpoint_shows_their_gpu_memory(client):
         text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
         assert "dask_worker_cupy_memstrat_bytes" not in text
         assert "dask_worker_tasks" in text  # distributed's own metrics are still served
+
+
+class _SetsCuPysAllocator(distributed.WorkerPlugin):
+    """What dask-cuda's RMMSetup does with rmm_allocator_external_lib_list=["cupy"]: set CuPy's
+    allocator at setup (here to a CuPy pool of its own, as RMM is not installed in CI)."""
+
+    name = "sets-cupys-allocator"
+
+    def setup(self, worker):
+        import cupy
+
+        worker._test_pool = cupy.cuda.MemoryPool()
+        cupy.cuda.set_allocator(worker._test_pool.malloc)
+
+
+def test_an_allocator_set_after_the_plugin_is_named_not_silently_counted_as_nothing(client):
+    client.register_plugin(cmd.MemstratPlugin("device"))
+    with _no_warning():
+        cmd.stats(client)
+    client.register_plugin(_SetsCuPysAllocator())  # registered after ours: it wins for CuPy
+    try:
+        with pytest.warns(RuntimeWarning, match=r"CuPy's allocator was replaced after the MemstratPlugin \(now "
+                                                r"<built-in method malloc of cupy.cuda.memory.MemoryPool object.*register the MemstratPlugin last"):
+            st = cmd.stats(client)
+        assert all(s.strategy == "device" for s in st.values())
+        logs = client.get_worker_logs()
+        assert all(any("CuPy's allocator is now <built-in method malloc of cupy.cuda.memory.MemoryPool" in line for _, line in lines)
+                   for lines in logs.values())
+    finally:
+        client.unregister_worker_plugin(_SetsCuPysAllocator.name)
+    client.register_plugin(cmd.MemstratPlugin("device"))  # registered again, last: it wins, no warning
+    with _no_warning():
+        assert all(s.strategy == "device" for s in cmd.stats(client).values())
+
+
+class _no_warning:
+    def __enter__(self):
+        import warnings
+
+        self._w = warnings.catch_warnings(record=True)
+        self.seen = self._w.__enter__()
+        warnings.simplefilter("always")
+
+    def __exit__(self, *exc):
+        self._w.__exit__(*exc)
+        assert not [w for w in self.seen if "replaced after the MemstratPlugin" in str(w.message)]

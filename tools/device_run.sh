@@ -90,6 +90,8 @@
 #                                         torch_pluggable probes, then the plugin's cost on CuPy's subset: a warm-up, then
 #                                         plain and --gpumem in three rotated rounds (call18_json.tgz)
 #   tools/device_run.sh call19            the torch_pluggable probe alone, with each child's last step
+#   tools/device_run.sh call20            (carry .whl) tools/probes/dask_gpu_more.py: RMM's plugin in both
+#                                         orders, dask cuda worker --preload, record_history + plot (call20_json.tgz)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
 #                                         order ("default" = CuPy's pool, else a strategy spec),
 #                                         then each strategy compared with the last "default" run
@@ -487,6 +489,18 @@ if [ "$part" = call19 ]; then
   step "probe: PyTorch allocating through a strategy (CUDAPluggableAllocator)"
   timeout 300 python3 tools/probes/torch_pluggable.py --json "$J/torch_pluggable.json"
   tar -czf "$OUT/call19_json.tgz" -C /tmp call19_json
+fi
+
+if [ "$part" = call20 ]; then
+  # issue 19's last GPU paths (carry .whl: dask, distributed, dask-cuda, RMM): next to dask-cuda's
+  # RMM plugin in both orders, two `dask cuda worker --preload` workers, record_history and the
+  # side-by-side plot (tools/probes/dask_gpu_more.py)
+  J=/tmp/call20_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"
+  step "probe: dask_gpu_more"
+  timeout 420 python3 tools/probes/dask_gpu_more.py "$J"
+  echo "probe exit $?"
+  tar -czf "$OUT/call20_json.tgz" -C /tmp call20_json
 fi
 
 if [ "$part" = call4 ]; then
