@@ -545,11 +545,29 @@ except ImportError:  # pragma: no cover - distributed brings click
 
 if click is not None:
 
-    @click.command()
+    # distributed gives every preload of a worker the same arguments when they are one flat list, as
+    # `dask cuda worker` makes them (its own preload dask_cuda.initialize gets --create-cuda-context):
+    # the options of the others are taken here and left alone
+    @click.command(context_settings={"ignore_unknown_options": True})
     @click.option("--memstrat-strategy", default=None,
                   help="the cupy_memstrat strategy spec for this worker (default: $CUPY_MEMSTRAT, else pool)")
-    async def dask_setup(worker, memstrat_strategy):
-        """Register :class:`MemstratPlugin` on this worker at start-up."""
+    @click.argument("other_preloads_argv", nargs=-1, type=click.UNPROCESSED)
+    async def dask_setup(worker, memstrat_strategy, other_preloads_argv=()):
+        """Register :class:`MemstratPlugin` on this worker at start-up.
+
+        Arguments meant for the worker's other preloads are left to them.
+        Under ``dask cuda worker`` every preload gets the same arguments,
+        and dask-cuda's own preload (``dask_cuda.initialize``) refuses
+        ``--memstrat-strategy``, so that the worker starts without its CUDA
+        context made up front: there, set ``CUPY_MEMSTRAT`` in the worker's
+        environment instead (docs/dask.md); a warning in the worker's log
+        says so."""
+        if memstrat_strategy and other_preloads_argv:
+            logging.getLogger("distributed.worker.cupy_memstrat").warning(
+                "cupy_memstrat.dask: this worker's preloads share their arguments (%s), so the others get "
+                "--memstrat-strategy too, and a preload that knows no such option fails (dask cuda worker's own "
+                "dask_cuda.initialize does); set %s=%s in the worker's environment instead",
+                " ".join(other_preloads_argv), cupy_memstrat.api.ENV_VAR, memstrat_strategy)
         env = os.environ.get(cupy_memstrat.api.ENV_VAR, "")
         spec = memstrat_strategy or env.strip() or "pool"
         try:

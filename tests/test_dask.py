@@ -206,29 +206,62 @@ def test_the_scheduler_gets_each_workers_gpu_bytes_in_its_heartbeats(client):
     assert all(m["strategy"] == "device" and m["bytes_in_use"] >= 0 and "bytes_reserved" in m for m in got.values())
 
 
+class _CommandLineWorker:
+    """A scheduler and one `python -m dask worker SCHEDULER --preload ...` process on the fake backend."""
+
+    def __init__(self, tmp_path, args, env=None, argv=None):
+        self.env = dict(os.environ, CUPY_MEMSTRAT_BACKEND="fake:memory=1GiB")
+        self.env.pop("CUPY_MEMSTRAT", None)
+        self.env.update(env or {})
+        self.args, self.log_path = args, tmp_path / "worker.log"
+        self.argv = argv or [sys.executable, "-m", "dask", "worker", "{scheduler}", "--nthreads", "1", "--no-nanny",
+                             "--no-dashboard"]
+
+    def __enter__(self):
+        self.cluster = distributed.LocalCluster(n_workers=0, processes=True, dashboard_address=":0", silence_logs=50)
+        self.log = open(self.log_path, "w")
+        argv = [a.format(scheduler=self.cluster.scheduler_address) for a in self.argv]
+        self.worker = subprocess.Popen([*argv, *self.args], env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.client = distributed.Client(self.cluster)
+        self.client.wait_for_workers(1, timeout=60)
+        return self.client
+
+    def __exit__(self, *exc):
+        self.client.close()
+        self.worker.terminate()
+        self.worker.wait(30)
+        self.log.close()
+        self.cluster.close()
+
+
 def test_the_worker_command_line_preload_installs_the_strategy(tmp_path):
-    env = dict(os.environ, CUPY_MEMSTRAT_BACKEND="fake:memory=1GiB")
-    env.pop("CUPY_MEMSTRAT", None)
-    log = open(tmp_path / "worker.log", "w")
-    with distributed.LocalCluster(n_workers=0, processes=True, dashboard_address=":0", silence_logs=50) as cluster:
-        worker = subprocess.Popen([sys.executable, "-m", "dask", "worker", cluster.scheduler_address,
-                                   "--nthreads", "1", "--no-nanny", "--no-dashboard", "--preload", "cupy_memstrat.dask",
-                                   "--memstrat-strategy=async"], env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            with distributed.Client(cluster) as c:
-                c.wait_for_workers(1, timeout=60)
-                assert [s.strategy for s in cmd.stats(c).values()] == ["async"]
+    with _CommandLineWorker(tmp_path, ["--preload", "cupy_memstrat.dask", "--memstrat-strategy=async"]) as c:
+        assert [s.strategy for s in cmd.stats(c).values()] == ["async"]
 
-                def make(n):  # defined here: sent by value (this worker cannot import the test module)
-                    import cupy
+        def make(n):  # defined here: sent by value (this worker cannot import the test module)
+            import cupy
 
-                    return int(cupy.empty(n, dtype=cupy.uint8).nbytes)
+            return int(cupy.empty(n, dtype=cupy.uint8).nbytes)
 
-                assert c.submit(make, MiB, pure=False).result(timeout=60) == MiB
-        finally:
-            worker.terminate()
-            worker.wait(30)
-            log.close()
+        assert c.submit(make, MiB, pure=False).result(timeout=60) == MiB
+
+
+def test_the_preload_leaves_other_preloads_options_to_them(tmp_path):
+    """`dask cuda worker` gives every preload the same arguments (dask_cuda.initialize gets
+    --create-cuda-context): ours takes CUPY_MEMSTRAT and lets the other preload have its option."""
+    other = os.path.join(os.path.dirname(__file__), "data", "dask_other_preload.py")
+    # as dask_cuda.CUDAWorker starts its workers: the preloads and one flat list of their arguments
+    script = ("import asyncio, sys, distributed\n"
+              "async def main():\n"
+              "    async with distributed.Worker(sys.argv[1], nthreads=1, preload=['cupy_memstrat.dask', sys.argv[2]],\n"
+              "                                  preload_argv=['--create-cuda-context']) as w:\n"
+              "        await w.finished()\n"
+              "asyncio.run(main())\n")
+    with _CommandLineWorker(tmp_path, [other], env={"CUPY_MEMSTRAT": "async"},
+                            argv=[sys.executable, "-c", script, "{scheduler}"]) as c:
+        assert [s.strategy for s in cmd.stats(c).values()] == ["async"]
+        assert list(c.run(lambda dask_worker: getattr(dask_worker, "_test_other_preload_ran", None)).values()) == [
+            True]
 
 
 def _pin(c):
