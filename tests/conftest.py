@@ -32,11 +32,11 @@ def pytest_report_header(config):
 def hot_path(request, monkeypatch):
     """Each strategy test runs with both allocation hot paths: the C one
     (csrc/hotpath.c) and the Python closures; they must behave alike."""
-    from cupy_memstrat.strategies import base
+    from cupy_memstrat.strategies import _support
 
-    if request.param == "c" and base._c_hotpath is None:
-        pytest.skip(base._C_MISSING)
-    monkeypatch.setenv(base.HOT_PATH_ENV, request.param)
+    if request.param == "c" and _support.c_hotpath is None:
+        pytest.skip(_support.C_MISSING)
+    monkeypatch.setenv(_support.HOT_PATH_ENV, request.param)
     return request.param
 
 

@@ -427,8 +427,8 @@ def test_a_third_party_strategy_can_be_checked(fake):
 
         def __init__(self, **kw):
             super().__init__(**kw)
-            self._allocate = self.backend.malloc
-            self._deallocate = self.backend.free
+            self.allocate = self.backend.malloc
+            self.deallocate = self.backend.free
 
     s = checks.checked(Bump(backend=fake), check="redzone,poison", on_finding="record")
     p = s.raw_malloc(10)

@@ -51,18 +51,18 @@ def test_info_says_which_hot_path_each_strategy_runs(monkeypatch):
     """Issue 16: info said 'allocation hot path: c' while async ran the Python one (issue 18 gave
     async a C path: each strategy's report must match what an instance of it runs)."""
     import cupy_memstrat
-    from cupy_memstrat.strategies import base
+    from cupy_memstrat.strategies import _support
 
     report = collect(FakeBackend())
     per = report["hot_path"]["strategies"]
     for name in ("async", "device", "managed", "pool"):
         s = cupy_memstrat.create(name, backend=FakeBackend())
         s.raw_free(s.raw_malloc(512))  # builds its hot path
-        assert per[name] == s.hot_path == ("c" if base._c_hotpath is not None else "python"), name
+        assert per[name] == s.hot_path == ("c" if _support.c_hotpath is not None else "python"), name
         s.close()
-    if base._c_hotpath is not None:
+    if _support.c_hotpath is not None:
         assert "per strategy: async c, device c, managed c, pool c" in format_report(report)
-    monkeypatch.setenv(base.HOT_PATH_ENV, "python")
+    monkeypatch.setenv(_support.HOT_PATH_ENV, "python")
     assert set(collect(FakeBackend())["hot_path"]["strategies"].values()) == {"python"}
 
 
@@ -70,18 +70,18 @@ def test_info_says_which_route_pool_takes(monkeypatch):
     """pool's route falls back to wrap without the C hot path or CuPy's PooledMemory.__dict__:
     info says which one a pool made now takes, and why."""
     import cupy_memstrat
-    from cupy_memstrat.strategies import base, cupy_pool
+    from cupy_memstrat.strategies import _support, cupy_pool
 
     pytest.importorskip("cupy", reason="CuPy is not installed")
     pr = collect(FakeBackend())["hot_path"]["pool_route"]  # a pool made on the simulated GPU
     assert pr["route"] == "wrap" and "the simulated GPU has no CuPy pool" in pr["reason"]
     assert cupy_memstrat.create("pool", backend=FakeBackend()).route == pr["route"]
-    if base._c_hotpath is not None:
+    if _support.c_hotpath is not None:
         assert cupy_pool.route_status("c") == {"route": "direct", "reason": "CuPy gets its pool's own MemoryPointer"}
     monkeypatch.setattr(cupy_pool, "_pooled_memory_takes_attributes", lambda: False)
     assert cupy_pool.route_status("c") == {
         "route": "wrap", "reason": "this CuPy's PooledMemory has no __dict__ for the direct route's token"}
-    monkeypatch.setenv(base.HOT_PATH_ENV, "python")
+    monkeypatch.setenv(_support.HOT_PATH_ENV, "python")
     assert cupy_pool.route_status("python")["route"] == "wrap"
 
 

@@ -6,7 +6,7 @@ import pytest
 
 import cupy_memstrat
 from cupy_memstrat import CuPyPoolStrategy
-from cupy_memstrat.strategies import base
+from cupy_memstrat.strategies import _support, base
 from cupy_memstrat.testing import FakeBackend
 
 MiB = 1 << 20
@@ -91,7 +91,7 @@ def test_as_cupy_allocator(fake, restore_cupy_allocator):
 # the pool in its destructor before its __dict__ is cleared). tests/gpu/test_cupy_pool_gpu.py runs
 # the route over CuPy's pool itself.
 
-needs_c = pytest.mark.skipif(base._c_hotpath is None, reason=base._C_MISSING or "built")
+needs_c = pytest.mark.skipif(_support.c_hotpath is None, reason=_support.C_MISSING or "built")
 
 
 class _PoolOOM(Exception):
@@ -143,7 +143,7 @@ def _direct(pool_malloc=None, failed=None, recorded_freed=None):
         calls.append(("failed", size, exc))
         raise MemoryError(f"strategy out of memory for {size}")
 
-    d = base._c_hotpath.PoolDirect(
+    d = _support.c_hotpath.PoolDirect(
         acc, pool_malloc or pool.malloc, _PoolOOM, failed or default_failed,
         recorded_freed or (lambda *a: calls.append(("recorded", *a))), {},
     )
@@ -263,19 +263,19 @@ def test_route_direct_is_refused_over_anything_but_a_hooks_mode_accounting():
     m = cupy_memstrat.create("managed", backend=FakeBackend())
     m.raw_free(m.raw_malloc(512))
     with pytest.raises(TypeError, match="hooks mode"):
-        base._c_hotpath.PoolDirect(m._malloc.__self__, print, _PoolOOM, print, print, {})
+        _support.c_hotpath.PoolDirect(m._malloc.__self__, print, _PoolOOM, print, print, {})
     s, d, pool, _ = _direct()
     with pytest.raises(TypeError, match="expected"):
-        base._c_hotpath.PoolDirect(d.__self__, print, 3, print, print, {})
+        _support.c_hotpath.PoolDirect(d.__self__, print, 3, print, print, {})
     with pytest.raises(TypeError, match="one argument"):
         d(1, 2)
     with pytest.raises(TypeError, match=r"free_early\(ptr\): expected an int pointer, got '0x10'"):
         d.free_early("0x10")
     assert d.free_early(0x10) is False and d.reap() == []  # nothing counted there, nothing held
     with pytest.raises(TypeError, match="not initialised"):
-        base._c_hotpath.PoolDirect.__new__(base._c_hotpath.PoolDirect).reap()
+        _support.c_hotpath.PoolDirect.__new__(_support.c_hotpath.PoolDirect).reap()
     with pytest.raises(TypeError, match="argument 6 must be dict, not list"):  # the held table
-        base._c_hotpath.PoolDirect(d.__self__, print, _PoolOOM, print, print, [])
+        _support.c_hotpath.PoolDirect(d.__self__, print, _PoolOOM, print, print, [])
 
 
 def test_route_is_an_option_checked_by_name():
@@ -607,9 +607,9 @@ def test_route_direct_a_pointer_only_free_left_pending_never_gives_back_what_is_
         blocks[mp.ptr] = mp
         return mp.ptr
 
-    s._pool, s._blocks, s._OutOfMemoryError, s._allocate, s._deallocate = pool, blocks, _PoolOOM, allocate, blocks.pop
+    s._pool, s._blocks, s._OutOfMemoryError, s.allocate, s.deallocate = pool, blocks, _PoolOOM, allocate, blocks.pop
     s.raw_free(s.raw_malloc(512))
-    d = s._direct = base._c_hotpath.PoolDirect(s._malloc.__self__, pool.malloc, _PoolOOM, s._direct_failed,
+    d = s._direct = _support.c_hotpath.PoolDirect(s._malloc.__self__, pool.malloc, _PoolOOM, s._direct_failed,
                                                s._recorded_freed, s._held)
     B = fake.stream(non_blocking=True)
     x = d(4096)
@@ -752,7 +752,7 @@ def test_route_direct_waits_for_a_dead_streams_work_before_cupy_gets_its_block(m
     # the control: no guard
     fake2 = FakeBackend()
     s2, _d2, pool2 = _direct_strategy(fake2)
-    bare = base._c_hotpath.PoolDirect(s2._malloc.__self__, pool2.malloc, _PoolOOM, s2._direct_failed,
+    bare = _support.c_hotpath.PoolDirect(s2._malloc.__self__, pool2.malloc, _PoolOOM, s2._direct_failed,
                                       s2._recorded_freed, s2._held)
     held2 = []
     assert _a_stream_dies_while_its_kernel_runs(fake2, lambda: held2.append(bare(MiB)) or held2[-1].ptr,
@@ -764,9 +764,9 @@ def test_route_direct_refuses_a_guard_without_its_flags_and_a_bad_capsule():
     s, _d, pool = _direct_strategy(FakeBackend())
     args = (s._malloc.__self__, pool.malloc, _PoolOOM, s._direct_failed, s._recorded_freed, s._held)
     with pytest.raises(TypeError, match="expected guard\\(device\\) and the guard's lists of deaths and waits"):
-        base._c_hotpath.PoolDirect(*args, lambda device: None, None, [0])
+        _support.c_hotpath.PoolDirect(*args, lambda device: None, None, [0])
     with pytest.raises(TypeError, match="capsule must hold a C function intptr_t \\(int\\)"):
-        base._c_hotpath.PoolDirect(*args, lambda device: None, [0], [0], object())
+        _support.c_hotpath.PoolDirect(*args, lambda device: None, [0], [0], object())
 
 
 # From the adversarial review of the guard: each failed before the fix.

@@ -7,31 +7,20 @@ import gc
 import pytest
 
 import cupy_memstrat
-from cupy_memstrat.strategies import base
+from cupy_memstrat.strategies import _support, base
 from cupy_memstrat.testing import FakeBackend
 
-needs_c = pytest.mark.skipif(base._c_hotpath is None, reason=base._C_MISSING or "built")
-
-
-@needs_c
-@pytest.mark.parametrize("name", ["device", "pool", "managed"])
-def test_strategies_get_the_c_hot_path_by_default(monkeypatch, name):
-    monkeypatch.delenv(base.HOT_PATH_ENV, raising=False)
-    assert cupy_memstrat.hot_path_status() == {"setting": "auto", "hot_path": "c", "reason": "compiled from csrc/hotpath.c"}
-    s = cupy_memstrat.create(name, backend=FakeBackend())
-    assert s.hot_path is None  # built on first use
-    s.raw_free(s.raw_malloc(1000))
-    assert s.hot_path == "c" and s.stats().n_allocs == 1
+needs_c = pytest.mark.skipif(_support.c_hotpath is None, reason=_support.C_MISSING or "built")
 
 
 @pytest.mark.parametrize("name", ["device", "managed"])
 def test_python_hot_path_by_request_and_with_track_origins(monkeypatch, name):
-    monkeypatch.setenv(base.HOT_PATH_ENV, " Python ")
+    monkeypatch.setenv(_support.HOT_PATH_ENV, " Python ")
     assert cupy_memstrat.hot_path_status()["hot_path"] == "python"
     s = cupy_memstrat.create(name, backend=FakeBackend())
     s.raw_free(s.raw_malloc(1000))
     assert s.hot_path == "python"
-    monkeypatch.delenv(base.HOT_PATH_ENV)
+    monkeypatch.delenv(_support.HOT_PATH_ENV)
     t = cupy_memstrat.create(name, backend=FakeBackend(), track_origins=True)
     p = t.raw_malloc(1000)
     assert t.hot_path == "python" and t.live_allocations()[0].origin is not None
@@ -39,29 +28,29 @@ def test_python_hot_path_by_request_and_with_track_origins(monkeypatch, name):
 
 
 def test_a_bad_hot_path_setting_is_refused_by_name(monkeypatch):
-    monkeypatch.setenv(base.HOT_PATH_ENV, "fast")
+    monkeypatch.setenv(_support.HOT_PATH_ENV, "fast")
     with pytest.raises(ValueError, match=r"CUPY_MEMSTRAT_HOT_PATH='fast': expected one of auto, c, python"):
         cupy_memstrat.hot_path_status()
     with pytest.raises(ValueError, match="CUPY_MEMSTRAT_HOT_PATH"):
         cupy_memstrat.create("device", backend=FakeBackend())  # refused before anything is made
-    monkeypatch.setenv(base.HOT_PATH_ENV, "auto")
+    monkeypatch.setenv(_support.HOT_PATH_ENV, "auto")
     s = cupy_memstrat.create("device", backend=FakeBackend())
-    monkeypatch.setenv(base.HOT_PATH_ENV, "fast")  # changed after creation: the first allocation refuses
+    monkeypatch.setenv(_support.HOT_PATH_ENV, "fast")  # changed after creation: the first allocation refuses
     with pytest.raises(ValueError, match="CUPY_MEMSTRAT_HOT_PATH"):
         s.raw_malloc(100)
     assert s.stats().n_allocs == 0
-    monkeypatch.setenv(base.HOT_PATH_ENV, "auto")
+    monkeypatch.setenv(_support.HOT_PATH_ENV, "auto")
     s.raw_free(s.raw_malloc(100))  # the strategy still works once the setting is fixed
     assert s.stats().n_frees == 1
 
 
 def test_asking_for_c_where_it_is_not_built_says_why(monkeypatch):
-    monkeypatch.setattr(base, "_c_hotpath", None)
-    monkeypatch.setattr(base, "_C_MISSING", "the C hot path (cupy_memstrat._hotpath) is not built (test)")
-    monkeypatch.setenv(base.HOT_PATH_ENV, "c")
+    monkeypatch.setattr(_support, "c_hotpath", None)
+    monkeypatch.setattr(_support, "C_MISSING", "the C hot path (cupy_memstrat._hotpath) is not built (test)")
+    monkeypatch.setenv(_support.HOT_PATH_ENV, "c")
     with pytest.raises(ValueError, match=r"CUPY_MEMSTRAT_HOT_PATH=c: the C hot path .* is not built"):
         cupy_memstrat.hot_path_status()
-    monkeypatch.setenv(base.HOT_PATH_ENV, "auto")
+    monkeypatch.setenv(_support.HOT_PATH_ENV, "auto")
     st = cupy_memstrat.hot_path_status()
     assert st["hot_path"] == "python" and "not built" in st["reason"]
     s = cupy_memstrat.create("device", backend=FakeBackend())
@@ -72,18 +61,18 @@ def test_asking_for_c_where_it_is_not_built_says_why(monkeypatch):
 def test_info_reports_the_hot_path(monkeypatch):
     from cupy_memstrat.info import collect, format_report
 
-    monkeypatch.setenv(base.HOT_PATH_ENV, "python")
+    monkeypatch.setenv(_support.HOT_PATH_ENV, "python")
     report = collect(backend=FakeBackend())
     assert report["hot_path"]["hot_path"] == "python"
     assert "allocation hot path: python: CUPY_MEMSTRAT_HOT_PATH=python" in format_report(report)
-    monkeypatch.setenv(base.HOT_PATH_ENV, "fast")
+    monkeypatch.setenv(_support.HOT_PATH_ENV, "fast")
     assert ("allocation hot path: error: CUPY_MEMSTRAT_HOT_PATH='fast': expected one of auto, c, python"
             in format_report(collect(backend=FakeBackend())))
 
 
 @needs_c
 def test_c_malloc_refuses_a_bad_device_before_allocating(monkeypatch):
-    monkeypatch.delenv(base.HOT_PATH_ENV, raising=False)
+    monkeypatch.delenv(_support.HOT_PATH_ENV, raising=False)
     fake = FakeBackend()
     s = cupy_memstrat.create("device", backend=fake)
     malloc, free = s._build_hot_path()
@@ -100,7 +89,7 @@ def test_c_malloc_refuses_a_bad_device_before_allocating(monkeypatch):
 
 @needs_c
 def test_c_accounting_checks_its_tables():
-    A = base._c_hotpath.Accounting
+    A = _support.c_hotpath.Accounting
     ok = dict(unknown_free=print, failed=print, error=RuntimeError,
               recorded={}, defer=print, pending=[], poll=print, watch=[None])
     with pytest.raises(TypeError, match="recorded, defer, pending, poll and watch are required"):
@@ -135,13 +124,13 @@ def test_gc_safe_malloc_keeps_the_memory_object_off_the_collector():
             return MemoryPointer([size])  # a list: tracked by the collector
 
     a = Allocator()
-    wrapped = base._c_hotpath.GcSafeMalloc(a.malloc)
+    wrapped = _support.c_hotpath.GcSafeMalloc(a.malloc)
     mp = wrapped(512)
     assert mp.mem == [512] and not gc.is_tracked(mp.mem)
     assert wrapped.__self__ is a and wrapped.__wrapped__ == a.malloc
     assert base.Strategy._owner_of(wrapped) is None  # not a strategy's PythonFunctionAllocator
     with pytest.raises(TypeError, match="expected PythonFunctionAllocator.malloc"):
-        base._c_hotpath.GcSafeMalloc(3)
+        _support.c_hotpath.GcSafeMalloc(3)
 
 
 def test_the_fake_backend_knows_which_devices_have_a_context():
@@ -158,7 +147,7 @@ def test_c_accounting_refuses_a_small_max_out_of_range():
     f = print
     for bad in (-1, 1 << 41):
         with pytest.raises(ValueError, match=rf"small_max must be in \[0, 2\*\*40\], got {bad}"):
-            base._c_hotpath.Accounting([{}], f, f, RuntimeError, arenas=[{}], owner={}, arena_of=f,
+            _support.c_hotpath.Accounting([{}], f, f, RuntimeError, arenas=[{}], owner={}, arena_of=f,
                                        chunk_bytes=1 << 21,
                                        stream_ptr=f, small_max=bad, miss=f, recorded={}, defer=f, pending=[],
                                        poll=f, watch=[None])
@@ -212,7 +201,7 @@ def test_an_int_subclass_size_is_counted_as_a_plain_int(fake):
 def test_a_bad_hot_path_setting_is_refused_at_use_also_on_the_fake(monkeypatch, restore_cupy_allocator):
     cupy = restore_cupy_allocator
     before = cupy.cuda.get_allocator()
-    monkeypatch.setenv(base.HOT_PATH_ENV, "bogus")
+    monkeypatch.setenv(_support.HOT_PATH_ENV, "bogus")
     with pytest.raises(ValueError, match="CUPY_MEMSTRAT_HOT_PATH='bogus': expected one of auto, c, python"):
         cupy_memstrat.use("device", backend=FakeBackend(memory="1GiB"))
     assert cupy.cuda.get_allocator() is before  # nothing installed
@@ -229,7 +218,7 @@ def test_both_hot_paths_count_a_random_sequence_alike(monkeypatch, name):
 
     runs = {}
     for hot_path in ("c", "python"):
-        monkeypatch.setenv(base.HOT_PATH_ENV, hot_path)
+        monkeypatch.setenv(_support.HOT_PATH_ENV, hot_path)
         fake = FakeBackend(devices=2, memory=["1GiB", "1GiB"])
         s = cupy_memstrat.create(name, backend=fake)
         rng, live, seen = random.Random(20261202), [], []

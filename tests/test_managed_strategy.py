@@ -3,7 +3,6 @@ chunks and size classes, the cache and trim, policies, the oversubscription
 guard, bad input."""
 
 import gc
-import threading
 import warnings
 
 import pytest
@@ -400,35 +399,6 @@ def test_blocks_are_freed_for_their_device_whatever_is_current(fake2):
     assert s.stats(1).n_frees == 1 and s.stats(0).n_allocs == 0
     fake2.set_device(1)
     assert s.raw_malloc(5000) == p  # back in device 1's cache
-
-
-def test_eight_threads_keep_exact_counts_and_distinct_pointers(fake, s):
-    errors, seen = [], []
-
-    def work(i):
-        try:
-            mine = []
-            for k in range(300):
-                mine.append(s.raw_malloc(512 * (1 + (i + k) % 9)))
-                if k % 3 == 2:
-                    s.raw_free(mine.pop(0))
-            seen.append(mine)
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    live = [p for mine in seen for p in mine]
-    assert len(live) == len(set(live)) == 8 * 200  # no slot handed out twice
-    st = s.stats(0)
-    assert st.n_allocs == 2400 and st.n_frees == 800 and st.n_live == 1600
-    for p in live:
-        s.raw_free(p)
-    assert s.stats(0).bytes_in_use == 0
 
 
 def test_track_origins(fake):

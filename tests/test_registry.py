@@ -129,12 +129,12 @@ def test_the_documented_third_party_example_works(fake, capsys):
         description = "cudaMalloc, printing every request over a threshold"
         options = (Option("threshold", as_size, 1 << 30, "print requests of at least this many bytes"),)
 
-        def _allocate(self, size):
+        def allocate(self, size):
             if size >= self.config["threshold"]:
                 print(f"chatty: {size} bytes")
             return self.backend.malloc(size)
 
-        def _deallocate(self, ptr):
+        def deallocate(self, ptr):
             self.backend.free(ptr)
 
     r = reg.Registry()
@@ -153,7 +153,7 @@ def test_a_device_subclass_keeps_its_own_hooks(fake):
         name = "logged"
         aliases = ()
 
-        def _allocate(self, size):
+        def allocate(self, size):
             calls.append(size)
             return self.backend.malloc(size)
 

@@ -19,7 +19,9 @@ import weakref
 from ..options import Option, as_int, as_size
 from ..sizes import format_size
 from ..stats import capture_origin, origin_capture
-from ..strategies.base import _FOLD_AT, Strategy, _warn as _warn_at
+from .._userwarn import warn_at_user
+from ..strategies._support import FOLD_AT
+from ..strategies.base import Strategy
 from . import (
     CANARY_BYTE,
     CHECKS,
@@ -334,7 +336,7 @@ class CheckedStrategy(Strategy):
             origins[ptr] = origin
             meta[ptr] = (padded, ent, tid, seq)
             live[device][ptr] = size
-            if len(ev) > _FOLD_AT:
+            if len(ev) > FOLD_AT:
                 fold(device)
             return ptr
 
@@ -842,7 +844,7 @@ def _quiet_warn(message: str) -> None:
     """A RuntimeWarning from a free, which must neither raise (CuPy calls it
     from a finaliser) nor lose the block: with warnings as errors it is dropped."""
     try:
-        _warn_at(message, RuntimeWarning, 3)
+        warn_at_user(message, RuntimeWarning)
     except Exception:  # noqa: BLE001
         pass
 

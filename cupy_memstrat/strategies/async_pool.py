@@ -10,7 +10,9 @@ from .. import cuda as _cuda
 from ..options import Option, as_bool, as_size
 from ..sizes import format_size, parse_size
 from ..stats import Stats, origin_capture
-from .base import _FOLD_AT, Strategy, _c_accounting, _warn
+from .._userwarn import warn_at_user
+from ._support import FOLD_AT, c_accounting
+from .base import Strategy
 
 __all__ = ["AsyncPoolStrategy", "PoolStats"]
 
@@ -428,7 +430,7 @@ class AsyncPoolStrategy(Strategy):
         # extra Python frame per call is measurable next to a ~1.6 us
         # cudaMallocFromPoolAsync + cudaFreeAsync pair, bench async, H200).
         b = self.backend
-        Accounting = _c_accounting(self._track_origins)
+        Accounting = c_accounting(self._track_origins)
         if Accounting is not None:
             acc = self._new_accounting(
                 Accounting, self._unknown_free, self._recover,
@@ -513,7 +515,7 @@ class AsyncPoolStrategy(Strategy):
                 origins[ptr] = capture(1)
             live[device][ptr] = size
             stream_of[ptr] = r
-            if len(ev) > _FOLD_AT:
+            if len(ev) > FOLD_AT:
                 fold(device)
             return ptr
 
@@ -588,7 +590,7 @@ class AsyncPoolStrategy(Strategy):
             self._give_back_fn(ptr, size, device, 2)
         except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
             self.backend.clear_last_error()
-            _warn(f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}", RuntimeWarning, 3)
+            warn_at_user(f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}", RuntimeWarning)
 
     def _free_off_path(self, ptr: int, size: int, device: int, stream: int | None, stacklevel: int = 1) -> None:
         """Frees the hot path does not do: on another device's default
@@ -615,10 +617,9 @@ class AsyncPoolStrategy(Strategy):
                     b.set_device(cur)
         except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
             b.clear_last_error()
-            _warn(
+            warn_at_user(
                 f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}",
                 RuntimeWarning,
-                stacklevel=3 + stacklevel,
             )
 
     # -- statistics and control ---------------------------------------------------------

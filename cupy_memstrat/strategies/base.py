@@ -1,11 +1,15 @@
 """The :class:`Strategy` base class: CuPy glue, accounting, errors.
 
-A strategy subclass provides two hooks:
+A strategy subclass provides two hooks, the strategy contract
+(docs/strategies.md, "Writing a strategy"):
 
-* ``_allocate(size) -> ptr``: obtain ``size`` bytes (> 0) on the current
+* ``allocate(size) -> ptr``: obtain ``size`` bytes (> 0) on the current
   device (CuPy's, which is also the ``device`` that :meth:`Strategy.raw_malloc`
   records) or raise ``backend.Error``;
-* ``_deallocate(ptr)``: give them back.
+* ``deallocate(ptr)``: give them back;
+
+and, if it caches, calls ``record_reserved(device, delta)`` when it takes
+memory from CUDA or gives it back.
 
 Everything else is here and shared: size validation, the live-allocation
 table, the :class:`~cupy_memstrat.Stats` counters (exact under threads),
@@ -56,55 +60,15 @@ from ..errors import InvalidFreeWarning, _out_of_memory_class
 from ..options import Option, as_frames, as_output_file
 from ..sizes import format_size, parse_size
 from .._userwarn import warn_at_user
+from . import _support
+from ._support import FOLD_AT, SIZE_T_LIMIT, c_accounting, hot_path_status
 from ..stats import Allocation, Stats, origin_capture
 from ._layout import block, segment
 
 __all__ = ["Strategy", "check_size", "check_stream", "hot_path_status"]
 
-try:
-    _c_hotpath = importlib.import_module("cupy_memstrat._hotpath")
-    _C_MISSING = ""
-except ImportError as _exc:  # installed without a C compiler, or run from a source tree
-    _c_hotpath = None
-    _C_MISSING = (
-        f"the C hot path (cupy_memstrat._hotpath) is not built ({_exc}); reinstall cupy-memstrat "
-        "on a machine with a C compiler and the Python headers"
-    )
-HOT_PATH_ENV = "CUPY_MEMSTRAT_HOT_PATH"
 #: the default of every strategy's ``oom_snapshot`` option
 OOM_SNAPSHOT_ENV = "CUPY_MEMSTRAT_OOM_SNAPSHOT"
-_HOT_PATH_CHOICES = ("auto", "c", "python")
-
-
-def hot_path_status() -> dict:
-    """Which allocation hot path new strategies get: ``{"setting": ...,
-    "hot_path": "c" | "python", "reason": str}``.
-
-    ``setting`` is the environment variable ``CUPY_MEMSTRAT_HOT_PATH``
-    (``auto``, the default: C where it was built; ``c``; ``python``).
-    Strategies with ``track_origins=True`` always use the Python one.
-
-    Raises:
-        ValueError: the variable has another value (the message names it).
-    """
-    raw = os.environ.get(HOT_PATH_ENV, "")
-    setting = raw.strip().lower() or "auto"
-    if setting not in _HOT_PATH_CHOICES:
-        raise ValueError(f"{HOT_PATH_ENV}={raw!r}: expected one of {', '.join(_HOT_PATH_CHOICES)}")
-    if setting == "python":
-        return {"setting": setting, "hot_path": "python", "reason": f"{HOT_PATH_ENV}=python"}
-    if _c_hotpath is None:
-        if setting == "c":
-            raise ValueError(f"{HOT_PATH_ENV}=c: {_C_MISSING}")
-        return {"setting": setting, "hot_path": "python", "reason": _C_MISSING}
-    return {"setting": setting, "hot_path": "c", "reason": "compiled from csrc/hotpath.c"}
-
-
-def _c_accounting(track: bool):
-    """The C ``Accounting`` type for a hot path being built, or None for the Python one."""
-    if track:
-        return None
-    return _c_hotpath.Accounting if hot_path_status()["hot_path"] == "c" else None
 
 
 def check_size(size) -> int:
@@ -122,12 +86,9 @@ def check_size(size) -> int:
         size = int(operator.index(size))  # a plain int: an int subclass could redefine arithmetic
     if size < 0:
         raise ValueError(f"size: expected a number of bytes >= 0, got {size}")
-    if size >= _SIZE_T_LIMIT:
+    if size >= SIZE_T_LIMIT:
         raise ValueError(f"size: {size} bytes does not fit in size_t (at most 2**64 - 1)")
     return size
-
-
-_SIZE_T_LIMIT = 1 << 64
 
 
 class _Counters:
@@ -175,7 +136,7 @@ def _cupy_malloc_over(backend, malloc, free, granule: int = 1):
     path was chosen, unless ``CUPY_MEMSTRAT_HOT_PATH=python``).
     """
     memory = _cupy_memory()
-    gc_safe = _c_hotpath is not None and hot_path_status()["setting"] != "python"
+    gc_safe = _support.c_hotpath is not None and hot_path_status()["setting"] != "python"
     mask = -granule
     if isinstance(backend, _cuda.RealBackend):
         # CuPy reads the current device, calls malloc(size, device) for
@@ -187,7 +148,7 @@ def _cupy_malloc_over(backend, malloc, free, granule: int = 1):
             # Keeps each array's memory object off the garbage collector,
             # which in CuPy 14.2 can clear it before its destructor has
             # freed the block (csrc/hotpath.c, GcSafeMalloc); rounds too.
-            cupy_malloc = _c_hotpath.GcSafeMalloc(cupy_malloc, granule)
+            cupy_malloc = _support.c_hotpath.GcSafeMalloc(cupy_malloc, granule)
         elif granule > 1:
             pfa_malloc = cupy_malloc
 
@@ -243,7 +204,7 @@ class Strategy:
     options: ClassVar[tuple[Option, ...]] = ()
     #: True if ``bytes_reserved`` always equals ``bytes_in_use``: the strategy
     #: caches nothing. A strategy that caches sets it to False and reports
-    #: what it takes from and gives back to CUDA with :meth:`_record_reserved`.
+    #: what it takes from and gives back to CUDA with :meth:`record_reserved`.
     reserved_is_in_use: ClassVar[bool] = True
     #: True if freeing a block waits for the work of every stream, as
     #: ``cudaFree`` of ``cudaMalloc`` memory does (it synchronises the
@@ -447,13 +408,13 @@ class Strategy:
         ``live`` insert, ``append(-size)`` after the ``live`` pop (or, in C,
         an ``Accounting`` from :meth:`_new_accounting`).
         """
-        allocate, deallocate, Error = self._allocate, self._deallocate, self._Error
+        (allocate, deallocate), Error = self._hooks(), self._Error
         events, live, origins = self._events, self._live, self._origins
         recover, fold, track = self._recover_hook, self._fold, self._track_origins
         capture = origin_capture(track)  # the first frame, or track_origins=N frames
         unknown_free, name = self._unknown_free, self.name
         recorded, pending, poll, defer, watch = self._recorded, self._pending, self._poll_pending, self._defer, self._watch
-        Accounting = _c_accounting(track)
+        Accounting = c_accounting(track)
         if Accounting is not None:
             acc = self._new_accounting(
                 Accounting, unknown_free, recover,
@@ -475,7 +436,7 @@ class Strategy:
             if track:
                 origins[ptr] = capture(1)
             live[device][ptr] = size
-            if len(ev) > _FOLD_AT:
+            if len(ev) > FOLD_AT:
                 fold(device)
             return ptr
 
@@ -497,11 +458,9 @@ class Strategy:
                 try:
                     deallocate(ptr)
                 except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
-                    _warn(
+                    warn_at_user(
                         f"{name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}",
-                        RuntimeWarning,
-                        stacklevel=2 + stacklevel,
-                    )
+                        RuntimeWarning)
             if watch[0] is not None and not live[device]:
                 watch[0]()
 
@@ -617,7 +576,7 @@ class Strategy:
                     b.device_synchronize(dev)
             except Exception as exc:  # noqa: BLE001
                 b.clear_last_error()
-                _warn(f"{self.name}: synchronising before freeing 0x{ptr:x} failed: {exc}", RuntimeWarning, 3)
+                warn_at_user(f"{self.name}: synchronising before freeing 0x{ptr:x} failed: {exc}", RuntimeWarning)
             self._give_back_pending([events, ptr, size, device, *keep])
             return None
         entry = [events, ptr, size, device, *keep]
@@ -689,17 +648,18 @@ class Strategy:
         strategy's cache or back to CUDA (here: ``_deallocate``). Caching
         strategies override it. Must not raise."""
         try:
-            self._deallocate(ptr)
+            self._hooks()[1](ptr)
         except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
             self.backend.clear_last_error()
-            _warn(f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}", RuntimeWarning, 3)
+            warn_at_user(f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}", RuntimeWarning)
 
     # -- out of memory: CuPy's order -------------------------------------------------
     def _recover_hook(self, size: int, device: int, exc: BaseException) -> int:
         """The hot path's ``allocate(size)`` raised ``exc``: recover and
         retry (:meth:`_recover`), returning the pointer, or raise."""
         __tracebackhide__ = True  # pytest shows the user's frames, not ours
-        return self._recover(size, device, exc, lambda: self._allocate(size))
+        allocate = self._hooks()[0]
+        return self._recover(size, device, exc, lambda: allocate(size))
 
     def _recover(self, size: int, device: int, exc: BaseException, retry, detail=None) -> int:
         """Out-of-memory recovery in CuPy's order (``_try_malloc`` of
@@ -790,17 +750,15 @@ class Strategy:
             self.close()
         except Exception as exc:  # noqa: BLE001 - called from a finaliser
             self.backend.clear_last_error()
-            _warn(f"{self.name}: closing after its last array was freed failed: {exc}", RuntimeWarning, 3)
+            warn_at_user(f"{self.name}: closing after its last array was freed failed: {exc}", RuntimeWarning)
 
     # -- accounting off the hot path -------------------------------------------
     def _deallocation_failed(self, ptr: int, size: int, device: int, exc: BaseException, stacklevel: int) -> None:
         """The C hot path's free: ``_deallocate`` raised. A finaliser must not
         raise, so this warns (as the Python free does, same stack level)."""
-        _warn(
+        warn_at_user(
             f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}",
-            RuntimeWarning,
-            stacklevel=2 + stacklevel,
-        )
+            RuntimeWarning)
 
     def _unknown_free(self, ptr, stacklevel: int = 1) -> tuple[int, int | None]:
         """A free whose device hint was wrong: (device, size) of the live
@@ -831,16 +789,6 @@ class Strategy:
         with _pinned_lock:
             _pinned.add(self)
             self._pinned = True
-
-    def _record_reserved(self, device: int, delta: int) -> None:
-        """For caching strategies: ``delta`` bytes were taken from (> 0) or
-        given back to (< 0) CUDA on ``device``. Off the hot path (pool growth
-        and trims), so it takes the lock."""
-        with self._fold_lock:
-            c = self._counters[device]
-            c.reserved += delta
-            if c.reserved > c.peak_reserved:
-                c.peak_reserved = c.reserved
 
     def _new_accounting(self, Accounting, unknown_free, failed, **tables):
         """The C hot path's ``Accounting`` over this strategy's live tables
@@ -875,17 +823,74 @@ class Strategy:
                 c.n_frees += n - n_allocs
             return c
 
-    # -- hooks ---------------------------------------------------------------
-    # Subclasses set these in __init__ (or define them as methods):
-    #   _allocate(size) -> ptr   on the current device; raise backend.Error
-    #   _deallocate(ptr)         give a pointer from _allocate back
-    # Plain backend functions can be bound directly, which keeps Python
-    # frames off the hot path (the device strategy does this).
+    # -- the strategy contract: what a subclass provides -----------------------
+    # A subclass defines allocate and deallocate as methods, or sets them in
+    # __init__ (plain backend functions bound directly keep Python frames off
+    # the hot path: the device strategy does this). The hot path reads them
+    # once, when it is built (the first allocation).
+    def allocate(self, size: int) -> int:
+        """The subclass's hook: obtain ``size`` bytes (> 0) on the current
+        device and return the pointer (an int).
+
+        Called by the hot path only, after the size was checked; the base
+        class counts it. Raise the backend's ``Error`` (CUDA's
+        ``cudaErrorMemoryAllocation`` for out of memory): the base class
+        then recovers in CuPy's order (gives cached memory back, collects,
+        retries) or raises :class:`~cupy_memstrat.OutOfMemoryError`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} defines no allocate(size) -> ptr")
+
+    def deallocate(self, ptr: int) -> None:
+        """The subclass's hook: give back a pointer :meth:`allocate` returned.
+        Called once per pointer, after the accounting; an exception is
+        turned into a ``RuntimeWarning`` (CuPy frees from finalisers)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no deallocate(ptr)")
+
+    def record_reserved(self, device: int, delta: int) -> None:
+        """For caching strategies: ``delta`` bytes were taken from (> 0) or
+        given back to (< 0) CUDA on ``device`` (``bytes_reserved`` and its
+        peak). Off the hot path (pool growth and trims): it takes a lock."""
+        with self._fold_lock:
+            c = self._counters[device]
+            c.reserved += delta
+            if c.reserved > c.peak_reserved:
+                c.peak_reserved = c.reserved
+
+    # the contract's names before 0.2, kept one release
     def _allocate(self, size: int) -> int:
-        raise NotImplementedError
+        """Deprecated: name the hook :meth:`allocate`."""
+        return self.allocate(size)
 
     def _deallocate(self, ptr: int) -> None:
-        raise NotImplementedError
+        """Deprecated: name the hook :meth:`deallocate`."""
+        return self.deallocate(ptr)
+
+    def _record_reserved(self, device: int, delta: int) -> None:
+        """Deprecated: call :meth:`record_reserved`."""
+        warn_at_user(f"{type(self).__name__}._record_reserved is deprecated: call record_reserved (the same "
+                     "arguments); the old name goes in the next release", DeprecationWarning)
+        self.record_reserved(device, delta)
+
+    def _hooks(self):
+        """``(allocate, deallocate)`` as the hot path calls them: the public
+        hooks, or a subclass's (or instance's) ``_allocate`` / ``_deallocate``
+        of the contract before 0.2, with a ``DeprecationWarning``."""
+        hooks = []
+        for name in ("allocate", "deallocate"):
+            old = "_" + name
+            given = self.__dict__.get(old)
+            if given is None and getattr(type(self), old) is not getattr(Strategy, old):
+                given = getattr(self, old)
+            if given is not None:
+                if (type(self), old) not in _warned_hooks:
+                    _warned_hooks.add((type(self), old))
+                    warn_at_user(f"{type(self).__name__}.{old} is deprecated: name the hook {name} (the strategy "
+                                 "contract, docs/strategies.md); the old name goes in the next release",
+                                 DeprecationWarning)
+                hooks.append(given)
+            else:
+                hooks.append(getattr(self, name))
+        return tuple(hooks)
 
     # -- failure paths (off the hot path) ------------------------------------
     def _allocation_failed(self, size: int, device: int, exc: BaseException, detail: str = ""):
@@ -945,12 +950,10 @@ class Strategy:
         with self._fold_lock:
             self._n_invalid_frees += 1
         shown = f"0x{ptr:x}" if type(ptr) is int and ptr >= 0 else repr(ptr)
-        _warn(
+        warn_at_user(
             f"{self.name}: free of pointer {shown} that this strategy does not own "
             "(unknown, already freed, or not a pointer); ignored",
-            InvalidFreeWarning,
-            stacklevel=stacklevel,
-        )
+            InvalidFreeWarning)
 
     # -- statistics ------------------------------------------------------------
     def _settle(self) -> None:
@@ -1166,7 +1169,7 @@ class Strategy:
             cupy.cuda.memory.OutOfMemoryError: as :meth:`raw_malloc`.
         """
         __tracebackhide__ = True  # pytest shows the user's frames, not ours
-        if size.__class__ is not int or size < 0 or size >= _SIZE_T_LIMIT:
+        if size.__class__ is not int or size < 0 or size >= SIZE_T_LIMIT:
             size = check_size(size)
         cupy_malloc = self._cupy_malloc
         if cupy_malloc is None:
@@ -1245,8 +1248,8 @@ class Strategy:
 
 
 _BACKEND_API = ("Error", "malloc", "free", "get_device", "device_count", "mem_get_info", "clear_last_error")
-_FOLD_AT = 1 << 16  # events queued per device before an allocation folds them
 _pinned: set = set()
+_warned_hooks: set = set()  # (class, old hook name) already warned about
 _pinned_lock = threading.RLock()  # re-entered when a finaliser lets a strategy go
 _pfa_owners: dict = {}  # id(PythonFunctionAllocator) -> weakref to its strategy
 
@@ -1316,18 +1319,3 @@ def _cupy_pool_hint(device: int) -> str:
         f". CuPy's default memory pool still caches {format_size(cached)} on this device: "
         "cupy.get_default_memory_pool().free_all_blocks() gives it back"
     )
-
-
-
-def _warn_at_caller(message: str, category) -> None:
-    """Warn, attributed to the first frame outside cupy_memstrat (the user's
-    line, however deep the call went through use() / create())."""
-    warn_at_user(message, category)
-
-
-def _warn(message: str, category, stacklevel: int) -> None:
-    """Warn, attributed to the user's line: the first frame outside
-    cupy_memstrat (``stacklevel`` is no longer used: the frames between
-    differ with the hot path)."""
-    __tracebackhide__ = True  # pytest shows the user's frames under -W error
-    warn_at_user(message, category)

@@ -164,8 +164,8 @@ class CuPyPoolStrategy(Strategy):
         if not real:
             self._pool = None
             self.reserved_is_in_use = True  # nothing cached: the backend's malloc/free
-            self._allocate = guarded(self.backend.malloc)
-            self._deallocate = self.backend.free
+            self.allocate = guarded(self.backend.malloc)
+            self.deallocate = self.backend.free
             return
         from cupy.cuda.memory import OutOfMemoryError
 
@@ -185,8 +185,8 @@ class CuPyPoolStrategy(Strategy):
             blocks[ptr] = mp
             return ptr
 
-        self._allocate = guarded(take)
-        self._deallocate = blocks.pop  # dropping the MemoryPointer returns the block to the pool
+        self.allocate = guarded(take)
+        self.deallocate = blocks.pop  # dropping the MemoryPointer returns the block to the pool
 
     @property
     def route(self) -> str:

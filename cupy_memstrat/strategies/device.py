@@ -69,7 +69,7 @@ class DeviceStrategy(Strategy):
         self.block_granule = self.config.get("granule", type(self).block_granule)  # (a subclass may drop the option)
         # cudaMalloc / cudaFree bound directly: no Python frame of our own
         # (unless a subclass defines its own hooks).
-        if type(self)._allocate is Strategy._allocate:
-            self._allocate = self.backend.malloc
-        if type(self)._deallocate is Strategy._deallocate:
-            self._deallocate = self.backend.free
+        if type(self).allocate is Strategy.allocate and type(self)._allocate is Strategy._allocate:
+            self.allocate = self.backend.malloc
+        if type(self).deallocate is Strategy.deallocate and type(self)._deallocate is Strategy._deallocate:
+            self.deallocate = self.backend.free

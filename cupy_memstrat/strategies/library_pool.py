@@ -68,7 +68,7 @@ class LibraryPoolStrategy(Strategy):
             before(s, d)
             return allocate_on(size, d, s)
 
-        self._allocate, self._deallocate = allocate, deallocate
+        self.allocate, self.deallocate = allocate, deallocate
 
     @staticmethod
     def _import_library():

@@ -16,7 +16,9 @@ from ..options import Option, as_bool, as_size
 from ..sizes import format_size, parse_size
 from ..stats import origin_capture
 from ._layout import block, segment
-from .base import _FOLD_AT, _SIZE_T_LIMIT, Strategy, _c_accounting, _warn, _warn_at_caller
+from .._userwarn import warn_at_user
+from ._support import FOLD_AT, SIZE_T_LIMIT, c_accounting
+from .base import Strategy
 
 __all__ = ["ManagedStrategy", "ManagedStats", "CHUNK_BYTES"]
 
@@ -266,14 +268,14 @@ class ManagedStrategy(Strategy):
                         f"({props.get('name')}) has none (Windows, WSL2, Jetson): CUDA cannot prefetch "
                         "managed memory to it"
                     )
-                _warn_at_caller(
+                warn_at_user(
                     f"managed: device {d} ({props.get('name')}) has concurrentManagedAccess = 0 "
                     "(Windows, WSL2, Jetson): the host must not touch managed memory while any kernel "
                     "runs on it, or the process crashes; synchronize before host access",
                     ManagedMemoryWarning,
                 )
         if cfg["read_mostly"]:
-            _warn_at_caller(
+            warn_at_user(
                 "managed: read_mostly=True duplicates pages on each processor that reads them, and every "
                 "write invalidates all copies: for data the GPU writes it is harmful (on an H200 a GPU "
                 "pass writing a 1 GiB read-mostly buffer took 2.4-3.5 s, the next one 0.4-0.5 s, against "
@@ -431,7 +433,7 @@ class ManagedStrategy(Strategy):
             if ci >= 0:
                 bisect.insort(self._small_bases[device], ptr)
             self._reserved[device] += nbytes
-            self._record_reserved(device, nbytes)
+            self.record_reserved(device, nbytes)
             h = self._history
             if h is not None:
                 h.segment("segment_alloc", ptr, nbytes, device)
@@ -730,7 +732,7 @@ class ManagedStrategy(Strategy):
             bases = self._small_bases[device]
             del bases[bisect.bisect_left(bases, ptr)]
         self._reserved[device] -= nbytes
-        self._record_reserved(device, -nbytes)
+        self.record_reserved(device, -nbytes)
         h = self._history
         if h is not None:
             h.segment("segment_free", ptr, nbytes, device)
@@ -738,7 +740,7 @@ class ManagedStrategy(Strategy):
             self.backend.free(ptr)
         except self._Error as exc:
             self.backend.clear_last_error()
-            _warn(f"managed: cudaFree of chunk 0x{ptr:x} on device {device} failed: {exc}", RuntimeWarning, 4)
+            warn_at_user(f"managed: cudaFree of chunk 0x{ptr:x} on device {device} failed: {exc}", RuntimeWarning)
 
     def _cached_bytes(self, device: int) -> int:
         total = CHUNK_BYTES * len(self._spare_small[device])
@@ -764,7 +766,7 @@ class ManagedStrategy(Strategy):
             except IndexError:
                 return self._refill(ci, size, device, key)
         n = (size + CHUNK_BYTES - 1) & _CHUNK_MASK
-        if n >= _SIZE_T_LIMIT:
+        if n >= SIZE_T_LIMIT:
             raise ValueError(
                 f"size: {size} bytes rounds up to {n} bytes of 2 MiB chunks, which does not fit in size_t"
             )
@@ -810,7 +812,7 @@ class ManagedStrategy(Strategy):
         recorded, pending, poll, defer, watch = self._recorded, self._pending, self._poll_pending, self._defer, self._watch
         prefetch_to = self._prefetch_to if self.config["prefetch"] == "on_alloc" else None
         capsule, stream_ptr = self._stream_source()
-        Accounting = _c_accounting(track)
+        Accounting = c_accounting(track)
         if Accounting is not None:  # the same steps in C (csrc/hotpath.c, "classes" mode)
             acc = self._new_accounting(
                 Accounting, unknown_free, self._allocation_failed,
@@ -858,7 +860,7 @@ class ManagedStrategy(Strategy):
             if track:
                 origins[ptr] = capture(1)
             live[device][ptr] = size
-            if len(ev) > _FOLD_AT:
+            if len(ev) > FOLD_AT:
                 fold(device)
             return ptr
 
@@ -896,7 +898,7 @@ class ManagedStrategy(Strategy):
             else:
                 arena[1][(size + 511) & -512].append(ptr)
         except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
-            _warn(f"managed: caching 0x{ptr:x} ({size} bytes) on device {device} failed: {exc!r}", RuntimeWarning, 3)
+            warn_at_user(f"managed: caching 0x{ptr:x} ({size} bytes) on device {device} failed: {exc!r}", RuntimeWarning)
 
     def _arena_of(self, ptr: int, device: int) -> tuple[list, dict]:
         """The arena a live block goes back to, when its chunk's base is not

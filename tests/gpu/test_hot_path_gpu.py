@@ -8,14 +8,14 @@ import sys
 import pytest
 
 import cupy_memstrat
-from cupy_memstrat.strategies import base
+from cupy_memstrat.strategies import _support
 
 STRATEGIES = ["device", "pool", "managed", "async", "pool:route=wrap"]
 
 
 def test_the_c_hot_path_is_built_and_used_here(cp, monkeypatch):
-    monkeypatch.delenv(base.HOT_PATH_ENV, raising=False)
-    assert cupy_memstrat.hot_path_status()["hot_path"] == "c", base._C_MISSING
+    monkeypatch.delenv(_support.HOT_PATH_ENV, raising=False)
+    assert cupy_memstrat.hot_path_status()["hot_path"] == "c", _support.C_MISSING
     for name in ("device", "pool", "managed"):
         s = cupy_memstrat.use(name)
         x = cp.arange(1000, dtype=cp.float32)
@@ -29,7 +29,7 @@ def test_the_c_hot_path_is_built_and_used_here(cp, monkeypatch):
 @pytest.mark.parametrize("hot_path", ["c", "python"])
 @pytest.mark.parametrize("name", ["device", "managed"])
 def test_both_hot_paths_count_the_same_on_the_gpu(cp, monkeypatch, hot_path, name):
-    monkeypatch.setenv(base.HOT_PATH_ENV, hot_path)
+    monkeypatch.setenv(_support.HOT_PATH_ENV, hot_path)
     s = cupy_memstrat.use(name)
     arrays = [cp.full(n, 2.0, dtype=cp.float64) for n in (1, 100, 10_000, 1_000_000)]  # 8 B .. 8 MB
     st = s.stats()
@@ -73,7 +73,7 @@ def _lost_in_cycles(cp, monkeypatch, name):
 
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_arrays_dying_in_reference_cycles_are_freed(cp, monkeypatch, name):
-    monkeypatch.delenv(base.HOT_PATH_ENV, raising=False)
+    monkeypatch.delenv(_support.HOT_PATH_ENV, raising=False)
     assert _lost_in_cycles(cp, monkeypatch, name) == (0, [])
 
 
@@ -83,6 +83,6 @@ def test_control_without_gc_safe_malloc_cupy_14_2_loses_them(cp, monkeypatch):
     tools/probes/pfa_gc_clear.py), so the test above can fail."""
     if cp.__version__ != "14.2.0":
         pytest.skip(f"the control is for CuPy 14.2.0's behaviour; this is CuPy {cp.__version__}")
-    monkeypatch.setenv(base.HOT_PATH_ENV, "python")
+    monkeypatch.setenv(_support.HOT_PATH_ENV, "python")
     lost, errors = _lost_in_cycles(cp, monkeypatch, "device")
     assert lost == 100 and len(errors) == 100 and "NoneType" in str(errors[0])

@@ -26,7 +26,7 @@ import time
 import cupy
 
 import cupy_memstrat
-from cupy_memstrat.strategies import base
+from cupy_memstrat.strategies import _support
 
 SIZE = 1 << 20
 N = 20000
@@ -80,7 +80,7 @@ def through(allocator):
 
 
 def strategy(path, **opts):
-    os.environ[base.HOT_PATH_ENV] = path
+    os.environ[_support.HOT_PATH_ENV] = path
     s = cupy_memstrat.create("async", **opts)
     s.raw_free(s.raw_malloc(1))
     return s

@@ -14,7 +14,7 @@ import cupy as cp
 import cupy_memstrat
 from cupy_memstrat.bench import streams as S
 from cupy_memstrat.info import collect
-from cupy_memstrat.strategies import base
+from cupy_memstrat.strategies import _support
 from cupy_memstrat.strategies.managed import ManagedStrategy
 
 k = S.Kernels(cp)
@@ -86,7 +86,7 @@ def trace(tag, make, rounds=5):
 
 
 for hp in ("c", "python"):
-    os.environ[base.HOT_PATH_ENV] = hp
+    os.environ[_support.HOT_PATH_ENV] = hp
     trace("managed", lambda: cupy_memstrat.create("managed"))
     trace("managed-no-reclaim", lambda: NoReclaim())
 trace("cupy-default", lambda: None, rounds=10)

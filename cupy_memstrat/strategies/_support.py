@@ -1,0 +1,86 @@
+"""What the strategies' own hot paths share, written once: the hot-path
+choice (C or Python) and the accounting rule.
+
+This is an internal module of :mod:`cupy_memstrat.strategies` (and of the
+checking layer, which wraps a strategy's hot path). A third-party strategy
+needs none of it: it provides the public hooks :meth:`Strategy.allocate`
+and :meth:`Strategy.deallocate` (and calls :meth:`Strategy.record_reserved`
+if it caches), and the base class builds the hot path
+(docs/strategies.md, "Writing a strategy").
+
+The accounting rule
+-------------------
+Every hot path, the base class's and the ones that ``async``, ``managed``
+and the checking layer inline for speed, keeps the counts the same way, so
+that ``peak_bytes_in_use`` is the exact peak of the sequence of allocations
+and frees, with many threads and no lock:
+
+* an allocation appends ``+size`` to ``events[device]`` *before* it inserts
+  the pointer into ``live[device]`` (so that the matching ``-size`` can only
+  follow it), and folds the device's events once more than :data:`FOLD_AT`
+  are queued;
+* a free pops the pointer from ``live[device]`` *then* appends ``-size``;
+* in C, an ``Accounting`` made by ``Strategy._new_accounting`` does the same
+  with C integers, drained by ``Strategy._fold``.
+
+Each inlined copy says so where it appends; this is the one place the rule
+is written.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+__all__ = ["FOLD_AT", "SIZE_T_LIMIT", "HOT_PATH_ENV", "C_MISSING", "c_hotpath", "c_accounting", "hot_path_status"]
+
+try:
+    c_hotpath = importlib.import_module("cupy_memstrat._hotpath")
+    C_MISSING = ""
+except ImportError as _exc:  # installed without a C compiler, or run from a source tree
+    c_hotpath = None
+    C_MISSING = (
+        f"the C hot path (cupy_memstrat._hotpath) is not built ({_exc}); reinstall cupy-memstrat "
+        "on a machine with a C compiler and the Python headers"
+    )
+
+#: the environment variable that chooses the hot path: auto (default), c, python
+HOT_PATH_ENV = "CUPY_MEMSTRAT_HOT_PATH"
+_HOT_PATH_CHOICES = ("auto", "c", "python")
+#: events queued per device before an allocation folds them into the counters
+FOLD_AT = 1 << 16
+#: sizes and pointers are ``size_t``: below 2**64
+SIZE_T_LIMIT = 1 << 64
+
+
+def hot_path_status() -> dict:
+    """Which allocation hot path new strategies get: ``{"setting": ...,
+    "hot_path": "c" | "python", "reason": str}``.
+
+    ``setting`` is the environment variable ``CUPY_MEMSTRAT_HOT_PATH``
+    (``auto``, the default: C where it was built; ``c``; ``python``).
+    Strategies with ``track_origins=True`` always use the Python one.
+
+    Raises:
+        ValueError: the variable has another value (the message names it).
+    """
+    raw = os.environ.get(HOT_PATH_ENV, "")
+    setting = raw.strip().lower() or "auto"
+    if setting not in _HOT_PATH_CHOICES:
+        raise ValueError(f"{HOT_PATH_ENV}={raw!r}: expected one of {', '.join(_HOT_PATH_CHOICES)}")
+    if setting == "python":
+        return {"setting": setting, "hot_path": "python", "reason": f"{HOT_PATH_ENV}=python"}
+    if c_hotpath is None:
+        if setting == "c":
+            raise ValueError(f"{HOT_PATH_ENV}=c: {C_MISSING}")
+        return {"setting": setting, "hot_path": "python", "reason": C_MISSING}
+    return {"setting": setting, "hot_path": "c", "reason": "compiled from csrc/hotpath.c"}
+
+
+def c_accounting(track: bool):
+    """The C ``Accounting`` type for a hot path being built, or None for the
+    Python one (``track``: the strategy records origins, which walks the
+    Python stack anyway)."""
+    if track:
+        return None
+    return c_hotpath.Accounting if hot_path_status()["hot_path"] == "c" else None

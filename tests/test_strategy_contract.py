@@ -1,0 +1,172 @@
+"""The strategy contract, checked for every strategy ``cupy_memstrat.available()`` lists:
+the built-ins, and a third-party strategy once it is registered (docs/strategies.md,
+"Writing your own strategy"). On the simulated GPU, each test once per hot path
+(the ``fake`` fixture, tests/conftest.py)."""
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+import cupy_memstrat
+from cupy_memstrat.strategies import _support
+from cupy_memstrat.testing import FakeBackend
+
+STRATEGIES = sorted(cupy_memstrat.available())
+
+
+@pytest.fixture(params=STRATEGIES)
+def s(request, fake):
+    return cupy_memstrat.create(request.param, backend=fake)
+
+
+def test_every_built_in_strategy_is_checked():
+    assert {"device", "pool", "managed", "async"} <= set(STRATEGIES)
+
+
+def test_allocations_are_counted_listed_and_given_back(s):
+    ptrs = [s.raw_malloc(n) for n in (1, 1000, 1 << 20)]
+    st = s.stats()
+    assert (st.n_allocs, st.n_frees, st.n_live) == (3, 0, 3) and len(set(ptrs)) == 3
+    live = s.live_allocations()
+    assert sorted(a.ptr for a in live) == sorted(ptrs)
+    assert sum(a.size for a in live) == st.bytes_in_use >= 1 + 1000 + (1 << 20)
+    assert st.peak_bytes_in_use == st.bytes_in_use and st.bytes_reserved >= st.bytes_in_use
+    for p in ptrs:
+        s.raw_free(p)
+    st = s.stats()
+    assert (st.n_frees, st.n_live, st.bytes_in_use, s.live_allocations()) == (3, 0, 0, [])
+    assert st.peak_bytes_in_use >= 1 + 1000 + (1 << 20)
+
+
+def test_eight_threads_keep_exact_counts_and_distinct_pointers(s):
+    """CPython's atomic dict and list operations, no lock: the counts stay exact and no
+    block is handed out twice (this replaced three per-strategy copies)."""
+    n_threads, n_iter = 8, 600
+    start = threading.Barrier(n_threads)
+    errors, kept = [], []
+
+    def work(seed):
+        try:
+            rng = np.random.default_rng(seed)
+            held = []
+            start.wait()
+            for i in range(n_iter):
+                held.append(s.raw_malloc(int(rng.integers(1, 1 << 16))))
+                if i % 3 == 2:
+                    s.raw_free(held.pop(0))
+            kept.append(held)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    live = [p for held in kept for p in held]
+    assert len(live) == len(set(live)) == n_threads * n_iter * 2 // 3  # no block handed out twice
+    st = s.stats()
+    assert (st.n_allocs, st.n_frees, st.n_live) == (n_threads * n_iter, n_threads * n_iter // 3, len(live))
+    for p in live:
+        s.raw_free(p)
+    st = s.stats()
+    assert st.bytes_in_use == 0 and st.n_live == 0 and st.n_invalid_frees == 0 and st.peak_bytes_in_use > 0
+
+
+@pytest.mark.parametrize("bad, error", [(-1, ValueError), ("10", TypeError), (1 << 64, ValueError), (2.0, TypeError),
+                                        (True, TypeError), (None, TypeError)])
+def test_a_bad_size_is_refused_by_name_before_anything_is_allocated(s, bad, error):
+    keep = s.raw_malloc(4096)
+    before = s.stats()
+    with pytest.raises(error, match="size"):
+        s.raw_malloc(bad)
+    assert s.stats() == before and [a.ptr for a in s.live_allocations()] == [keep]
+    s.raw_free(keep)
+
+
+def test_out_of_memory_is_our_error_counted_and_loses_nothing(s):
+    keep = s.raw_malloc(4096)
+    with pytest.raises(cupy_memstrat.OutOfMemoryError, match=r"out of memory allocating 1\.0 TiB"):
+        s.raw_malloc(1 << 40)  # more than the simulated 1 GiB
+    st = s.stats()
+    assert (st.n_failed, st.n_live) == (1, 1) and [a.ptr for a in s.live_allocations()] == [keep]
+    s.raw_free(s.raw_malloc(1 << 20))  # the strategy goes on allocating
+    s.raw_free(keep)
+    assert s.stats().bytes_in_use == 0
+
+
+@pytest.mark.skipif(_support.c_hotpath is None, reason=_support.C_MISSING or "built")
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_strategies_get_the_c_hot_path_by_default(monkeypatch, name):
+    monkeypatch.delenv(_support.HOT_PATH_ENV, raising=False)
+    assert cupy_memstrat.hot_path_status() == {"setting": "auto", "hot_path": "c", "reason": "compiled from csrc/hotpath.c"}
+    s = cupy_memstrat.create(name, backend=FakeBackend())
+    assert s.hot_path is None  # built on first use
+    s.raw_free(s.raw_malloc(1000))
+    assert s.hot_path == "c" and s.stats().n_allocs == 1
+
+
+# -- the hooks a subclass provides ---------------------------------------------------------------
+
+
+class Counting(cupy_memstrat.Strategy):
+    """A third-party strategy as docs/strategies.md writes one: the two public hooks."""
+
+    name = "counting-test"
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.calls = 0
+
+    def allocate(self, size):
+        self.calls += 1
+        return self.backend.malloc(size)
+
+    def deallocate(self, ptr):
+        self.backend.free(ptr)
+
+
+def test_a_subclass_with_the_public_hooks_is_counted_on_both_hot_paths(fake):
+    s = Counting(backend=fake)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the public names: no deprecation
+        ptrs = [s.raw_malloc(100 * (i + 1)) for i in range(5)]
+        for p in ptrs:
+            s.raw_free(p)
+    st = s.stats()
+    assert s.calls == 5 and (st.n_allocs, st.n_frees, st.bytes_in_use, st.peak_bytes_in_use) == (5, 5, 0, 1500)
+    assert fake.used_bytes(0) == 0
+
+
+def test_the_names_before_0_2_still_work_with_a_deprecation_warning(fake):
+    class Old(cupy_memstrat.Strategy):
+        name = "old-hooks-test"
+        reserved_is_in_use = False
+
+        def _allocate(self, size):
+            self._record_reserved(0, size)
+            return self.backend.malloc(size)
+
+        def _deallocate(self, ptr):
+            self.backend.free(ptr)
+
+    s = Old(backend=fake)
+    with pytest.warns(DeprecationWarning) as seen:
+        p = s.raw_malloc(1000)
+        s.raw_free(p)
+    said = sorted({str(w.message).split(":")[0] for w in seen})
+    assert said == ["Old._allocate is deprecated", "Old._deallocate is deprecated",
+                    "Old._record_reserved is deprecated"]
+    st = s.stats()
+    assert (st.n_allocs, st.n_frees, st.bytes_in_use, st.bytes_reserved) == (1, 1, 0, 1000)
+
+
+def test_a_subclass_without_hooks_says_which_one_is_missing(fake):
+    class Empty(cupy_memstrat.Strategy):
+        name = "empty-test"
+
+    with pytest.raises(NotImplementedError, match=r"Empty defines no allocate\(size\) -> ptr"):
+        Empty(backend=fake).raw_malloc(100)
