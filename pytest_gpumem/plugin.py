@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from fractions import Fraction
 
 import pytest
@@ -33,41 +32,21 @@ from cupy_memstrat import checks as _checks
 
 from . import baseline as _baseline
 from . import report as _report
-from .measure import GpuMem, Meter, describe
+from .limits import (
+    BUDGET,
+    LIMITS,
+    Case,
+    GpuMemLeakWarning,
+    limits_json,
+    size_words,
+    warn_at_test,
+)
+from .measure import GpuMem, Meter
 from .options import MARKERS, add_options, plan_for, resolve
 
 __all__ = ["GpuMemLeakWarning", "GpuMemAllocatorWarning"]
 
 fmt = cupy_memstrat.format_size
-
-
-def _size_words(value, text) -> str:
-    """A size for a message: as the user wrote it where its unit differs from
-    the one shown (``200MB (190.7 MiB)``), else formatted (``64.0 MiB``)."""
-    if isinstance(value, str):  # "N%"
-        return value
-    shown = fmt(value)
-    if text and text.lower().rstrip("s").lstrip("0123456789._ ") != shown.split(" ")[-1].lower():
-        return f"{text} ({shown})"
-    return shown
-
-
-def _warn_at_test(item, warning: Warning) -> None:
-    """Warn, attributed to the test function's first line (so that pytest's
-    warnings summary points at the test, not at this plugin)."""
-    path, lineno = str(item.path), 0
-    fn = getattr(item, "function", None)
-    code = getattr(fn, "__code__", None)
-    if code is not None:
-        path, lineno = code.co_filename, code.co_firstlineno
-    elif item.location and item.location[1] is not None:
-        lineno = item.location[1] + 1
-    module = getattr(getattr(item, "module", None), "__name__", None) or item.path.stem
-    warnings.warn_explicit(warning, type(warning), path, lineno, module=module)
-
-
-class GpuMemLeakWarning(pytest.PytestWarning):
-    """A test left GPU memory allocated (``--gpumem-leaks=warn``)."""
 
 
 class GpuMemAllocatorWarning(pytest.PytestWarning):
@@ -211,7 +190,7 @@ class _State:
             self.strategy = self.meter = None
         self.allocator_changes.append(msg)
         try:
-            _warn_at_test(item, GpuMemAllocatorWarning(msg))
+            warn_at_test(item, GpuMemAllocatorWarning(msg))
             return msg, False
         except Warning:  # -W error: the warning is an error
             return msg, True
@@ -240,7 +219,6 @@ class _State:
         call = next((r for r in reports if r.when == "call"), None)
         not_passed = call is None or not call.passed or any(r.failed for r in reports) or hasattr(call, "wasxfail")
         peak_dev = max(range(n), key=lambda d: w.peak[d]) if n else 0
-        on = (lambda d: f" on device {d}") if n > 1 else (lambda d: "")
         rec = {
             "nodeid": item.nodeid,
             "peak_bytes": w.peak[peak_dev] if n else 0,
@@ -256,7 +234,7 @@ class _State:
             "leaks": [],
             "faults": w.faults.as_dict() if w.faults is not None else None,
             "fault_limits": plan.fault_limits,
-            "limits": _limits(plan),
+            "limits": limits_json(plan),
             "verdict": None,
             "worker": self.worker,
             "duration": getattr(call, "duration", None),
@@ -279,100 +257,13 @@ class _State:
             plan = _unchecked(plan)
             if change_is_error:
                 problems.append(("allocator", f"gpumem: {change} (GpuMemAllocatorWarning, an error under -W)"))
-        if plan.budget is not None:
-            limits = [meter.limit(plan.budget, d) for d in meter.devices]
-            rec["budget_bytes"] = limits[peak_dev] if n else None
-            over = [d for d in meter.devices if w.peak[d] > limits[d]]
-            if over:
-                d = max(over, key=lambda d: w.peak[d] - limits[d])
-                share = f" = {plan.budget} of device {d}'s {fmt(meter.totals[d])}" if isinstance(plan.budget, str) else ""
-                words = _size_words(limits[d], None if share else plan.budget_text)
-                problems.append(("budget", f"peak {fmt(w.peak[d])}{on(d)} > budget {words}{share} "
-                                           f"({plan.budget_source})"))
-                counts = (f"during the call: {w.n_allocs} allocation{'' if w.n_allocs == 1 else 's'}, "
-                          f"{w.n_frees} free{'' if w.n_frees == 1 else 's'}; in use when it began: "
-                          f"{fmt(sum(w.base))}")
-                if w.top_live:
-                    details.append(counts + "\nlargest allocations made by the test and still live at the end "
-                                   "of its call:\n" + describe(w.top_live))
-                else:
-                    details.append(counts + "\n(none of them was still live when the call returned; "
-                                   "gpumem.measure() blocks narrow the peak down)")
-        if plan.leaks != "off" and not not_passed:
-            leaked = meter.leaks(w)
-            if w.history is not None and not any(a.origin for a in leaked):
-                leaked = _origins_from_history(leaked, w.history)  # --gpumem-history knows where
-            total = sum(a.size for a in leaked)
-            rec["leaked_bytes"], rec["leaked_count"] = total, len(leaked)
-            rec["leaks"] = [
-                {"size": a.size, "device": a.device, "ptr": a.ptr, "origin": str(a.origin) if a.origin else None}
-                for a in leaked[:50]
-            ]
-            if total > plan.leak_limit:
-                k = len(leaked)
-                msg = (f"leaked {k} allocation{'' if k == 1 else 's'}, {fmt(total)} > limit {fmt(plan.leak_limit)} "
-                       f"({plan.leak_source})")
-                listing = ("allocations made by the test and still live after its teardown and gc.collect(), "
-                           "largest first:\n" + describe(leaked))
-                if not any(a.origin for a in leaked):
-                    if w.strategy_name is not None:  # the test's own strategy (gpumem_strategy, using()):
-                        # a recording cannot wrap it
-                        how = (f"create the test's strategy with track_origins=True "
-                               f"({w.strategy_name}:track_origins=true)")
-                    else:
-                        how = (f"run with --gpumem-strategy={meter.strategy.name}:track_origins=true, or with "
-                               "--gpumem-history and --gpumem-json")
-                    listing += f"\n  (where each was allocated: {how})"
-                if plan.leaks == "fail":
-                    problems.append(("leaks", msg))
-                    details.append(listing)
-                else:
-                    rec["verdict"] = "leak warning"
-                    try:
-                        _warn_at_test(item, GpuMemLeakWarning(f"{item.nodeid}: {msg}\n{listing}"))
-                    except Warning:  # -W error: the warning is an error: fail the test
-                        problems.append(("leaks", msg + " (GpuMemLeakWarning, an error under -W)"))
-                        details.append(listing)
-        elif plan.leaks != "off":
-            rec["leak_check"] = "skipped: the test did not pass"
-        if self.checking:
-            found = self.findings_since(w)
-            rec["findings"] = [f.as_dict() for f in found[:20]]
-            rec["n_findings"] = len(found)
-            if found:
-                k = len(found)
-                kinds = ", ".join(sorted({f.kind for f in found}))
-                text = "\n\n".join(str(f) for f in found[:10])
-                if k > 10:
-                    text += f"\n\n... and {k - 10} more (--gpumem-json lists 20)"
-                if not_passed:
-                    if call is not None:
-                        call.sections.append(("gpumem checks", text))
-                else:
-                    problems.append(("checks", f"{k} check finding{'' if k == 1 else 's'} ({kinds}): "
-                                               f"{found[0].message}"))
-                    details.append(text)
-        if plan.fault_limits and w.faults is not None:
-            f = w.faults
-            src = f"{f.source} counters" + ("" if f.exact else ", lower bounds")
-            actual = {"gpu": f.gpu_faults, "cpu": f.cpu_faults, "migrated": f.bytes_htod + f.bytes_dtoh}
-            words = {"gpu": "GPU page faults", "cpu": "CPU page faults"}
-            for key, limit in plan.fault_limits.items():
-                if actual[key] > limit:
-                    if key == "migrated":
-                        text = f"migrated {fmt(actual[key])} > limit {fmt(limit)}"
-                    else:
-                        text = f"{actual[key]} {words[key]} > limit {limit}"
-                    problems.append(("faults", f"{text} ({plan.fault_source}; {src})"))
-            if any(k == "faults" for k, _ in problems):
-                details.append(f"page faults during the call: {f}")
-        if self.baseline is not None and not not_passed and rec.get("peak_bytes_per_device") is not None:
-            comparison, grown = self.baseline.compare(rec, self.growth, fmt,
-                                                      self.settings.source("max_growth") or "the default")
-            rec["baseline"] = comparison  # None: a test the baseline does not have
-            rec["limits"]["growth"] = {"max_growth": self.growth.text, "baseline": self.baseline.path,
-                                       "source": self.settings.source("max_growth") or "default"}
-            problems.extend(("growth", m) for m in grown)
+        case = Case(item, plan, w, meter, call, not not_passed, rec, self)
+        for unit in LIMITS:  # limits.py: budget, leaks, checks, faults, growth
+            problem = unit.judge(case)
+            if problem is not None:
+                problems.extend((problem.kind, m) for m in problem.messages)
+                if problem.detail is not None:
+                    details.append(problem.detail)
         if problems and not not_passed:
             kinds = sorted({k for k, _ in problems})
             rec["verdict"] = "+".join(kinds)
@@ -455,18 +346,6 @@ def _unchecked(plan):
     return dataclasses.replace(plan, budget=None, leaks="off")
 
 
-def _origins_from_history(leaked, history) -> list:
-    """The leaked allocations with the origins a recording holds for them."""
-    import dataclasses
-
-    where = {}
-    for _t, action, ptr, _size, device, _stream, origin in list(history.events):
-        if action == "alloc" and origin is not None:
-            where[(ptr, device)] = origin
-    return [dataclasses.replace(a, origin=where[(a.ptr, a.device)]) if (a.ptr, a.device) in where else a
-            for a in leaked]
-
-
 def _describe_allocator(cupy) -> str:
     """CuPy's current allocator in words a user recognises."""
     a = cupy.cuda.get_allocator()
@@ -476,19 +355,6 @@ def _describe_allocator(cupy) -> str:
     if getattr(a, "__name__", "") == "_malloc" and getattr(owner, "__name__", None) == "cupy.cuda.memory":
         return "plain cudaMalloc, no pool (cupy.cuda.set_allocator(None))"
     return repr(a)
-
-
-def _limits(plan) -> dict:
-    """Each limit that applied to a test, with where it came from (JSON)."""
-    out = {}
-    if plan.budget is not None:
-        out["budget"] = {"value": plan.budget if isinstance(plan.budget, str) else int(plan.budget),
-                         "as_given": plan.budget_text, "source": plan.budget_source}
-    if plan.leaks != "off":
-        out["leaks"] = {"mode": plan.leaks, "limit_bytes": plan.leak_limit, "source": plan.leak_source}
-    if plan.fault_limits:
-        out["page_faults"] = dict(plan.fault_limits, source=plan.fault_source)
-    return out
 
 
 def _package_versions() -> dict:
@@ -584,7 +450,7 @@ def _settings_summary(state) -> str:
     s = state.settings
     parts = []
     if s.budget is not None:
-        parts.append(f"budget {_size_words(s.budget, s.text('budget'))} ({s.source('budget')})")
+        parts.append(f"budget {size_words(s.budget, s.text('budget'))} ({s.source('budget')})")
     if s.leaks != "off":
         parts.append(f"leaks: {s.leaks} ({s.source('leaks')})")
     if s.faults:
@@ -789,7 +655,7 @@ def _finish_call(state, plan, meter, w, counter) -> None:
         except RuntimeError:  # the test entered using() and is still inside it
             w.history_error = "the test's call left a cupy_memstrat.using() block open; the recording goes on"
     meter.close(w)
-    if plan.budget is not None and any(w.peak[d] > meter.limit(plan.budget, d) for d in meter.devices):
+    if BUDGET.exceeded(plan, meter, w):
         w.top_live = meter.largest_new(w)  # while the test's arrays may still be alive
 
 
