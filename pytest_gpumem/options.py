@@ -17,11 +17,12 @@ import pytest
 
 import cupy_memstrat
 
+from .limits import LIMITS, MARKER_HELP, OFF_WORDS, marker_errors
+
 __all__ = ["SETTINGS", "Settings", "add_options", "resolve", "Plan", "plan_for", "MARKERS"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
-_OFF = ("off", "none", "no", "false")
 
 
 def parse_bool(raw: str):
@@ -36,7 +37,7 @@ def parse_bool(raw: str):
 def parse_budget(raw: str):
     """``None`` (off), bytes (int) or ``"N%"`` (a share of each device's memory)."""
     v = raw.strip()
-    if v.lower() in _OFF:
+    if v.lower() in OFF_WORDS:
         return None
     cupy_memstrat.parse_size(v, total=100, what="budget")  # checks the syntax, percentages included
     if v.endswith("%"):
@@ -288,16 +289,8 @@ def resolve(config, environ=None) -> Settings:
 
 # -- markers -------------------------------------------------------------------------
 
-MARKERS = (
-    "limit_gpu_memory(size): fail the test if its peak GPU memory exceeds size ('512MiB', '2GB', '10%'; "
-    "None: no budget for this test); overrides --gpumem-budget",
-    "limit_gpu_leaks(size='0B'): fail the test if it leaves more than size of GPU memory allocated after "
-    "it ends; overrides --gpumem-leaks",
-    "limit_page_faults(gpu=None, cpu=None, migrated=None): fail the test if it causes more GPU page faults, "
-    "CPU page faults or migrated bytes than given (skipped or failed where no counter exists, "
-    "per --gpumem-faults-missing)",
-    "gpumem_skip: do not measure or check this test's GPU memory",
-)
+#: The markers' lines for ``pytest --markers`` (each limit's, then gpumem_skip).
+MARKERS = MARKER_HELP
 
 
 @dataclass
@@ -313,99 +306,6 @@ class Plan:
     faults: bool = False  # count page faults
     fault_limits: dict | None = None  # {"gpu": int, "cpu": int, "migrated": int} (given ones only)
     fault_source: str | None = None
-
-
-def _safe_repr(value, width: int = 200) -> str:
-    try:
-        text = repr(value)
-    except Exception:  # noqa: BLE001 - a value whose __repr__ raises is still named
-        return f"<{type(value).__name__} object>"
-    return text if len(text) <= width else f"{text[:width - 20]}...({len(text)} characters)"
-
-
-def _marker_error(marker, item, exc) -> pytest.UsageError:
-    args = ", ".join([_safe_repr(a) for a in marker.args] + [f"{k}={_safe_repr(v)}" for k, v in marker.kwargs.items()])
-    return pytest.UsageError(f"marker {marker.name}({args}) on {item.nodeid}: {exc}")
-
-
-def _one_arg(marker, name: str, default=pytest):  # pytest: a sentinel for "required"
-    args, kwargs = list(marker.args), dict(marker.kwargs)
-    extra = sorted(set(kwargs) - {name})
-    if extra:
-        raise ValueError(f"unknown argument {extra[0]!r}; expected {name}")
-    if len(args) > 1 or (args and name in kwargs):
-        raise ValueError(f"expected one argument, {name}")
-    if args:
-        return args[0]
-    if name in kwargs:
-        return kwargs[name]
-    if default is pytest:
-        raise ValueError(f"missing the {name} argument, e.g. {marker.name}('512MiB')")
-    return default
-
-
-def _marker_size(value, what: str, percent: bool):
-    if value is None:
-        return None
-    if isinstance(value, str) and value.strip().lower() in _OFF:
-        return None
-    if percent and isinstance(value, str) and value.strip().endswith("%"):
-        cupy_memstrat.parse_size(value, total=100, what=what)
-        return value.strip()
-    return cupy_memstrat.parse_size(value, what=what)
-
-
-def _count(value, what: str):
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what}: expected a whole number >= 0 or None, got {value!r}")
-    return value
-
-
-def _budget_of(m):
-    size = _one_arg(m, "size")
-    return _marker_size(size, "size", percent=True), (size.strip() if isinstance(size, str) else None)
-
-
-def _leak_limit_of(m):
-    return _marker_size(_one_arg(m, "size", "0B"), "size", percent=False)
-
-
-def _fault_limits_of(m):
-    """The limits of a limit_page_faults marker; every bad argument named at once."""
-    problems, limits = [], {}
-    if m.args:
-        problems.append("takes keyword arguments only: gpu=, cpu=, migrated=")
-    for k in sorted(set(m.kwargs) - {"gpu", "cpu", "migrated"}):
-        problems.append(f"unknown argument {k!r}; expected gpu, cpu, migrated")
-    for key, parse in (("gpu", lambda v: _count(v, "gpu")), ("cpu", lambda v: _count(v, "cpu")),
-                       ("migrated", lambda v: _marker_size(v, "migrated", percent=False))):
-        try:
-            limits[key] = parse(m.kwargs.get(key))
-        except Exception as exc:  # noqa: BLE001 - any bad value (an __index__ that raises) is the user's
-            problems.append(str(exc))
-    if problems:
-        raise ValueError("; ".join(problems))
-    return {k: v for k, v in limits.items() if v is not None}
-
-
-_MARKER_PARSERS = {"limit_gpu_memory": _budget_of, "limit_gpu_leaks": _leak_limit_of,
-                   "limit_page_faults": _fault_limits_of}
-
-
-def marker_errors(item) -> list[str]:
-    """Every bad gpumem marker on ``item``, one message each: all of them, the
-    class's and module's too, also where a closer marker or ``gpumem_skip``
-    means it would not apply."""
-    errors = []
-    for name, parse in _MARKER_PARSERS.items():
-        for m in item.iter_markers(name):
-            try:
-                parse(m)
-            except Exception as exc:  # noqa: BLE001 - a bad value, whatever it raises, is a usage error
-                errors.append(str(_marker_error(m, item, exc)))
-    return errors
 
 
 def plan_for(item, settings: Settings) -> Plan | None:
@@ -431,26 +331,11 @@ def plan_for(item, settings: Settings) -> Plan | None:
         faults=settings.faults,
     )
     marked = False
-    m = item.get_closest_marker("limit_gpu_memory")
-    if m is not None:
-        marked = True
-        plan.budget, plan.budget_text = _budget_of(m)
-        plan.budget_source = "limit_gpu_memory marker"
-    m = item.get_closest_marker("limit_gpu_leaks")
-    if m is not None:
-        marked = True
-        limit = _leak_limit_of(m)
-        if limit is None:
-            plan.leaks, plan.leak_limit = "off", 0
-        else:
-            plan.leaks, plan.leak_limit = "fail", limit
-        plan.leak_source = "limit_gpu_leaks marker"
-    m = item.get_closest_marker("limit_page_faults")
-    if m is not None:
-        marked = True
-        plan.fault_limits = _fault_limits_of(m)
-        plan.faults = True
-        plan.fault_source = "limit_page_faults marker"
+    for unit in LIMITS:  # each limit's closest marker replaces the settings' limit
+        m = item.get_closest_marker(unit.marker) if unit.marker else None
+        if m is not None:
+            marked = True
+            unit.apply(plan, m)
     if not (marked or settings.measuring):
         return None
     return plan

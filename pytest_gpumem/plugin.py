@@ -17,522 +17,40 @@ setup and teardown are not part of the window, as in pytest-memray):
 The test's reports are logged after its teardown (this plugin runs the
 test protocol for measured tests, as pytest-rerunfailures does), so that a
 leak found after teardown fails the test's call report.
+
+This module holds the hooks and fixtures; the session's state and each test's
+verdict are in ``session.py``, the limits it is judged by (one unit each, with
+its marker) in ``limits.py``, the settings in ``options.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import warnings
-from fractions import Fraction
 
 import pytest
 
 import cupy_memstrat
 from cupy_memstrat import checks as _checks
 
-from . import baseline as _baseline
 from . import report as _report
-from .measure import GpuMem, Meter, describe
+from .limits import BUDGET, GpuMemLeakWarning, size_words
+from .measure import GpuMem, Meter
 from .options import MARKERS, add_options, plan_for, resolve
+from .session import METER, NOTICE, OOM_SNAPSHOT, GpuMemAllocatorWarning, State
+from .session import State as _State  # noqa: F401 - the name tools/probes/plugin_cost.py patches
 
 __all__ = ["GpuMemLeakWarning", "GpuMemAllocatorWarning"]
 
 fmt = cupy_memstrat.format_size
 
-
-def _size_words(value, text) -> str:
-    """A size for a message: as the user wrote it where its unit differs from
-    the one shown (``200MB (190.7 MiB)``), else formatted (``64.0 MiB``)."""
-    if isinstance(value, str):  # "N%"
-        return value
-    shown = fmt(value)
-    if text and text.lower().rstrip("s").lstrip("0123456789._ ") != shown.split(" ")[-1].lower():
-        return f"{text} ({shown})"
-    return shown
-
-
-def _warn_at_test(item, warning: Warning) -> None:
-    """Warn, attributed to the test function's first line (so that pytest's
-    warnings summary points at the test, not at this plugin)."""
-    path, lineno = str(item.path), 0
-    fn = getattr(item, "function", None)
-    code = getattr(fn, "__code__", None)
-    if code is not None:
-        path, lineno = code.co_filename, code.co_firstlineno
-    elif item.location and item.location[1] is not None:
-        lineno = item.location[1] + 1
-    module = getattr(getattr(item, "module", None), "__name__", None) or item.path.stem
-    warnings.warn_explicit(warning, type(warning), path, lineno, module=module)
-
-
-class GpuMemLeakWarning(pytest.PytestWarning):
-    """A test left GPU memory allocated (``--gpumem-leaks=warn``)."""
-
-
-class GpuMemAllocatorWarning(pytest.PytestWarning):
-    """A test or fixture replaced CuPy's allocator during the session."""
-
-
-class _State:
-    """The session's plugin state (``config.stash``)."""
-
-    def __init__(self, config, settings):
-        self.config = config
-        self.settings = settings
-        self.worker = os.environ.get("PYTEST_XDIST_WORKER") if hasattr(config, "workerinput") else None
-        self.controller = _is_xdist_controller(config)
-        self.strategy = None
-        self.meter: Meter | None = None
-        self.installed = False
-        self.previous = None
-        self.why_off: str | None = None
-        self.tried = False
-        self.records: list[dict] = []
-        self.machine: dict | None = None
-        self.machine_sent = False
-        self.remote_strategy = None  # under pytest-xdist: the workers' strategy, from their first record
-        self.n_unmeasured = 0  # tests that asked for measuring while it was off
-        self._expected_allocator = None  # CuPy's allocator as the plugin installed or adopted it
-        self.allocator_changes: list[str] = []
-        self.usage_error: str | None = None  # a pytest-xdist worker's usage error: its tests error with it
-        self.initial_strategy = None  # the session's strategy as first installed (the table's title)
-        self.n_histories = 0  # timelines recorded for failing tests (--gpumem-history)
-        self.baseline = _baseline.load_baseline(settings.compare) if settings.compare else None
-        self.growth = settings.max_growth or _baseline.Growth(share=Fraction(1, 10), text="10%")
-
-    # -- the strategy ----------------------------------------------------------------
-    def activate(self) -> None:
-        """Install (or adopt) the strategy to measure through; on failure
-        remember why measuring is off."""
-        if self.tried:
-            return
-        self.tried = True
-        spec = self.settings.strategy
-        try:
-            import cupy
-        except ImportError:
-            self.why_off = "CuPy is not installed (pip install 'cupy-memstrat[cuda13]' or [cuda12])"
-            return
-        try:
-            current = None if spec else cupy_memstrat.current()
-            checks = self.settings.check
-            extra = {"check": checks, "on_finding": "record"} if checks else {}
-            if spec:
-                _, spec_options = cupy_memstrat.parse_spec(spec)
-                if "check" in spec_options:
-                    if checks:
-                        raise pytest.UsageError(
-                            f"--gpumem-check ({self.settings.source('check')}) and a check= in the strategy "
-                            f"spec {spec!r} ({self.settings.source('strategy')}): give the checks in one place"
-                        )
-                    # the plugin reports findings per test: record them unless the spec says otherwise
-                    extra = {} if "on_finding" in spec_options else {"on_finding": "record"}
-            if current is not None and (not checks or isinstance(current, _checks.CheckedStrategy)):
-                self.strategy = current  # a strategy the session installed (conftest): measured as it is
-            else:
-                previous = cupy.cuda.get_allocator()
-                self.strategy = cupy_memstrat.use(current if current is not None else (spec or "pool"), **extra)
-                self.previous, self.installed = previous, True
-            self.meter = Meter(self.strategy)
-            self.initial_strategy = self.strategy
-            self._expected_allocator = cupy.cuda.get_allocator()
-        except (cupy_memstrat.NoDeviceError, cupy_memstrat.CuPyNotInstalledError, RuntimeError) as exc:
-            self.why_off = str(exc)
-            self.strategy = self.meter = None
-        except (ValueError, pytest.UsageError) as exc:  # a bad CUPY_MEMSTRAT_BACKEND, an option the device
-            where = self.settings.source("strategy")   # refuses, checks given twice
-            named = isinstance(exc, pytest.UsageError) or not (spec and where) or str(exc).startswith(where)
-            msg = str(exc) if named else f"{where}={spec!r}: {exc}"
-            self.strategy = self.meter = None
-            if self.worker is not None:
-                # A pytest-xdist worker that raised here would crash, be replaced and crash again:
-                # each of its tests errors with the message instead (docs/pytest.md)
-                self.usage_error, self.why_off = msg, msg
-                return
-            raise pytest.UsageError(msg) from None
-
-    def follow_allocator(self, item) -> None:
-        """Before a measured call: if a test or fixture replaced CuPy's
-        allocator (``cupy_memstrat.use``, ``cupy.cuda.set_allocator``), measure
-        through the new strategy, or, if it is not a cupy_memstrat strategy,
-        stop measuring; either way say so once.
-
-        Returns ``(meter, strategy)`` for this call: a test that runs inside
-        ``cupy_memstrat.using()`` (the ``gpumem_strategy`` fixture does that)
-        is measured through that strategy, for this test only and without a
-        warning; the session's strategy stays as it is."""
-        import cupy
-
-        local = getattr(cupy.cuda.memory, "_get_thread_local_allocator", lambda: None)()
-        if local is not None:
-            new = cupy_memstrat.current()
-            if new is not None and new is not self.strategy:
-                return Meter(new), new
-        if cupy.cuda.get_allocator() is self._expected_allocator:
-            return self.meter, self.strategy
-        msg, as_error = self.adopt_allocator(item, "before")
-        if as_error:  # fail the test cleanly: no plugin traceback, no chained warning
-            pytest.fail(f"gpumem: {msg} (GpuMemAllocatorWarning, an error under -W)", pytrace=False)
-        return self.meter, self.strategy
-
-    def allocator_changed(self) -> bool:
-        """Whether CuPy's process-wide allocator is not the one measured through."""
-        import cupy
-
-        return self._expected_allocator is not None and cupy.cuda.get_allocator() is not self._expected_allocator
-
-    def adopt_allocator(self, item, when: str):
-        """CuPy's allocator was replaced ``before`` or ``during`` ``item``:
-        measure through the new strategy from here on, or, if it is not a
-        cupy_memstrat strategy, stop measuring; say so once, with a
-        ``GpuMemAllocatorWarning`` at the test's line. Returns ``(message or
-        None, whether -W made the warning an error)``."""
-        import cupy
-
-        new = cupy_memstrat.current()
-        if new is self.strategy:  # the same strategy, installed again
-            self._expected_allocator = cupy.cuda.get_allocator()
-            return None, False
-        what = "before" if when == "before" else "during"
-        if new is not None:
-            same = self.strategy is not None and new.name == self.strategy.name
-            msg = (f"CuPy's allocator changed {what} {item.nodeid} to "
-                   f"{'another ' if same else ''}strategy {new.name!r}{' object' if same else ''} "
-                   f"(cupy_memstrat.use in a test or fixture); gpumem measures through it from here on")
-            self.strategy, self.meter = new, Meter(new)
-            self._expected_allocator = cupy.cuda.get_allocator()
-        else:
-            msg = (f"CuPy's allocator changed {what} {item.nodeid} to {_describe_allocator(cupy)}, "
-                   "which is not a cupy_memstrat strategy: gpumem cannot measure through it, and the "
-                   "tests from here on are not measured (install strategies with cupy_memstrat.use, or "
-                   "restore CuPy's allocator at the end of the test)")
-            self.why_off = msg
-            self.strategy = self.meter = None
-        self.allocator_changes.append(msg)
-        try:
-            _warn_at_test(item, GpuMemAllocatorWarning(msg))
-            return msg, False
-        except Warning:  # -W error: the warning is an error
-            return msg, True
-
-    def restore(self) -> None:
-        if self.installed:
-            import cupy
-
-            cupy.cuda.set_allocator(self.previous)  # what was there before the session
-            self.installed = False
-
-    def fault_unavailable(self) -> str | None:
-        """Why page faults cannot be counted here, or None."""
-        if self.meter is None:
-            return f"GPU measurement is off: {self.why_off or 'no GPU'}"
-        try:
-            self.meter.fault_counter()
-        except cupy_memstrat.FaultCountersUnavailable as exc:
-            return str(exc)
-        return None
-
-    # -- verdicts ------------------------------------------------------------------------
-    def verdict(self, item, plan, w, reports) -> None:
-        meter = item.stash[_METER]  # the one its call was measured through
-        n = meter.n_devices
-        call = next((r for r in reports if r.when == "call"), None)
-        not_passed = call is None or not call.passed or any(r.failed for r in reports) or hasattr(call, "wasxfail")
-        peak_dev = max(range(n), key=lambda d: w.peak[d]) if n else 0
-        on = (lambda d: f" on device {d}") if n > 1 else (lambda d: "")
-        rec = {
-            "nodeid": item.nodeid,
-            "peak_bytes": w.peak[peak_dev] if n else 0,
-            "peak_device": peak_dev,
-            "peak_bytes_per_device": list(w.peak),
-            "in_use_before_bytes": sum(w.base),
-            "allocated": w.n_allocs,
-            "freed": w.n_frees,
-            "budget_bytes": None,
-            "leak_check": plan.leaks,
-            "leaked_bytes": None,
-            "leaked_count": None,
-            "leaks": [],
-            "faults": w.faults.as_dict() if w.faults is not None else None,
-            "fault_limits": plan.fault_limits,
-            "limits": _limits(plan),
-            "verdict": None,
-            "worker": self.worker,
-            "duration": getattr(call, "duration", None),
-        }
-        problems, details = [], []
-        change, change_is_error = getattr(w, "allocator_change", None) or (None, False)
-        notice = item.stash.get(_NOTICE, None)
-        if notice is not None:
-            rec["allocator_notice"] = notice
-        if change is not None:
-            # its allocations after the change went to another allocator: its numbers are not the
-            # test's, and no budget or leak verdict is given on them
-            rec["measured"] = False
-            rec["allocator_change"] = change
-            if plan.leaks != "off":
-                rec["leak_check"] = "skipped: the test changed CuPy's allocator"
-            for key in ("peak_bytes", "peak_device", "allocated", "freed"):
-                rec[key] = None  # not the test's numbers
-            rec["peak_bytes_per_device"] = None
-            plan = _unchecked(plan)
-            if change_is_error:
-                problems.append(("allocator", f"gpumem: {change} (GpuMemAllocatorWarning, an error under -W)"))
-        if plan.budget is not None:
-            limits = [meter.limit(plan.budget, d) for d in meter.devices]
-            rec["budget_bytes"] = limits[peak_dev] if n else None
-            over = [d for d in meter.devices if w.peak[d] > limits[d]]
-            if over:
-                d = max(over, key=lambda d: w.peak[d] - limits[d])
-                share = f" = {plan.budget} of device {d}'s {fmt(meter.totals[d])}" if isinstance(plan.budget, str) else ""
-                words = _size_words(limits[d], None if share else plan.budget_text)
-                problems.append(("budget", f"peak {fmt(w.peak[d])}{on(d)} > budget {words}{share} "
-                                           f"({plan.budget_source})"))
-                counts = (f"during the call: {w.n_allocs} allocation{'' if w.n_allocs == 1 else 's'}, "
-                          f"{w.n_frees} free{'' if w.n_frees == 1 else 's'}; in use when it began: "
-                          f"{fmt(sum(w.base))}")
-                if w.top_live:
-                    details.append(counts + "\nlargest allocations made by the test and still live at the end "
-                                   "of its call:\n" + describe(w.top_live))
-                else:
-                    details.append(counts + "\n(none of them was still live when the call returned; "
-                                   "gpumem.measure() blocks narrow the peak down)")
-        if plan.leaks != "off" and not not_passed:
-            leaked = meter.leaks(w)
-            if w.history is not None and not any(a.origin for a in leaked):
-                leaked = _origins_from_history(leaked, w.history)  # --gpumem-history knows where
-            total = sum(a.size for a in leaked)
-            rec["leaked_bytes"], rec["leaked_count"] = total, len(leaked)
-            rec["leaks"] = [
-                {"size": a.size, "device": a.device, "ptr": a.ptr, "origin": str(a.origin) if a.origin else None}
-                for a in leaked[:50]
-            ]
-            if total > plan.leak_limit:
-                k = len(leaked)
-                msg = (f"leaked {k} allocation{'' if k == 1 else 's'}, {fmt(total)} > limit {fmt(plan.leak_limit)} "
-                       f"({plan.leak_source})")
-                listing = ("allocations made by the test and still live after its teardown and gc.collect(), "
-                           "largest first:\n" + describe(leaked))
-                if not any(a.origin for a in leaked):
-                    if w.strategy_name is not None:  # the test's own strategy (gpumem_strategy, using()):
-                        # a recording cannot wrap it
-                        how = (f"create the test's strategy with track_origins=True "
-                               f"({w.strategy_name}:track_origins=true)")
-                    else:
-                        how = (f"run with --gpumem-strategy={meter.strategy.name}:track_origins=true, or with "
-                               "--gpumem-history and --gpumem-json")
-                    listing += f"\n  (where each was allocated: {how})"
-                if plan.leaks == "fail":
-                    problems.append(("leaks", msg))
-                    details.append(listing)
-                else:
-                    rec["verdict"] = "leak warning"
-                    try:
-                        _warn_at_test(item, GpuMemLeakWarning(f"{item.nodeid}: {msg}\n{listing}"))
-                    except Warning:  # -W error: the warning is an error: fail the test
-                        problems.append(("leaks", msg + " (GpuMemLeakWarning, an error under -W)"))
-                        details.append(listing)
-        elif plan.leaks != "off":
-            rec["leak_check"] = "skipped: the test did not pass"
-        if self.checking:
-            found = self.findings_since(w)
-            rec["findings"] = [f.as_dict() for f in found[:20]]
-            rec["n_findings"] = len(found)
-            if found:
-                k = len(found)
-                kinds = ", ".join(sorted({f.kind for f in found}))
-                text = "\n\n".join(str(f) for f in found[:10])
-                if k > 10:
-                    text += f"\n\n... and {k - 10} more (--gpumem-json lists 20)"
-                if not_passed:
-                    if call is not None:
-                        call.sections.append(("gpumem checks", text))
-                else:
-                    problems.append(("checks", f"{k} check finding{'' if k == 1 else 's'} ({kinds}): "
-                                               f"{found[0].message}"))
-                    details.append(text)
-        if plan.fault_limits and w.faults is not None:
-            f = w.faults
-            src = f"{f.source} counters" + ("" if f.exact else ", lower bounds")
-            actual = {"gpu": f.gpu_faults, "cpu": f.cpu_faults, "migrated": f.bytes_htod + f.bytes_dtoh}
-            words = {"gpu": "GPU page faults", "cpu": "CPU page faults"}
-            for key, limit in plan.fault_limits.items():
-                if actual[key] > limit:
-                    if key == "migrated":
-                        text = f"migrated {fmt(actual[key])} > limit {fmt(limit)}"
-                    else:
-                        text = f"{actual[key]} {words[key]} > limit {limit}"
-                    problems.append(("faults", f"{text} ({plan.fault_source}; {src})"))
-            if any(k == "faults" for k, _ in problems):
-                details.append(f"page faults during the call: {f}")
-        if self.baseline is not None and not not_passed and rec.get("peak_bytes_per_device") is not None:
-            comparison, grown = self.baseline.compare(rec, self.growth, fmt,
-                                                      self.settings.source("max_growth") or "the default")
-            rec["baseline"] = comparison  # None: a test the baseline does not have
-            rec["limits"]["growth"] = {"max_growth": self.growth.text, "baseline": self.baseline.path,
-                                       "source": self.settings.source("max_growth") or "default"}
-            problems.extend(("growth", m) for m in grown)
-        if problems and not not_passed:
-            kinds = sorted({k for k, _ in problems})
-            rec["verdict"] = "+".join(kinds)
-            call.outcome = "failed"
-            call.longrepr = "\n".join(m for _, m in problems)
-            if details:
-                call.sections.append(("gpumem", "\n\n".join(details)))
-            call.gpumem_failed = rec["verdict"]
-        rec["outcome"] = _outcome(reports)
-        failing = rec["outcome"] in ("failed", "error")
-        snap = item.stash.get(_OOM_SNAPSHOT, None)
-        if snap is not None:
-            rec["oom_snapshot"] = snap
-            if call is not None and call.failed:
-                call.sections.append(("gpumem", (
-                    f"out of memory: the strategy wrote the memory at the error to {snap}\n"
-                    f"  python -m cupy_memstrat export {snap} -o oom.pickle   (for PyTorch's memory viewer)")))
-        if w.history is not None and failing:
-            rec["history"] = w.history.as_dict()  # the timeline of a failing test (--gpumem-history)
-            self.n_histories += 1
-        if w.history_error is not None and failing:
-            rec["history_error"] = f"not recorded: {w.history_error}"
-        if w.strategy_name is not None:
-            rec["strategy"] = w.strategy_name  # measured through the test's own strategy (using())
-        props = _report.user_properties(rec)
-        item.user_properties.extend(props)
-        for r in reports:
-            r.user_properties.extend(props)
-        if not self.machine_sent:
-            rec["machine"] = meter.machine()
-            rec["strategy_info"] = self._strategy_info()  # the controller under xdist installs none
-            self.machine_sent = True
-        reports[-1].gpumem = rec
-
-    @property
-    def checking(self) -> bool:
-        """Whether the strategy measured through runs cupy_memstrat's checks."""
-        return isinstance(self.strategy, _checks.CheckedStrategy)
-
-    def findings_since(self, w) -> list:
-        """The checking layer's findings since ``w`` opened, after finishing
-        every pending check (quarantine, queued kernels)."""
-        try:
-            _checks.collect()
-        except _checks.CheckError:
-            pass  # a strategy of the test's own with on_finding="raise": its findings are recorded too
-        return _checks.findings(since=w.check_start)
-
-    def _strategy_info(self):
-        s = self.initial_strategy or self.strategy  # the session's; a test's other one is on its row
-        if s is None:
-            return None
-        return {"name": s.name,
-                "options": {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
-                            for k, v in s.config.items()}}
-
-    def info(self) -> dict:
-        s = self.settings
-        strategy = self._strategy_info() or self.remote_strategy
-        return {
-            "strategy": strategy,
-            "strategy_spec": s.strategy,
-            "settings": {k: s.values[k] for k in ("budget", "leaks", "faults", "faults_missing")}
-            | {"measure": s.measuring, "check": sorted(s.check), "stream_policy": s.stream_policy,
-               "history": s.history},
-            "baseline": s.compare,
-            "max_growth": self.growth.text if s.compare else None,
-            "setting_sources": {k: v for k, v in s.sources.items() if v is not None},
-            "setting_texts": dict(s.texts),
-            "packages": _package_versions(),
-            "machine": self.machine,
-            "measuring_off": self.why_off,
-        }
-
-
-def _unchecked(plan):
-    """The plan without the budget and leak checks (a test whose allocator changed)."""
-    import dataclasses
-
-    return dataclasses.replace(plan, budget=None, leaks="off")
-
-
-def _origins_from_history(leaked, history) -> list:
-    """The leaked allocations with the origins a recording holds for them."""
-    import dataclasses
-
-    where = {}
-    for _t, action, ptr, _size, device, _stream, origin in list(history.events):
-        if action == "alloc" and origin is not None:
-            where[(ptr, device)] = origin
-    return [dataclasses.replace(a, origin=where[(a.ptr, a.device)]) if (a.ptr, a.device) in where else a
-            for a in leaked]
-
-
-def _describe_allocator(cupy) -> str:
-    """CuPy's current allocator in words a user recognises."""
-    a = cupy.cuda.get_allocator()
-    owner = getattr(a, "__self__", None)
-    if owner is cupy.get_default_memory_pool():
-        return "CuPy's default memory pool (cupy.get_default_memory_pool().malloc)"
-    if getattr(a, "__name__", "") == "_malloc" and getattr(owner, "__name__", None) == "cupy.cuda.memory":
-        return "plain cudaMalloc, no pool (cupy.cuda.set_allocator(None))"
-    return repr(a)
-
-
-def _limits(plan) -> dict:
-    """Each limit that applied to a test, with where it came from (JSON)."""
-    out = {}
-    if plan.budget is not None:
-        out["budget"] = {"value": plan.budget if isinstance(plan.budget, str) else int(plan.budget),
-                         "as_given": plan.budget_text, "source": plan.budget_source}
-    if plan.leaks != "off":
-        out["leaks"] = {"mode": plan.leaks, "limit_bytes": plan.leak_limit, "source": plan.leak_source}
-    if plan.fault_limits:
-        out["page_faults"] = dict(plan.fault_limits, source=plan.fault_source)
-    return out
-
-
-def _package_versions() -> dict:
-    try:
-        from cupy_memstrat.info import package_versions
-
-        return package_versions()
-    except Exception:  # noqa: BLE001 - a report must not crash
-        return {}
-
-
-def _outcome(reports) -> str:
-    for r in reports:
-        if r.failed:
-            return "failed" if r.when == "call" else "error"
-    for r in reports:
-        if hasattr(r, "wasxfail"):
-            return "xfailed" if r.skipped else "xpassed"
-        if r.skipped:
-            return "skipped"
-    return "passed"
-
-
-def _is_xdist_controller(config) -> bool:
-    if hasattr(config, "workerinput"):
-        return False
-    try:
-        dist = config.getoption("dist")
-        n = config.getoption("numprocesses")
-    except ValueError:  # pytest-xdist is not installed or not loaded
-        return False
-    return bool(n) and dist != "no"
-
-
-_KEY = pytest.StashKey[_State]()
+_KEY = pytest.StashKey[State]()
 _PLAN = pytest.StashKey[object]()
 _WINDOW = pytest.StashKey[object]()
-_METER = pytest.StashKey[object]()  # the meter a test's call was measured through
-_NOTICE = pytest.StashKey[str]()  # an allocator change found before the test (pytest-xdist's summary)
-_OOM_SNAPSHOT = pytest.StashKey[str]()  # the file an out-of-memory error of the call wrote (oom_snapshot)
 _BAD = pytest.StashKey[str]()  # a bad marker's message (pytest-xdist workers: the test errors with it)
 
 
-def _state(config) -> _State | None:
+def _state(config) -> State | None:
     return config.stash.get(_KEY, None)
 
 
@@ -551,7 +69,7 @@ def pytest_configure(config):
         raise pytest.UsageError(f"{settings.source('max_growth')}={settings.text('max_growth')!r}: a growth limit "
                                 "needs a baseline to compare with: give --gpumem-compare=BASELINE.json (an earlier "
                                 "--gpumem-json report)")
-    state = _State(config, settings)
+    state = State(config, settings)
     config.stash[_KEY] = state
     config.pluginmanager.register(_Recorder(state), "gpumem-recorder")
     if state.controller:
@@ -566,7 +84,6 @@ def pytest_configure(config):
 def _fake_backend_asked() -> bool:
     """CUPY_MEMSTRAT_BACKEND names a backend other than CUDA (the fake, or a bad value,
     which activating then refuses as a usage error)."""
-    import os
 
     return os.environ.get("CUPY_MEMSTRAT_BACKEND", "").strip().lower() not in ("", "cuda", "real")
 
@@ -584,7 +101,7 @@ def _settings_summary(state) -> str:
     s = state.settings
     parts = []
     if s.budget is not None:
-        parts.append(f"budget {_size_words(s.budget, s.text('budget'))} ({s.source('budget')})")
+        parts.append(f"budget {size_words(s.budget, s.text('budget'))} ({s.source('budget')})")
     if s.leaks != "off":
         parts.append(f"leaks: {s.leaks} ({s.source('leaks')})")
     if s.faults:
@@ -739,11 +256,11 @@ def pytest_runtest_call(item):
     if state.meter is not None:
         meter, strategy = state.follow_allocator(item)
     if len(state.allocator_changes) > n_changes:  # found before this test: its record carries it
-        item.stash[_NOTICE] = state.allocator_changes[-1]
+        item.stash[NOTICE] = state.allocator_changes[-1]
     if meter is None:
         state.n_unmeasured += 1
         return (yield)
-    item.stash[_METER] = meter
+    item.stash[METER] = meter
     counter = None
     if plan.faults:
         try:
@@ -771,7 +288,7 @@ def pytest_runtest_call(item):
         except MemoryError as exc:  # cupy_memstrat.OutOfMemoryError: the snapshot it wrote, if any
             snap = getattr(exc, "snapshot", None)
             if isinstance(snap, str):
-                item.stash[_OOM_SNAPSHOT] = snap
+                item.stash[OOM_SNAPSHOT] = snap
             raise
         finally:
             _finish_call(state, plan, meter, w, counter)
@@ -789,7 +306,7 @@ def _finish_call(state, plan, meter, w, counter) -> None:
         except RuntimeError:  # the test entered using() and is still inside it
             w.history_error = "the test's call left a cupy_memstrat.using() block open; the recording goes on"
     meter.close(w)
-    if plan.budget is not None and any(w.peak[d] > meter.limit(plan.budget, d) for d in meter.devices):
+    if BUDGET.exceeded(plan, meter, w):
         w.top_live = meter.largest_new(w)  # while the test's arrays may still be alive
 
 

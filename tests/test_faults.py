@@ -20,6 +20,8 @@ import pytest
 
 import cupy_memstrat
 from cupy_memstrat import faults
+from cupy_memstrat.faults import _cupti, _sources, _uvm  # the sources, internal to the package
+from cupy_memstrat.faults._errors import unavailable
 from cupy_memstrat.errors import FaultCountersUnavailable, MemstratError
 
 MiB = 1 << 20
@@ -141,7 +143,7 @@ def _closed(fd):
 
 
 def test_init_params_are_the_64_byte_counter_mode_struct():
-    b = faults.pack_init_params(0x7F0000001000, 5)
+    b = _uvm.pack_init_params(0x7F0000001000, 5)
     assert len(b) == 64
     qbuf, qsize, control, proc, allp, uvm_fd, w48, w52, w56, w60 = struct.unpack("<QQQ16sIIIIII", b)
     assert (qbuf, qsize) == (0, 0)  # queue size 0 selects counter mode (uvm_tools.c)
@@ -154,21 +156,21 @@ def test_init_params_are_the_64_byte_counter_mode_struct():
 @pytest.mark.parametrize("address", [0, 0x1234, -4096])
 def test_init_params_refuse_an_unaligned_control_buffer(address):
     with pytest.raises(ValueError, match="page-aligned"):
-        faults.pack_init_params(address, 5)
+        _uvm.pack_init_params(address, 5)
 
 
 def test_init_params_refuse_a_negative_fd():
     with pytest.raises(ValueError, match="uvm_fd must be a file descriptor >= 0, got -1"):
-        faults.pack_init_params(mmap.PAGESIZE, -1)
+        _uvm.pack_init_params(mmap.PAGESIZE, -1)
 
 
 @pytest.mark.parametrize("layout", ["unversioned", "requested/granted", "version"])
 def test_one_buffer_works_with_every_driver_layout(layout):
     kernel = FakeUvmKernel(layout)
     buf = bytearray(256)
-    buf[:64] = faults.pack_init_params(mmap.PAGESIZE, 5)
+    buf[:64] = _uvm.pack_init_params(mmap.PAGESIZE, 5)
     kernel(3, 56, buf)
-    reply = faults.parse_init_params(buf)
+    reply = _uvm.parse_init_params(buf)
     assert reply.status == 0
     assert reply.layout == layout
     assert reply.granted_version == (1 if layout == "requested/granted" else None)
@@ -179,40 +181,40 @@ def test_one_buffer_works_with_every_driver_layout(layout):
 def test_a_failure_status_is_read_from_every_layout(layout, status):
     kernel = FakeUvmKernel(layout, init_status={5: status})
     buf = bytearray(256)
-    buf[:64] = faults.pack_init_params(mmap.PAGESIZE, 5)
+    buf[:64] = _uvm.pack_init_params(mmap.PAGESIZE, 5)
     kernel(3, 56, buf)
-    assert faults.parse_init_params(buf).status == status
+    assert _uvm.parse_init_params(buf).status == status
 
 
 def test_parse_init_params_refuses_a_short_buffer():
     with pytest.raises(ValueError, match="expected at least 64 bytes of init params, got 56"):
-        faults.parse_init_params(bytes(56))
+        _uvm.parse_init_params(bytes(56))
 
 
 def test_enable_params_and_flags():
-    b = faults.pack_enable_counters()
+    b = _uvm.pack_enable_counters()
     assert len(b) == 16
     assert struct.unpack("<QI4x", b) == (0x1 | 0x2 | 0x4 | 0x200, 0)
-    assert faults.parse_enable_status(b[:8] + struct.pack("<I", 0x1F) + bytes(4)) == 0x1F
+    assert _uvm.parse_enable_status(b[:8] + struct.pack("<I", 0x1F) + bytes(4)) == 0x1F
     with pytest.raises(ValueError, match="non-zero 64-bit mask, got 0"):
-        faults.pack_enable_counters(0)
+        _uvm.pack_enable_counters(0)
 
 
 def test_control_page_indices_follow_uvm_counter_name():
     page = struct.pack("<10Q", 111, 222, 3, 0, 0, 0, 0, 777, 888, 9)
-    assert faults.parse_counters(page) == {"bytes_htod": 111, "bytes_dtoh": 222, "cpu_faults": 3, "gpu_faults": 9}
+    assert _uvm.parse_counters(page) == {"bytes_htod": 111, "bytes_dtoh": 222, "cpu_faults": 3, "gpu_faults": 9}
     with pytest.raises(ValueError, match="expected at least 80 bytes of counters, got 72"):
-        faults.parse_counters(page[:72])
+        _uvm.parse_counters(page[:72])
 
 
 def test_nv_status_names_are_in_messages():
-    assert faults.nv_status_name(0x1F) == "rmStatus 0x1f (NV_ERR_INVALID_ARGUMENT)"
-    assert faults.nv_status_name(0x4242) == "rmStatus 0x4242"
+    assert _uvm.nv_status_name(0x1F) == "rmStatus 0x1f (NV_ERR_INVALID_ARGUMENT)"
+    assert _uvm.nv_status_name(0x4242) == "rmStatus 0x4242"
 
 
 def test_find_uvm_fds_matches_the_node_exactly(uvm_env):
-    assert faults.find_uvm_fds(uvm_env.kwargs["fd_dir"]) == [5, 7]  # not nvidia-uvm-tools, not nvidiactl
-    assert faults.find_uvm_fds("/nonexistent/fd") == []
+    assert _uvm.find_uvm_fds(uvm_env.kwargs["fd_dir"]) == [5, 7]  # not nvidia-uvm-tools, not nvidiactl
+    assert _uvm.find_uvm_fds("/nonexistent/fd") == []
 
 
 # ---------------------------------------------------------------------------
@@ -223,7 +225,7 @@ def test_find_uvm_fds_matches_the_node_exactly(uvm_env):
 def test_open_driver_counters_success_reads_deltas_from_the_page(uvm_env):
     kernel = FakeUvmKernel()
     inits = []
-    src = faults.open_driver_counters(ioctl=kernel, init_cuda=lambda: inits.append(1), **uvm_env.kwargs)
+    src = _uvm.open_driver_counters(ioctl=kernel, init_cuda=lambda: inits.append(1), **uvm_env.kwargs)
     try:
         assert inits == [1]  # CUDA initialised before looking for /dev/nvidia-uvm
         assert kernel.requests == [56, 60]
@@ -242,7 +244,7 @@ def test_open_driver_counters_success_reads_deltas_from_the_page(uvm_env):
 
 def test_no_device_node(tmp_path):
     with pytest.raises(FaultCountersUnavailable) as info:
-        faults.open_driver_counters(tools_path=str(tmp_path / "nvidia-uvm-tools"), ioctl=FakeUvmKernel())
+        _uvm.open_driver_counters(tools_path=str(tmp_path / "nvidia-uvm-tools"), ioctl=FakeUvmKernel())
     msg = str(info.value)
     assert f"no device node {tmp_path / 'nvidia-uvm-tools'}" in msg
     assert "source 'driver' is unavailable" in msg
@@ -256,7 +258,7 @@ def test_permission_denied(uvm_env):
 
     kw = dict(uvm_env.kwargs, opener=opener)
     with pytest.raises(FaultCountersUnavailable, match="permission denied opening .*nvidia-uvm-tools"):
-        faults.open_driver_counters(ioctl=FakeUvmKernel(), **kw)
+        _uvm.open_driver_counters(ioctl=FakeUvmKernel(), **kw)
 
 
 def test_cuda_failure_is_a_reason_and_closes_the_node(uvm_env):
@@ -264,7 +266,7 @@ def test_cuda_failure_is_a_reason_and_closes_the_node(uvm_env):
         raise cupy_memstrat.NoDeviceError("no CUDA device is available: cudaErrorNoDevice")
 
     with pytest.raises(FaultCountersUnavailable, match="CUDA is not usable: no CUDA device is available"):
-        faults.open_driver_counters(ioctl=FakeUvmKernel(), init_cuda=init_cuda, **uvm_env.kwargs)
+        _uvm.open_driver_counters(ioctl=FakeUvmKernel(), init_cuda=init_cuda, **uvm_env.kwargs)
     assert _closed(uvm_env.opened[0])
 
 
@@ -273,14 +275,14 @@ def test_no_uvm_descriptor_in_this_process(uvm_env, tmp_path):
     empty.mkdir()
     kw = dict(uvm_env.kwargs, fd_dir=str(empty))
     with pytest.raises(FaultCountersUnavailable, match="this process has no /dev/nvidia-uvm open"):
-        faults.open_driver_counters(ioctl=FakeUvmKernel(), **kw)
+        _uvm.open_driver_counters(ioctl=FakeUvmKernel(), **kw)
     assert _closed(uvm_env.opened[0])
 
 
 def test_ioctl_errno_names_the_request(uvm_env):
     kernel = FakeUvmKernel(init_errno=errno.ENOTTY)
     with pytest.raises(FaultCountersUnavailable) as info:
-        faults.open_driver_counters(ioctl=kernel, **uvm_env.kwargs)
+        _uvm.open_driver_counters(ioctl=kernel, **uvm_env.kwargs)
     assert "ioctl UVM_TOOLS_INIT_EVENT_TRACKER (56)" in str(info.value)
     assert os.strerror(errno.ENOTTY) in str(info.value)
     assert _closed(uvm_env.opened[0])
@@ -289,7 +291,7 @@ def test_ioctl_errno_names_the_request(uvm_env):
 def test_rm_status_is_reported(uvm_env):
     kernel = FakeUvmKernel(init_status={5: 0x1F})
     with pytest.raises(FaultCountersUnavailable) as info:
-        faults.open_driver_counters(ioctl=kernel, **uvm_env.kwargs)
+        _uvm.open_driver_counters(ioctl=kernel, **uvm_env.kwargs)
     msg = str(info.value)
     assert "UVM_TOOLS_INIT_EVENT_TRACKER (56) failed" in msg
     assert "fd 5: rmStatus 0x1f (NV_ERR_INVALID_ARGUMENT)" in msg
@@ -299,7 +301,7 @@ def test_rm_status_is_reported(uvm_env):
 def test_a_wrong_kind_of_uvm_descriptor_is_skipped(uvm_env):
     # CUDA's second /dev/nvidia-uvm fd is an UVM_FD_MM one: NV_ERR_ILLEGAL_ACTION
     kernel = FakeUvmKernel(init_status={5: 0x16})
-    src = faults.open_driver_counters(ioctl=kernel, **uvm_env.kwargs)
+    src = _uvm.open_driver_counters(ioctl=kernel, **uvm_env.kwargs)
     try:
         assert src.uvm_fd == 7 and kernel.requests == [56, 56, 60]
     finally:
@@ -309,7 +311,7 @@ def test_a_wrong_kind_of_uvm_descriptor_is_skipped(uvm_env):
 def test_every_descriptor_refused(uvm_env):
     kernel = FakeUvmKernel(init_status={5: 0x16, 7: 0x1B})
     with pytest.raises(FaultCountersUnavailable) as info:
-        faults.open_driver_counters(ioctl=kernel, **uvm_env.kwargs)
+        _uvm.open_driver_counters(ioctl=kernel, **uvm_env.kwargs)
     msg = str(info.value)
     assert "fd 5: rmStatus 0x16 (NV_ERR_ILLEGAL_ACTION)" in msg
     assert "fd 7: rmStatus 0x1b (NV_ERR_INSUFFICIENT_PERMISSIONS)" in msg
@@ -318,14 +320,14 @@ def test_every_descriptor_refused(uvm_env):
 def test_version_mismatch(uvm_env):
     kernel = FakeUvmKernel("requested/granted", grant=2)
     with pytest.raises(FaultCountersUnavailable, match="version mismatch: the driver granted version 2, requested 1"):
-        faults.open_driver_counters(ioctl=kernel, **uvm_env.kwargs)
+        _uvm.open_driver_counters(ioctl=kernel, **uvm_env.kwargs)
     assert _closed(uvm_env.opened[0])
 
 
 @pytest.mark.parametrize("layout", ["requested/granted", "version"])
 def test_older_layouts_open(uvm_env, layout):
     kernel = FakeUvmKernel(layout)
-    src = faults.open_driver_counters(ioctl=kernel, **uvm_env.kwargs)
+    src = _uvm.open_driver_counters(ioctl=kernel, **uvm_env.kwargs)
     try:
         assert src.reply.layout == layout
         kernel.set_counters(gpu=3)
@@ -337,14 +339,14 @@ def test_older_layouts_open(uvm_env, layout):
 def test_enable_counters_failure(uvm_env):
     kernel = FakeUvmKernel(enable_status=0x1F)
     with pytest.raises(FaultCountersUnavailable, match=r"UVM_TOOLS_ENABLE_COUNTERS \(60\) failed: rmStatus 0x1f"):
-        faults.open_driver_counters(ioctl=kernel, **uvm_env.kwargs)
+        _uvm.open_driver_counters(ioctl=kernel, **uvm_env.kwargs)
     assert _closed(uvm_env.opened[0])
 
 
 def test_enable_counters_errno(uvm_env):
     kernel = FakeUvmKernel(enable_errno=errno.EINVAL)
     with pytest.raises(FaultCountersUnavailable, match=r"UVM_TOOLS_ENABLE_COUNTERS \(60\) failed: \[Errno 22\]"):
-        faults.open_driver_counters(ioctl=kernel, **uvm_env.kwargs)
+        _uvm.open_driver_counters(ioctl=kernel, **uvm_env.kwargs)
 
 
 # ---------------------------------------------------------------------------
@@ -424,7 +426,7 @@ class _Cfg:
 
 def test_cupti_counts_records_and_never_sums_program_counters():
     cp = FakeCupti()
-    src = faults.open_cupti_counters(cupti=cp)
+    src = _cupti.open_cupti_counters(cupti=cp)
     k = cp.ActivityUnifiedMemoryCounterKind
     assert [(c.kind, c.scope, c.enable) for c in cp.configs] == [(1, 2, 1), (2, 2, 1), (3, 2, 1), (4, 2, 1)]
     assert cp.calls[:4] == ["activity_register_callbacks", "activity_configure_unified_memory_counter",
@@ -447,7 +449,7 @@ def test_cupti_counts_records_and_never_sums_program_counters():
 
 def test_cupti_is_switched_on_by_the_first_counter_and_stays_on():
     cp = FakeCupti()
-    src = faults.open_cupti_counters(cupti=cp)
+    src = _cupti.open_cupti_counters(cupti=cp)
     assert not cp.enabled
     src.acquire()
     src.acquire()
@@ -469,7 +471,7 @@ def test_cupti_not_installed(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_cupti)
     with pytest.raises(FaultCountersUnavailable, match=r"cupti-python is not installed \(pip install 'cupy-memstrat\[cupti\]'\)"):
-        faults.open_cupti_counters()
+        _cupti.open_cupti_counters()
 
 
 @pytest.mark.parametrize(
@@ -478,7 +480,7 @@ def test_cupti_not_installed(monkeypatch):
 def test_cupti_failures_name_the_call_and_error(step):
     cp = FakeCupti(fail={step: (13, "ERROR_NOT_READY")})
     with pytest.raises(FaultCountersUnavailable) as info:
-        faults.open_cupti_counters(cupti=cp)
+        _cupti.open_cupti_counters(cupti=cp)
     assert f"CUPTI {step}" in str(info.value) and "ERROR_NOT_READY (13)" in str(info.value)
     assert "cupti" in info.value.reasons
 
@@ -491,7 +493,7 @@ def test_cupti_waits_for_cuda():
         calls.append("cuda")
         assert cp.calls == []  # CUPTI untouched before the driver is initialised
 
-    faults.open_cupti_counters(cupti=cp, init_cuda=init_cuda)
+    _cupti.open_cupti_counters(cupti=cp, init_cuda=init_cuda)
     assert calls == ["cuda"]
 
 
@@ -618,7 +620,7 @@ def test_the_project_fake_backend_simulates_managed_memory():
 @pytest.fixture
 def fresh_sources(monkeypatch):
     """Process-wide sources replaced by fakes; forgotten before and after."""
-    faults._reset()
+    _sources.reset()
     calls = {"driver": 0, "cupti": 0}
     state = {"driver": None, "cupti": None}  # None: opens; a str: fails with that reason
 
@@ -628,9 +630,9 @@ def fresh_sources(monkeypatch):
             try:  # as the real openers do
                 init_cuda()
             except Exception as exc:  # noqa: BLE001
-                raise faults._unavailable(name, f"CUDA is not usable: {exc}") from None
+                raise unavailable(name, f"CUDA is not usable: {exc}") from None
             if state[name] is not None:
-                raise faults._unavailable(name, state[name])
+                raise unavailable(name, state[name])
             return src
         return open_
 
@@ -638,10 +640,10 @@ def fresh_sources(monkeypatch):
                                 acquire=lambda: None, release=lambda: None, describe=lambda: "driver counters (x)")
     cup = types.SimpleNamespace(name="cupti", exact=False, read=lambda: (0, 0, 0, 0),
                                 acquire=lambda: None, release=lambda: None, describe=lambda: "CUPTI (x)")
-    monkeypatch.setitem(faults._OPENERS, "driver", opener("driver", drv))
-    monkeypatch.setitem(faults._OPENERS, "cupti", opener("cupti", cup))
+    monkeypatch.setitem(_sources.OPENERS, "driver", opener("driver", drv))
+    monkeypatch.setitem(_sources.OPENERS, "cupti", opener("cupti", cup))
     yield types.SimpleNamespace(calls=calls, state=state)
-    faults._reset()
+    _sources.reset()
 
 
 class RealLike:
@@ -727,8 +729,8 @@ def test_no_source_names_every_reason(fresh_sources):
 
 def test_a_cupti_counter_counts_only_its_block(fresh_sources, monkeypatch):
     cp = FakeCupti()
-    src = faults.open_cupti_counters(cupti=cp)
-    monkeypatch.setitem(faults._OPENERS, "cupti", lambda init_cuda: src)
+    src = _cupti.open_cupti_counters(cupti=cp)
+    monkeypatch.setitem(_sources.OPENERS, "cupti", lambda init_cuda: src)
     k = cp.ActivityUnifiedMemoryCounterKind
     c = faults.FaultCounter(source="cupti", backend=RealLike())
     cp.record(k.BYTES_TRANSFER_HTOD, MiB)  # before the first counter: CUPTI is off
@@ -743,7 +745,7 @@ def test_a_cupti_counter_counts_only_its_block(fresh_sources, monkeypatch):
 
 def test_available_and_status(fresh_sources, monkeypatch):
     monkeypatch.setattr(faults, "_real_backend", lambda: RealLike())
-    monkeypatch.setattr(faults, "_import_cupti", lambda: FakeCupti())
+    monkeypatch.setattr(_cupti, "import_cupti", lambda: FakeCupti())
     assert faults.available() == {"driver": None, "cupti": None}
     assert faults.status() == "driver counters (exact); CUPTI fallback available"
     assert fresh_sources.calls["cupti"] == 0  # only probed: CUPTI allows one user per process
@@ -751,7 +753,7 @@ def test_available_and_status(fresh_sources, monkeypatch):
 
 def test_status_without_driver(fresh_sources, monkeypatch):
     monkeypatch.setattr(faults, "_real_backend", lambda: RealLike())
-    monkeypatch.setattr(faults, "_import_cupti", lambda: FakeCupti())
+    monkeypatch.setattr(_cupti, "import_cupti", lambda: FakeCupti())
     fresh_sources.state["driver"] = "no device node /dev/nvidia-uvm-tools"
     assert faults.available() == {"driver": "no device node /dev/nvidia-uvm-tools", "cupti": None}
     s = faults.status()
@@ -764,7 +766,7 @@ def test_status_without_any_source(fresh_sources, monkeypatch):
         raise cupy_memstrat.NoDeviceError("no CUDA device is available")
 
     monkeypatch.setattr(faults, "_real_backend", no_cuda)
-    monkeypatch.setattr(faults, "_import_cupti", lambda: FakeCupti())
+    monkeypatch.setattr(_cupti, "import_cupti", lambda: FakeCupti())
     a = faults.available()
     assert a == {"driver": "CUDA is not usable: no CUDA device is available",
                  "cupti": "CUDA is not usable: no CUDA device is available"}
@@ -773,14 +775,14 @@ def test_status_without_any_source(fresh_sources, monkeypatch):
 
 @pytest.mark.skipif(os.path.exists("/dev/nvidia-uvm-tools"), reason="this machine has the UVM tools node")
 def test_this_machine_without_the_driver_says_so():
-    faults._reset()
+    _sources.reset()
     try:
         a = faults.available()
         assert a["driver"].startswith("no device node /dev/nvidia-uvm-tools")
         assert isinstance(a["cupti"], str)
         assert faults.status().startswith("unavailable: driver: no device node")
     finally:
-        faults._reset()
+        _sources.reset()
 
 
 def test_info_reports_the_fault_counters_of_each_backend(monkeypatch):

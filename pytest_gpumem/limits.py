@@ -1,0 +1,481 @@
+"""The limits a measured test is judged by, one unit each: its marker's
+arguments (where it has a marker) and its verdict on the test's call.
+
+=========  ======================  ======================================
+unit       marker                  fails the test when
+=========  ======================  ======================================
+budget     ``limit_gpu_memory``    its peak exceeds the budget
+leaks      ``limit_gpu_leaks``     it leaves more than the limit allocated
+checks     (``--gpumem-check``)    the checking layer found something
+faults     ``limit_page_faults``   it causes more page faults or migrated
+                                   bytes than given
+growth     (``--gpumem-compare``)  its peak grew beyond the baseline's
+=========  ======================  ======================================
+
+The plugin's verdict (``pytest_gpumem.plugin``) asks each unit of
+:data:`LIMITS` in this order; the problems they return, in that order, are
+the lines of the failure, and their details the ``gpumem`` section of the
+report. docs/pytest.md describes each limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+import cupy_memstrat
+
+from .measure import describe
+
+__all__ = [
+    "LIMITS",
+    "MARKER_HELP",
+    "OFF_WORDS",
+    "Case",
+    "GpuMemLeakWarning",
+    "Limit",
+    "Problem",
+    "limits_json",
+    "marker_errors",
+    "size_words",
+    "warn_at_test",
+]
+
+fmt = cupy_memstrat.format_size
+
+#: The words that switch a size setting or a marker's size off (``None``: no limit).
+OFF_WORDS = ("off", "none", "no", "false")
+
+
+class GpuMemLeakWarning(pytest.PytestWarning):
+    """A test left GPU memory allocated (``--gpumem-leaks=warn``)."""
+
+
+def warn_at_test(item, warning: Warning) -> None:
+    """Warn, attributed to the test function's first line (so that pytest's
+    warnings summary points at the test, not at this plugin).
+
+    Raises:
+        Warning: ``warning`` itself, where ``-W error`` makes it an error.
+    """
+    path, lineno = str(item.path), 0
+    fn = getattr(item, "function", None)
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        path, lineno = code.co_filename, code.co_firstlineno
+    elif item.location and item.location[1] is not None:
+        lineno = item.location[1] + 1
+    module = getattr(getattr(item, "module", None), "__name__", None) or item.path.stem
+    warnings.warn_explicit(warning, type(warning), path, lineno, module=module)
+
+
+def size_words(value, text) -> str:
+    """A size (bytes, or ``"N%"``) for a message: as the user wrote it where
+    its unit differs from the one shown (``200MB (190.7 MiB)``), else
+    formatted (``64.0 MiB``)."""
+    if isinstance(value, str):  # "N%"
+        return value
+    shown = fmt(value)
+    if text and text.lower().rstrip("s").lstrip("0123456789._ ") != shown.split(" ")[-1].lower():
+        return f"{text} ({shown})"
+    return shown
+
+
+# -- markers' arguments ------------------------------------------------------------------
+
+
+def _safe_repr(value, width: int = 200) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a value whose __repr__ raises is still named
+        return f"<{type(value).__name__} object>"
+    return text if len(text) <= width else f"{text[:width - 20]}...({len(text)} characters)"
+
+
+def _marker_error(marker, item, exc) -> pytest.UsageError:
+    args = ", ".join([_safe_repr(a) for a in marker.args] + [f"{k}={_safe_repr(v)}" for k, v in marker.kwargs.items()])
+    return pytest.UsageError(f"marker {marker.name}({args}) on {item.nodeid}: {exc}")
+
+
+def _one_arg(marker, name: str, default=pytest):  # pytest: a sentinel for "required"
+    args, kwargs = list(marker.args), dict(marker.kwargs)
+    extra = sorted(set(kwargs) - {name})
+    if extra:
+        raise ValueError(f"unknown argument {extra[0]!r}; expected {name}")
+    if len(args) > 1 or (args and name in kwargs):
+        raise ValueError(f"expected one argument, {name}")
+    if args:
+        return args[0]
+    if name in kwargs:
+        return kwargs[name]
+    if default is pytest:
+        raise ValueError(f"missing the {name} argument, e.g. {marker.name}('512MiB')")
+    return default
+
+
+def _marker_size(value, what: str, percent: bool):
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() in OFF_WORDS:
+        return None
+    if percent and isinstance(value, str) and value.strip().endswith("%"):
+        cupy_memstrat.parse_size(value, total=100, what=what)
+        return value.strip()
+    return cupy_memstrat.parse_size(value, what=what)
+
+
+def _count(value, what: str):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what}: expected a whole number >= 0 or None, got {value!r}")
+    return value
+
+
+# -- the units ---------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    """What a unit judges: one measured test, after its teardown.
+
+    ``state`` is the plugin's session state (``checking``,
+    ``findings_since(window)``, ``baseline``, ``growth``, ``settings``);
+    ``rec`` the test's record (JSON), which the units fill in; ``passed``
+    whether the test passed so far (no failed report, not xfailed).
+    """
+
+    item: Any
+    plan: Any
+    window: Any
+    meter: Any
+    call: Any
+    passed: bool
+    rec: dict
+    state: Any
+
+
+@dataclass
+class Problem:
+    """A limit the test went over: ``kind`` names it in the verdict
+    (``"budget"``...), ``messages`` are the lines of the failure (one per
+    number over its limit), ``detail`` the text for the report's ``gpumem``
+    section, or None."""
+
+    kind: str
+    messages: list
+    detail: str | None = None
+
+
+class Limit:
+    """One limit: ``kind`` (its name in verdicts), ``marker`` (its marker's
+    name, or None) and ``marker_help`` (the marker's line for ``pytest
+    --markers``)."""
+
+    kind = ""
+    marker: str | None = None
+    marker_help: str | None = None
+    json_key: str | None = None  # its entry in the record's "limits"
+
+    def parse(self, marker):
+        """The marker's arguments, checked.
+
+        Raises:
+            ValueError: a bad argument (named in the message).
+        """
+        raise NotImplementedError
+
+    def apply(self, plan, marker) -> None:
+        """Make the closest ``marker`` of a test the plan's limit (after
+        :meth:`parse` has accepted it)."""
+
+    def as_json(self, plan) -> dict | None:
+        """The limit as it applied to a test, with where it came from, or None."""
+        return None
+
+    def judge(self, case: Case) -> Problem | None:
+        """The problem the test has with this limit, or None."""
+        return None
+
+
+class Budget(Limit):
+    """The peak budget: ``--gpumem-budget`` or ``limit_gpu_memory(size)``
+    (bytes, a size string, ``"N%"`` of each device's memory, or None)."""
+
+    kind = "budget"
+    marker = "limit_gpu_memory"
+    marker_help = ("limit_gpu_memory(size): fail the test if its peak GPU memory exceeds size ('512MiB', '2GB', "
+                   "'10%'; None: no budget for this test); overrides --gpumem-budget")
+    json_key = "budget"
+
+    def parse(self, marker):
+        size = _one_arg(marker, "size")
+        return _marker_size(size, "size", percent=True), (size.strip() if isinstance(size, str) else None)
+
+    def apply(self, plan, marker) -> None:
+        plan.budget, plan.budget_text = self.parse(marker)
+        plan.budget_source = "limit_gpu_memory marker"
+
+    def as_json(self, plan):
+        if plan.budget is None:
+            return None
+        return {"value": plan.budget if isinstance(plan.budget, str) else int(plan.budget),
+                "as_given": plan.budget_text, "source": plan.budget_source}
+
+    @staticmethod
+    def exceeded(plan, meter, w) -> bool:
+        """Whether the window's peak went over the plan's budget on a device."""
+        return plan.budget is not None and any(w.peak[d] > meter.limit(plan.budget, d) for d in meter.devices)
+
+    def judge(self, case):
+        plan, meter, w, rec = case.plan, case.meter, case.window, case.rec
+        if plan.budget is None:
+            return None
+        n = meter.n_devices
+        peak_dev = max(range(n), key=lambda d: w.peak[d]) if n else 0
+        limits = [meter.limit(plan.budget, d) for d in meter.devices]
+        rec["budget_bytes"] = limits[peak_dev] if n else None
+        over = [d for d in meter.devices if w.peak[d] > limits[d]]
+        if not over:
+            return None
+        d = max(over, key=lambda d: w.peak[d] - limits[d])
+        on = f" on device {d}" if n > 1 else ""
+        share = f" = {plan.budget} of device {d}'s {fmt(meter.totals[d])}" if isinstance(plan.budget, str) else ""
+        words = size_words(limits[d], None if share else plan.budget_text)
+        msg = f"peak {fmt(w.peak[d])}{on} > budget {words}{share} ({plan.budget_source})"
+        counts = (f"during the call: {w.n_allocs} allocation{'' if w.n_allocs == 1 else 's'}, "
+                  f"{w.n_frees} free{'' if w.n_frees == 1 else 's'}; in use when it began: "
+                  f"{fmt(sum(w.base))}")
+        if w.top_live:
+            detail = (counts + "\nlargest allocations made by the test and still live at the end "
+                      "of its call:\n" + describe(w.top_live))
+        else:
+            detail = (counts + "\n(none of them was still live when the call returned; "
+                      "gpumem.measure() blocks narrow the peak down)")
+        return Problem(self.kind, [msg], detail)
+
+
+def _origins_from_history(leaked, history) -> list:
+    """The leaked allocations with the origins a recording holds for them."""
+    where = {}
+    for _t, action, ptr, _size, device, _stream, origin in list(history.events):
+        if action == "alloc" and origin is not None:
+            where[(ptr, device)] = origin
+    return [dataclasses.replace(a, origin=where[(a.ptr, a.device)]) if (a.ptr, a.device) in where else a
+            for a in leaked]
+
+
+class Leaks(Limit):
+    """The leak check: ``--gpumem-leaks`` (off, warn, fail) or
+    ``limit_gpu_leaks(size='0B')`` (fail above size bytes; None: off)."""
+
+    kind = "leaks"
+    marker = "limit_gpu_leaks"
+    marker_help = ("limit_gpu_leaks(size='0B'): fail the test if it leaves more than size of GPU memory "
+                   "allocated after it ends; overrides --gpumem-leaks")
+    json_key = "leaks"
+
+    def parse(self, marker):
+        return _marker_size(_one_arg(marker, "size", "0B"), "size", percent=False)
+
+    def apply(self, plan, marker) -> None:
+        limit = self.parse(marker)
+        if limit is None:
+            plan.leaks, plan.leak_limit = "off", 0
+        else:
+            plan.leaks, plan.leak_limit = "fail", limit
+        plan.leak_source = "limit_gpu_leaks marker"
+
+    def as_json(self, plan):
+        if plan.leaks == "off":
+            return None
+        return {"mode": plan.leaks, "limit_bytes": plan.leak_limit, "source": plan.leak_source}
+
+    def judge(self, case):
+        plan, meter, w, rec, item = case.plan, case.meter, case.window, case.rec, case.item
+        if plan.leaks == "off":
+            return None
+        if not case.passed:
+            rec["leak_check"] = "skipped: the test did not pass"
+            return None
+        leaked = meter.leaks(w)
+        if w.history is not None and not any(a.origin for a in leaked):
+            leaked = _origins_from_history(leaked, w.history)  # --gpumem-history knows where
+        total = sum(a.size for a in leaked)
+        rec["leaked_bytes"], rec["leaked_count"] = total, len(leaked)
+        rec["leaks"] = [
+            {"size": a.size, "device": a.device, "ptr": a.ptr, "origin": str(a.origin) if a.origin else None}
+            for a in leaked[:50]
+        ]
+        if total <= plan.leak_limit:
+            return None
+        k = len(leaked)
+        msg = (f"leaked {k} allocation{'' if k == 1 else 's'}, {fmt(total)} > limit {fmt(plan.leak_limit)} "
+               f"({plan.leak_source})")
+        listing = ("allocations made by the test and still live after its teardown and gc.collect(), "
+                   "largest first:\n" + describe(leaked))
+        if not any(a.origin for a in leaked):
+            if w.strategy_name is not None:  # the test's own strategy (gpumem_strategy, using()):
+                # a recording cannot wrap it
+                how = (f"create the test's strategy with track_origins=True "
+                       f"({w.strategy_name}:track_origins=true)")
+            else:
+                how = (f"run with --gpumem-strategy={meter.strategy.name}:track_origins=true, or with "
+                       "--gpumem-history and --gpumem-json")
+            listing += f"\n  (where each was allocated: {how})"
+        if plan.leaks == "fail":
+            return Problem(self.kind, [msg], listing)
+        rec["verdict"] = "leak warning"
+        try:
+            warn_at_test(item, GpuMemLeakWarning(f"{item.nodeid}: {msg}\n{listing}"))
+        except Warning:  # -W error: the warning is an error: fail the test
+            return Problem(self.kind, [msg + " (GpuMemLeakWarning, an error under -W)"], listing)
+        return None
+
+
+class Findings(Limit):
+    """The checking layer's findings (``--gpumem-check``, or a strategy with
+    ``check=``): any finding during the test fails it."""
+
+    kind = "checks"
+
+    def judge(self, case):
+        state, rec, call = case.state, case.rec, case.call
+        if not state.checking:
+            return None
+        found = state.findings_since(case.window)
+        rec["findings"] = [f.as_dict() for f in found[:20]]
+        rec["n_findings"] = len(found)
+        if not found:
+            return None
+        k = len(found)
+        kinds = ", ".join(sorted({f.kind for f in found}))
+        text = "\n\n".join(str(f) for f in found[:10])
+        if k > 10:
+            text += f"\n\n... and {k - 10} more (--gpumem-json lists 20)"
+        if not case.passed:  # the test failed anyway: the findings go with its report
+            if call is not None:
+                call.sections.append(("gpumem checks", text))
+            return None
+        return Problem(self.kind, [f"{k} check finding{'' if k == 1 else 's'} ({kinds}): {found[0].message}"], text)
+
+
+class Faults(Limit):
+    """The page-fault budget: ``limit_page_faults(gpu=None, cpu=None,
+    migrated=None)`` (counts of GPU and CPU page faults, bytes migrated both
+    ways; None: no limit)."""
+
+    kind = "faults"
+    marker = "limit_page_faults"
+    marker_help = ("limit_page_faults(gpu=None, cpu=None, migrated=None): fail the test if it causes more GPU "
+                   "page faults, CPU page faults or migrated bytes than given (skipped or failed where no "
+                   "counter exists, per --gpumem-faults-missing)")
+    json_key = "page_faults"
+
+    def parse(self, marker):
+        """The limits of a limit_page_faults marker; every bad argument named at once."""
+        problems, limits = [], {}
+        if marker.args:
+            problems.append("takes keyword arguments only: gpu=, cpu=, migrated=")
+        for k in sorted(set(marker.kwargs) - {"gpu", "cpu", "migrated"}):
+            problems.append(f"unknown argument {k!r}; expected gpu, cpu, migrated")
+        for key, parse in (("gpu", lambda v: _count(v, "gpu")), ("cpu", lambda v: _count(v, "cpu")),
+                           ("migrated", lambda v: _marker_size(v, "migrated", percent=False))):
+            try:
+                limits[key] = parse(marker.kwargs.get(key))
+            except Exception as exc:  # noqa: BLE001 - any bad value (an __index__ that raises) is the user's
+                problems.append(str(exc))
+        if problems:
+            raise ValueError("; ".join(problems))
+        return {k: v for k, v in limits.items() if v is not None}
+
+    def apply(self, plan, marker) -> None:
+        plan.fault_limits = self.parse(marker)
+        plan.faults = True
+        plan.fault_source = "limit_page_faults marker"
+
+    def as_json(self, plan):
+        if not plan.fault_limits:
+            return None
+        return dict(plan.fault_limits, source=plan.fault_source)
+
+    def judge(self, case):
+        plan, f = case.plan, case.window.faults
+        if not plan.fault_limits or f is None:
+            return None
+        src = f"{f.source} counters" + ("" if f.exact else ", lower bounds")
+        actual = {"gpu": f.gpu_faults, "cpu": f.cpu_faults, "migrated": f.bytes_htod + f.bytes_dtoh}
+        words = {"gpu": "GPU page faults", "cpu": "CPU page faults"}
+        messages = []
+        for key, limit in plan.fault_limits.items():
+            if actual[key] > limit:
+                if key == "migrated":
+                    text = f"migrated {fmt(actual[key])} > limit {fmt(limit)}"
+                else:
+                    text = f"{actual[key]} {words[key]} > limit {limit}"
+                messages.append(f"{text} ({plan.fault_source}; {src})")
+        if not messages:
+            return None
+        return Problem(self.kind, messages, f"page faults during the call: {f}")
+
+
+class Growth(Limit):
+    """Growth over a baseline: ``--gpumem-compare=BASELINE.json`` with
+    ``--gpumem-max-growth`` (default 10%)."""
+
+    kind = "growth"
+
+    def judge(self, case):
+        state, rec = case.state, case.rec
+        if state.baseline is None or not case.passed or rec.get("peak_bytes_per_device") is None:
+            return None
+        where = state.settings.source("max_growth")
+        comparison, grown = state.baseline.compare(rec, state.growth, fmt, where or "the default")
+        rec["baseline"] = comparison  # None: a test the baseline does not have
+        rec["limits"]["growth"] = {"max_growth": state.growth.text, "baseline": state.baseline.path,
+                                   "source": where or "default"}
+        if not grown:
+            return None
+        return Problem(self.kind, list(grown))
+
+
+BUDGET, LEAKS, FINDINGS, FAULTS, GROWTH = Budget(), Leaks(), Findings(), Faults(), Growth()
+
+#: The units, in the order a test is judged (and its failure's lines are written).
+LIMITS = (BUDGET, LEAKS, FINDINGS, FAULTS, GROWTH)
+
+def limits_json(plan) -> dict:
+    """Each limit that applied to a test, with where it came from (the
+    record's ``"limits"``: ``budget``, ``leaks``, ``page_faults``)."""
+    out = {}
+    for unit in LIMITS:
+        entry = unit.as_json(plan)
+        if entry is not None:
+            out[unit.json_key] = entry
+    return out
+
+
+#: The markers' lines for ``pytest --markers``.
+MARKER_HELP = tuple(u.marker_help for u in LIMITS if u.marker) + (
+    "gpumem_skip: do not measure or check this test's GPU memory",
+)
+
+
+def marker_errors(item) -> list[str]:
+    """Every bad gpumem marker on ``item``, one message each: all of them, the
+    class's and module's too, also where a closer marker or ``gpumem_skip``
+    means it would not apply."""
+    errors = []
+    for unit in LIMITS:
+        if unit.marker is None:
+            continue
+        for m in item.iter_markers(unit.marker):
+            try:
+                unit.parse(m)
+            except Exception as exc:  # noqa: BLE001 - a bad value, whatever it raises, is a usage error
+                errors.append(str(_marker_error(m, item, exc)))
+    return errors
