@@ -356,8 +356,8 @@ class RealBackend:
 
     def current_stream_ptr_capsule(self):
         """CuPy's C function ``get_stream_ptr(device)``
-        (cupy_backends/cuda/stream.pxd, exported in the module's
-        ``__pyx_capi__``), or None if this CuPy build does not export it
+        (``cupy_backends.cuda.stream``, exported in the module's
+        ``__pyx_capi__``; docs/streams.md), or None if this CuPy build does not export it
         (the hot path then calls :meth:`current_stream_ptr`)."""
         try:
             from cupy_backends.cuda import stream
@@ -374,7 +374,7 @@ class RealBackend:
     def stream_destroyed(self, stream: int) -> bool:
         """False: CUDA cannot tell a destroyed handle from a live one without
         undefined behaviour (``cudaStreamQuery`` on one crashed the process
-        on the H200, tests/gpu/test_streams_gpu.py)."""
+        on the H200, docs/streams.md)."""
         return False
 
     def stream_non_blocking(self, stream: int) -> bool:
