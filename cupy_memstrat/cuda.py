@@ -1,109 +1,16 @@
-"""The one seam between cupy_memstrat and CUDA.
+"""CUDA for cupy_memstrat: :class:`RealBackend`, the CUDA error codes and
+constants, and :func:`get_backend`, the process's backend.
 
-Strategies never call CUDA themselves: they call a *backend* object. Two exist:
+Strategies never call CUDA themselves: they call a *backend* object. The
+interface, its methods' units, errors and the CUDA calls behind them, is
+:mod:`cupy_memstrat.backend` (one protocol per capability). Two backends
+implement it:
 
 * :class:`RealBackend` (this module): CuPy's Cython runtime wrappers on the
   allocation hot path (``cupy.cuda.runtime.malloc`` / ``free`` cost no Python
   frame of their own), ``cuda.bindings`` where CuPy has no wrapper.
 * :class:`cupy_memstrat.testing.FakeBackend`: a simulator of the CUDA
   behaviour this project relies on, for machines without a GPU.
-
-The backend interface (both implement it):
-
-``Error``
-    exception class raised by ``malloc``/``free``; instances carry ``status``,
-    the CUDA runtime error code (``cudaError_t``), e.g. ``ERROR_MEMORY_ALLOCATION``.
-``malloc(size) -> int``
-    ``cudaMalloc`` on the current device; ``size`` in bytes.
-``free(ptr) -> None``
-    ``cudaFree``; CUDA finds the owning device from the pointer (unified
-    addressing), as CuPy's own ``Memory.__dealloc__`` relies on.
-``get_device() -> int`` / ``set_device(device)`` / ``device_count() -> int``
-``mem_get_info(device) -> (free_bytes, total_bytes)``
-``device_properties(device) -> dict``
-    ``name``, ``total_memory`` (bytes), ``compute_capability`` ("9.0"),
-    ``concurrent_managed_access``, ``pageable_memory_access``,
-    ``memory_pools_supported`` (ints, CUDA's device attributes).
-``versions() -> dict``
-    ``driver`` and ``runtime`` as CUDA encodes them (13000 = 13.0).
-``clear_last_error() -> int``
-    clears CUDA's sticky "last error" (``cudaGetLastError``) and returns it.
-``device_synchronize(device)``
-    ``cudaDeviceSynchronize`` on ``device``.
-
-Stream-ordered pools (``cudaMemPool_t``), used by the ``async`` strategy;
-``pool`` and ``stream`` are raw handles (ints):
-
-``current_stream(device) -> stream object``
-    CuPy's current stream for ``device`` (an object with ``.ptr``, the
-    ``cudaStream_t``; weak-referenceable; it destroys its stream when it dies).
-``current_stream_ptr(device) -> int``
-    the handle of CuPy's current stream on ``device`` (``.ptr`` of the
-    above): 0 for the legacy default stream, :data:`STREAM_PER_THREAD` (2)
-    for the per-thread default stream
-    (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``) in every thread.
-``current_stream_ptr_capsule() -> PyCapsule | None``
-    the same as a C function ``intptr_t (int device)`` for the C hot path
-    (CuPy's own ``cupy_backends.cuda.stream.get_stream_ptr``, where CuPy
-    keeps each thread's current streams), or None where there is none (the
-    C path then calls ``current_stream_ptr``).
-``stream_owns_handle(stream) -> bool``
-    whether the stream object destroys its handle when it dies (a
-    ``cupy.cuda.Stream``: True); False for a wrapper of a stream someone else
-    owns (``cupy.cuda.ExternalStream``, or a ``Stream.from_external`` of CuPy
-    14, e.g. around a PyTorch stream), which
-    a program may make afresh for the same live stream at every step.
-``stream_destroyed(stream) -> bool``
-    True only where the backend knows the handle was destroyed. CUDA has no
-    safe way to ask: ``cudaStreamQuery`` on a destroyed handle crashed the
-    process (SIGSEGV) on the H200, so the real backend always says False and
-    a stream's handle must outlive its use, as CUDA requires.
-``pool_create(device, max_size) -> pool``
-    ``cudaMemPoolCreate``: a new pool of device memory on ``device``;
-    ``max_size`` bytes (0: no limit besides the device).
-``pool_destroy(pool)``, ``device_default_pool(device) -> pool``,
-``device_current_pool(device) -> pool``
-``malloc_from_pool_async(size, pool, stream) -> int``
-    ``cudaMallocFromPoolAsync``; 0 bytes gives the null pointer.
-``free_async(ptr, stream)``
-    ``cudaFreeAsync``.
-``pool_trim_to(pool, keep_bytes)``
-    ``cudaMemPoolTrimTo``.
-``pool_set_access(pool, devices)``
-    ``cudaMemPoolSetAccess``: read-write access for each device in ``devices``
-    (pool memory ignores ``cudaDeviceEnablePeerAccess``).
-``device_can_access_peer(device, peer) -> bool``
-    ``cudaDeviceCanAccessPeer``.
-``pool_get_attribute(pool, attr) -> int`` / ``pool_set_attribute(pool, attr, value)``
-    ``cudaMemPoolGetAttribute`` / ``SetAttribute``; ``attr`` is one of the
-    ``POOL_ATTR_*`` values below.
-
-Managed memory (``cudaMallocManaged``), used by the ``managed`` strategy and
-:func:`cupy_memstrat.prefetch` / :func:`~cupy_memstrat.advise`; a *location*
-is a device ordinal or :data:`HOST`:
-
-``malloc_managed(size) -> int``
-    ``cudaMallocManaged(..., cudaMemAttachGlobal)``; freed with ``free``.
-``memory_type(ptr) -> str``
-    ``"managed"``, ``"device"``, ``"host"`` (pinned) or ``"unregistered"``
-    (``cudaPointerGetAttributes``); interior pointers work.
-``mem_advise(ptr, size, advice, location)``
-    ``cudaMemAdvise``; ``advice`` is one of the ``ADVISE_*`` values.
-``mem_prefetch(ptr, size, location, stream)``
-    ``cudaMemPrefetchAsync`` on ``stream`` (a raw handle).
-
-The checking layer (:mod:`cupy_memstrat.checks`); ``stream`` and ``event``
-are raw handles:
-
-``stream_busy(stream) -> bool`` / ``stream_non_blocking(stream) -> bool``
-    ``cudaStreamQuery`` (work still queued) / ``cudaStreamGetFlags``.
-``event_create() -> event``, ``event_record(event, stream)``,
-``event_done(event) -> bool``, ``event_destroy(event)``
-    events without timing (``cudaEventDisableTiming``), ``cudaEventQuery``.
-``memset_async(ptr, value, nbytes, stream)``
-    ``cudaMemsetAsync`` of the byte ``value``.
-``check_kernels() -> CheckKernels``
-    the verification kernel of ``csrc/checks.cu`` and its result slots.
 """
 
 from __future__ import annotations
@@ -111,7 +18,9 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from typing import Any, Callable
 
+from .backend import BACKEND_ENV, from_env as _backend_from_env  # noqa: F401 - BACKEND_ENV: an old name here
 from .errors import CuPyNotInstalledError, NoDeviceError
 
 __all__ = [
@@ -208,6 +117,23 @@ class RealBackend:
     """
 
     name = "cuda"
+    # Bound in __init__ to CuPy's Cython wrappers (cupy_memstrat.backend says
+    # what each does); declared here so that the class shows the whole seam.
+    Error: type[BaseException]
+    malloc: Callable[[int], int]
+    free: Callable[[int], None]
+    get_device: Callable[[], int]
+    set_device: Callable[[int], None]
+    device_count: Callable[[], int]
+    current_stream: Callable[..., Any]
+    malloc_from_pool_async: Callable[[int, int, int], int]
+    free_async: Callable[[int, int], None]
+    pool_destroy: Callable[[int], None]
+    pool_trim_to: Callable[[int, int], None]
+    pool_get_attribute: Callable[[int, int], int]
+    pool_set_attribute: Callable[[int, int, int], None]
+    device_default_pool: Callable[[int], int]
+    device_current_pool: Callable[[int], int]
 
     def __init__(self):
         runtime = _import_runtime()
@@ -430,8 +356,8 @@ class RealBackend:
 
     def current_stream_ptr_capsule(self):
         """CuPy's C function ``get_stream_ptr(device)``
-        (cupy_backends/cuda/stream.pxd, exported in the module's
-        ``__pyx_capi__``), or None if this CuPy build does not export it
+        (``cupy_backends.cuda.stream``, exported in the module's
+        ``__pyx_capi__``; docs/streams.md), or None if this CuPy build does not export it
         (the hot path then calls :meth:`current_stream_ptr`)."""
         try:
             from cupy_backends.cuda import stream
@@ -448,7 +374,7 @@ class RealBackend:
     def stream_destroyed(self, stream: int) -> bool:
         """False: CUDA cannot tell a destroyed handle from a live one without
         undefined behaviour (``cudaStreamQuery`` on one crashed the process
-        on the H200, tests/gpu/test_streams_gpu.py)."""
+        on the H200, docs/streams.md)."""
         return False
 
     def stream_non_blocking(self, stream: int) -> bool:
@@ -675,6 +601,9 @@ def get_backend() -> RealBackend:
         attempt is not cached: a later call tries again.
         ValueError: ``CUPY_MEMSTRAT_BACKEND`` has a value not described above
             (the message names the variable and the valid values).
+
+    The variable is read by :func:`cupy_memstrat.backend.from_env`, a fake's
+    options by :func:`cupy_memstrat.testing.backend_from_env`.
     """
     global _backend
     if _backend is None:
@@ -682,48 +611,3 @@ def get_backend() -> RealBackend:
             if _backend is None:
                 _backend = _backend_from_env() or RealBackend()
     return _backend
-
-
-BACKEND_ENV = "CUPY_MEMSTRAT_BACKEND"
-
-
-def _backend_from_env():
-    """A FakeBackend as ``CUPY_MEMSTRAT_BACKEND`` asks, or None for the real one."""
-    raw = os.environ.get(BACKEND_ENV, "")
-    value = raw.strip()
-    if value.lower() in ("", "cuda", "real"):
-        return None
-    kind, _, opts = value.partition(":")
-    valid = "'cuda' (the default), 'fake' or 'fake:devices=N,memory=SIZE[/SIZE...],name=NAME'"
-    if kind.strip().lower() != "fake":
-        raise ValueError(f"environment variable {BACKEND_ENV}={raw!r}: unknown backend; expected {valid}")
-    kwargs = {}
-    for part in filter(None, (p.strip() for p in opts.split(","))):
-        key, eq, val = (x.strip() for x in part.partition("="))
-        if not eq or not val:
-            raise ValueError(f"environment variable {BACKEND_ENV}={raw!r}: expected key=value, got {part!r}; {valid}")
-        if key in kwargs:
-            raise ValueError(f"environment variable {BACKEND_ENV}={raw!r}: option {key!r} is given twice")
-        if key == "devices":
-            if not (val.isascii() and val.isdigit()):  # int() would also take "٣" or "1_0"
-                raise ValueError(
-                    f"environment variable {BACKEND_ENV}={raw!r}: devices: expected an int from 1 to 64, got {val!r}"
-                )
-            kwargs["devices"] = int(val)
-        elif key == "memory":
-            kwargs["memory"] = val.split("/") if "/" in val else val
-        elif key == "name":
-            kwargs["name"] = val
-        else:
-            raise ValueError(
-                f"environment variable {BACKEND_ENV}={raw!r}: unknown option {key!r}; "
-                "valid options: devices, memory, name"
-            )
-    if isinstance(kwargs.get("memory"), list):
-        kwargs.setdefault("devices", len(kwargs["memory"]))
-    from .testing import FakeBackend
-
-    try:
-        return FakeBackend(**kwargs)
-    except ValueError as exc:
-        raise ValueError(f"environment variable {BACKEND_ENV}={raw!r}: {exc}") from None

@@ -55,6 +55,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from .. import backend as _seam
 from .. import cuda as _cuda
 from ..errors import InvalidFreeWarning, _out_of_memory_class
 from ..options import Option, as_frames, as_output_file
@@ -247,11 +248,8 @@ class Strategy:
         hot_path_status()  # a bad CUPY_MEMSTRAT_HOT_PATH is refused here, before anything is made
         if backend is None:
             backend = _cuda.get_backend()
-        elif isinstance(backend, type) or not all(hasattr(backend, a) for a in _BACKEND_API):
-            raise TypeError(
-                "backend: expected a CUDA backend object such as cupy_memstrat.testing.FakeBackend() "
-                f"(with {', '.join(_BACKEND_API)}), got {type(backend).__name__} {backend!r}"
-            )
+        else:
+            _seam.require(backend, _seam.CoreBackend)  # TypeError naming what it lacks
         self.backend = backend
         self._track_origins = self.config["track_origins"]
         self._Error = backend.Error
@@ -1247,7 +1245,6 @@ class Strategy:
         return f"<{type(self).__name__} {self.name!r} ({opts}) on {self.backend.name}>"
 
 
-_BACKEND_API = ("Error", "malloc", "free", "get_device", "device_count", "mem_get_info", "clear_last_error")
 _pinned: set = set()
 _warned_hooks: set = set()  # (class, old hook name) already warned about
 _pinned_lock = threading.RLock()  # re-entered when a finaliser lets a strategy go
