@@ -22,6 +22,7 @@ from typing import Iterator
 import warnings
 
 from . import cuda as _cuda
+from .checks.options import CHECKS as _CHECKS, OPTION_NAMES as _CHECK_OPTIONS
 from .errors import CuPyNotInstalledError, ManagedMemoryWarning, NoStrategyError
 from .options import parse_spec
 from .registry import get_registry
@@ -104,8 +105,8 @@ def create(strategy: str | Strategy, **options) -> Strategy:
     return CheckedStrategy(s, owns_inner=True, **check_options)
 
 
-#: options of the checking layer (cupy_memstrat.checks), accepted with every strategy
-_CHECK_OPTIONS = ("check", "on_finding", "quarantine_bytes", "quarantine_count", "redzone_bytes")
+# _CHECK_OPTIONS: options of the checking layer (declared in cupy_memstrat.checks.options), accepted
+# with every strategy
 
 
 def _check_options(options: dict) -> tuple[dict, dict | None]:
@@ -128,7 +129,7 @@ def _check_options(options: dict) -> tuple[dict, dict | None]:
     if "check" not in taken or not parsed["check"]:
         extra = sorted(k for k in taken if k != "check")
         if extra:
-            raise ValueError(f"option {extra[0]!r} needs checks to apply to: add check='streams,poison,redzone'")
+            raise ValueError(f"option {extra[0]!r} needs checks to apply to: add check='{','.join(_CHECKS)}'")
         return taken, None
     CheckedStrategy.check_options_apply(parsed["check"], taken)
     return taken, parsed

@@ -180,8 +180,9 @@ SETTINGS = (
             "show the N measured tests with the highest peak at the end (0: no table; default 10)", metavar="N"),
     Setting("check", "--gpumem-check", "GPUMEM_CHECK", "gpumem_check", parse_check, frozenset(),
             "run every test under cupy_memstrat's checking layer and fail a test in which a check finds a "
-            "problem: any of streams, poison, redzone (comma-separated), all, or off (docs/checks.md)",
-            metavar="streams,poison,redzone"),
+            f"problem: any of {', '.join(cupy_memstrat.checks.CHECKS)} (comma-separated), all, or off "
+            "(docs/checks.md)",
+            metavar=",".join(cupy_memstrat.checks.CHECKS)),
     Setting("stream_policy", "--gpumem-stream-policy", "GPUMEM_STREAM_POLICY", "gpumem_stream_policy",
             _choice("current", "fresh"), "current",
             "fresh: run each test's call on a new non-blocking current stream, which exposes code that "
