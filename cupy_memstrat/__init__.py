@@ -99,7 +99,7 @@ __all__ = [
 
 def __getattr__(name):
     if name == "OutOfMemoryError":  # subclass of CuPy's; built on first use
-        from .errors import _out_of_memory_class
+        from .errors import out_of_memory_class
 
-        return _out_of_memory_class()
+        return out_of_memory_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

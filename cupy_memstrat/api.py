@@ -285,7 +285,9 @@ def current() -> Strategy | None:
     return Strategy._owner_of(cupy.cuda.get_allocator())
 
 
-def _require_current() -> Strategy:
+def require_current() -> Strategy:
+    """:func:`current`, or :class:`~cupy_memstrat.NoStrategyError` saying what
+    CuPy's allocator is instead. Internal to the package: not in ``__all__``."""
     s = current()
     if s is None:
         try:
@@ -312,7 +314,7 @@ def stats(device: int | None = None) -> Stats:
     Raises:
         NoStrategyError: no strategy is installed in this thread.
     """
-    return _require_current().stats(device)
+    return require_current().stats(device)
 
 
 def reset_peak(device: int | None = None, *, reserved: bool = True) -> None:
@@ -325,7 +327,7 @@ def reset_peak(device: int | None = None, *, reserved: bool = True) -> None:
         TypeError: ``reserved`` is not True or False.
         ValueError, TypeError: ``device`` is not a device ordinal.
     """
-    _require_current().reset_peak(device, reserved=reserved)
+    require_current().reset_peak(device, reserved=reserved)
 
 
 def live_allocations(device: int | None = None) -> list[Allocation]:
@@ -334,7 +336,7 @@ def live_allocations(device: int | None = None) -> list[Allocation]:
     Raises:
         NoStrategyError: no strategy is installed in this thread.
     """
-    return _require_current().live_allocations(device)
+    return require_current().live_allocations(device)
 
 
 def trim(keep_bytes=0, device: int | None = None) -> int:
@@ -346,7 +348,7 @@ def trim(keep_bytes=0, device: int | None = None) -> int:
         NoStrategyError: no strategy is installed in this thread.
         TypeError, ValueError: a bad ``keep_bytes`` or ``device``.
     """
-    return _require_current().trim(keep_bytes, device)
+    return require_current().trim(keep_bytes, device)
 
 
 # -- managed memory: explicit prefetch and advice ----------------------------------

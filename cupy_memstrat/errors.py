@@ -65,7 +65,10 @@ class FaultCountersUnavailable(MemstratError):
 _oom_class = None
 
 
-def _out_of_memory_class():
+def out_of_memory_class():
+    """The :class:`OutOfMemoryError` class, made on first use (a subclass of
+    CuPy's ``OutOfMemoryError`` where CuPy is installed, so that code catching
+    CuPy's error catches ours). Internal to the package: not in ``__all__``."""
     global _oom_class
     if _oom_class is None:
         try:
@@ -108,11 +111,11 @@ def _out_of_memory_class():
 
 
 def _rebuild_out_of_memory(message, requested, device, stats, strategy, reason, snapshot):
-    return _out_of_memory_class()(message, requested=requested, device=device, stats=stats, strategy=strategy,
+    return out_of_memory_class()(message, requested=requested, device=device, stats=stats, strategy=strategy,
                                   reason=reason, snapshot=snapshot)
 
 
 def __getattr__(name):
     if name == "OutOfMemoryError":
-        return _out_of_memory_class()
+        return out_of_memory_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

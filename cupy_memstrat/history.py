@@ -184,7 +184,7 @@ def _recording_allocator(strategy, h: History) -> _RecordingAllocator:
             h.n_events += 1
             events.append((clock(), "free", ptr, size, device, stream(device), None))
 
-    cupy_malloc, pfa, _ = base._cupy_malloc_over(strategy.backend, rec_malloc, rec_free, strategy.block_granule)
+    cupy_malloc, pfa, _ = base.cupy_malloc_over(strategy.backend, rec_malloc, rec_free, strategy.block_granule)
     return _RecordingAllocator(cupy_malloc, strategy, pfa)
 
 
@@ -245,7 +245,7 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins:
         if max_entries > sys.maxsize:
             raise ValueError(f"max_entries: expected an int >= 1 and at most {sys.maxsize}, got {max_entries}")
         if strategy is None:
-            api._require_current()
+            api.require_current()
         elif not isinstance(strategy, Strategy):
             raise TypeError(
                 f"strategy: expected a cupy_memstrat.Strategy object (or None: the installed one), got "
@@ -272,7 +272,7 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins:
             _active, _last = None, h
         if not enabled:
             return h
-        s = strategy if strategy is not None else api._require_current()
+        s = strategy if strategy is not None else api.require_current()
         h = History(s, max_entries, bool(origins))
         h.previous_allocator = cupy.cuda.get_allocator()  # put back when the recording ends
         h.allocator = _recording_allocator(s, h)

@@ -178,9 +178,9 @@ def _trim(cupy) -> dict:
 
 def _max_size(cupy) -> list[dict]:
     from ..api import create
-    from ..errors import _out_of_memory_class
+    from ..errors import out_of_memory_class
 
-    oom = _out_of_memory_class()
+    oom = out_of_memory_class()
     rows = []
     for limit in MAX_SIZES:
         s = create("async", max_size=limit, cache=0)

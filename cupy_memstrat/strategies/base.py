@@ -57,7 +57,7 @@ import numpy as np
 
 from .. import backend as _seam
 from .. import cuda as _cuda
-from ..errors import InvalidFreeWarning, _out_of_memory_class
+from ..errors import InvalidFreeWarning, out_of_memory_class
 from ..options import Option, as_frames, as_output_file
 from ..sizes import format_size, parse_size
 from .._userwarn import warn_at_user
@@ -122,7 +122,7 @@ class _FakeOwner:
         self.free(self.ptr, self.device)
 
 
-def _cupy_malloc_over(backend, malloc, free, granule: int = 1):
+def cupy_malloc_over(backend, malloc, free, granule: int = 1):
     """CuPy's ``malloc(size) -> MemoryPointer`` over a hot path's
     ``malloc(size, device)`` / ``free(ptr, device, stacklevel)``.
 
@@ -938,7 +938,7 @@ class Strategy:
             else:
                 msg += (f"; snapshot of the memory at this error: {path} (python -m cupy_memstrat export "
                         f"{path} -o oom.pickle opens it in PyTorch's memory viewer)")
-        oom = _out_of_memory_class()(
+        oom = out_of_memory_class()(
             msg, requested=size, device=device, stats=st, strategy=self.name, reason=reason, snapshot=path
         )
         raise oom from cause
@@ -1209,7 +1209,7 @@ class Strategy:
         ``__self__`` (None if it names none; :meth:`_owner_of` finds the
         strategy through it). A strategy with a route of its own into CuPy
         overrides this (``pool``'s ``route="direct"``)."""
-        cupy_malloc, pfa, self._gc_safe = _cupy_malloc_over(self.backend, malloc, free, self.block_granule)
+        cupy_malloc, pfa, self._gc_safe = cupy_malloc_over(self.backend, malloc, free, self.block_granule)
         return cupy_malloc, pfa
 
     def _make_cupy_malloc(self):
