@@ -48,7 +48,8 @@ from .options import parse_spec
 from .sizes import format_size, parse_size
 from .stats import Allocation, Origin, Stats
 from .strategies.base import hot_path_status
-from .strategies import AsyncPoolStrategy, CuPyPoolStrategy, DeviceStrategy, ManagedStats, ManagedStrategy, PoolStats, Strategy
+from .strategies import (AsyncPoolStrategy, CuPyPoolStrategy, DeviceStrategy, ManagedStats, ManagedStrategy, PoolStats,
+                         Strategy)
 
 __version__ = "0.1.0"
 

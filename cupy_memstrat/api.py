@@ -489,7 +489,8 @@ def prefetch(x, to="device", *, nbytes: int | None = None, stream=None, backend=
         return
     if handle is None:
         handle = backend.current_stream(backend.get_device()).ptr
-    _cuda_call("prefetch", ptr, size, backend, backend.mem_prefetch, ptr, size, loc, handle, stream=handle, location=loc)
+    _cuda_call("prefetch", ptr, size, backend, backend.mem_prefetch, ptr, size, loc, handle,
+               stream=handle, location=loc)
 
 
 def advise(

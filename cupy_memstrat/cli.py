@@ -307,7 +307,6 @@ def _cmd_run(args) -> int:
             return 2
     else:
         script, rest = None, args.target
-        import importlib.util
 
         sys.path.insert(0, os.getcwd())  # as python -m finds it
         try:
@@ -559,8 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="run a Python script (or -m MODULE) unchanged under a strategy, like python -m cProfile",
         description="Install a strategy as CuPy's allocator, then run a script or module as __main__ "
-        f"with its own arguments. The strategy comes from --strategy, else the environment variable "
-        f"CUPY_MEMSTRAT. A summary (peak in use and reserved per device) goes to stderr at the end.",
+        "with its own arguments. The strategy comes from --strategy, else the environment variable "
+        "CUPY_MEMSTRAT. A summary (peak in use and reserved per device) goes to stderr at the end.",
     )
     run.add_argument("-s", "--strategy", metavar="SPEC",
                      help="a strategy spec, e.g. managed:prefetch=on_new (default: $CUPY_MEMSTRAT)")

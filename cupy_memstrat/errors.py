@@ -15,7 +15,7 @@ __all__ = [
     "NoStrategyError",
     "InvalidFreeWarning",
     "ManagedMemoryWarning",
-    "OutOfMemoryError",
+    "OutOfMemoryError",  # noqa: F822 - made on first use (module __getattr__)
     "FaultCountersUnavailable",
 ]
 

@@ -106,7 +106,8 @@ def _check(doc) -> None:
         raise _Bad("not a valid snapshot: 'devices' is 0: expected at least 1")
     _time(_need(doc, "started", "the snapshot"), "'started'")
     if doc.get("segment_kind") not in ("blocks", "chunks"):
-        raise _Bad(f"not a valid snapshot: 'segment_kind' is {doc.get('segment_kind')!r}: expected 'blocks' or 'chunks'")
+        raise _Bad(f"not a valid snapshot: 'segment_kind' is {doc.get('segment_kind')!r}: "
+                   "expected 'blocks' or 'chunks'")
     for key, actions in (("events", ("alloc", "free")), ("segment_events", ("segment_alloc", "segment_free")),
                          ("oom_events", None)):
         for i, e in enumerate(_listed(doc, key)):

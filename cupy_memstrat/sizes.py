@@ -70,7 +70,8 @@ def parse_size(value, *, total: int | None = None, what: str = "size") -> int:
         if value < 0:
             raise ValueError(f"{what}: expected a size >= 0 bytes, got {value}")
         if value >= _MAX:
-            raise ValueError(f"{what}: {value} bytes does not fit in 64 bits (16 EiB and more: no device has that much)")
+            raise ValueError(f"{what}: {value} bytes does not fit in 64 bits "
+                             "(16 EiB and more: no device has that much)")
         return value
     if value.strip().startswith("-"):
         raise ValueError(f"{what}: expected a size >= 0 bytes, got {value!r}")

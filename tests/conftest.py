@@ -25,7 +25,8 @@ def pytest_report_header(config):
                 f"fail; install it for this Python: {sys.executable} -m pip install -e .")
     plugin = any(ep.name == "gpumem" or ep.value.startswith("pytest_gpumem")
                  for ep in dist.entry_points if ep.group == "pytest11")
-    return f"cupy-memstrat {dist.version} installed for {sys.executable}" + ("" if plugin else " (without its pytest plugin)")
+    return (f"cupy-memstrat {dist.version} installed for {sys.executable}"
+            + ("" if plugin else " (without its pytest plugin)"))
 
 
 @pytest.fixture(params=["c", "python"])

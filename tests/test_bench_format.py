@@ -79,7 +79,8 @@ def test_managed_table_has_every_part():
     text = managed.format_table(_managed_report())
     for needle in ("python-floor", "cpu-init/prefetch=on_alloc+prefetch()", "pinned copy 55.0 GB/s",
                    "second pass 353x slower", "back to back 512 B 1.50x, 1.0 MiB 1.04x",
-                   "(medians of the rounds: 512 B 1.90x, temporaries 1.02x)", "8.9x faster than no hints", "0.82x of the pinned copy",
+                   "(medians of the rounds: 512 B 1.90x, temporaries 1.02x)", "8.9x faster than no hints",
+                   "0.82x of the pinned copy",
                    "GPU faults 0.00% of no hints"):
         assert needle in text, needle
 
@@ -158,7 +159,8 @@ def test_bench_with_no_group_runs_every_group_and_writes_json_and_figures(tmp_pa
     seen = []
     for mod, rep in ((alloc, alloc_report), (async_pool, _async_report()), (managed, _managed_report()),
                      (workloads, _workloads_report()), (streams, _streams_report())):
-        monkeypatch.setattr(mod, "run", lambda rep=rep, mod=mod, **kw: seen.append((mod.__name__, kw.get("rounds"))) or rep)
+        monkeypatch.setattr(mod, "run",
+                            lambda rep=rep, mod=mod, **kw: seen.append((mod.__name__, kw.get("rounds"))) or rep)
     monkeypatch.setattr(alloc, "require_real_gpu", lambda: None)
     out = tmp_path / "res"
     assert main(["bench", "--out", str(out), "--quiet", "--rounds", "2"]) == 0
@@ -271,7 +273,8 @@ def test_bench_with_no_group_refuses_an_out_it_cannot_write(tmp_path, monkeypatc
     monkeypatch.setattr(alloc, "require_real_gpu", lambda: None)
     (tmp_path / "file").write_text("")
     assert main(["bench", "--out", str(tmp_path / "file" / "sub")]) == 2
-    assert f"bench: cannot write to --out {str(tmp_path / 'file' / 'sub')!r}: Not a directory" in capsys.readouterr().err
+    assert (f"bench: cannot write to --out {str(tmp_path / 'file' / 'sub')!r}: Not a directory"
+            in capsys.readouterr().err)
 
 
 def test_the_workloads_figure_keeps_a_path_missing_from_the_first_workload_and_says_so():

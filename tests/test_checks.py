@@ -45,7 +45,8 @@ def test_parse_checks(value, expected):
     assert parse_checks(value) == frozenset(expected)
 
 
-@pytest.mark.parametrize("value, match", [("stream", "unknown check 'stream'.*valid: streams, poison, redzone, all or off"),
+@pytest.mark.parametrize("value, match", [("stream",
+                                           "unknown check 'stream'.*valid: streams, poison, redzone, all or off"),
                                           ("poison,leaks", "unknown check 'leaks'")])
 def test_parse_checks_names_the_bad_value(value, match):
     with pytest.raises(ValueError, match=match):
@@ -84,7 +85,8 @@ def test_no_checks_gives_the_plain_strategy(fake):
         (dict(check="sanity"), "unknown check 'sanity'"),
         (dict(check="all,off"), "'off' stands alone"),
         (dict(on_finding="warn"), "option 'on_finding' needs checks"),
-        (dict(check="streams", redzone_bytes=512), "option 'redzone_bytes' applies to the redzone check, which is not on"),
+        (dict(check="streams", redzone_bytes=512),
+         "option 'redzone_bytes' applies to the redzone check, which is not on"),
         (dict(check="redzone", quarantine_count=3), "option 'quarantine_count' applies to the poison check"),
     ],
 )

@@ -178,7 +178,8 @@ def test_run_a_module(tmp_path):
 @pytest.mark.parametrize(
     "args, env, message",
     [
-        (["run", "job.py"], None, "run: no strategy: pass --strategy SPEC (e.g. managed:prefetch=on_new) or set CUPY_MEMSTRAT"),
+        (["run", "job.py"], None,
+         "run: no strategy: pass --strategy SPEC (e.g. managed:prefetch=on_new) or set CUPY_MEMSTRAT"),
         (["run", "-s", "bogus", "job.py"], None, "run: --strategy='bogus': unknown strategy 'bogus'; available:"),
         (["run", "job.py"], {"CUPY_MEMSTRAT": "device:x=1"}, "run: environment variable CUPY_MEMSTRAT='device:x=1': "),
         (["run", "-s", "device", "missing.py"], None, "run: cannot run 'missing.py': no such file"),
@@ -236,7 +237,8 @@ def test_run_shows_the_scripts_traceback_without_ours(tmp_path):
     r = _run_fake(tmp_path, "run", "-s", "device", "-q", "bad.py")
     assert r.returncode == 1
     assert r.stderr.splitlines()[:2] == ["Traceback (most recent call last):", '  File "bad.py", line 3, in <module>']
-    assert r.stderr.rstrip().endswith("ValueError: boom") and "cupy_memstrat" not in r.stderr and "runpy" not in r.stderr
+    assert (r.stderr.rstrip().endswith("ValueError: boom") and "cupy_memstrat" not in r.stderr
+            and "runpy" not in r.stderr)
 
 
 def test_plot_refuses_a_folder_or_an_empty_output_and_says_when_nothing_is_drawn(tmp_path, capsys):

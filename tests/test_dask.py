@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-distributed = pytest.importorskip("distributed", reason="distributed is not installed (pip install 'cupy-memstrat[dask]')")
+distributed = pytest.importorskip("distributed",
+                                  reason="distributed is not installed (pip install 'cupy-memstrat[dask]')")
 pytest.importorskip("cupy", reason="CuPy is not installed")
 
 import cupy_memstrat  # noqa: E402
@@ -121,7 +122,8 @@ def test_a_bad_spec_is_refused_at_the_client_and_nothing_is_sent(client):
     with pytest.raises(ValueError, match="max_keys: expected an int from 1 to 10000000, got 0"):
         cmd.MemstratPlugin("device", max_keys=0)
     with pytest.raises(ValueError, match=r"MemstratPlugin: unknown option 'max_key' \(did you mean 'max_keys'\?\); "
-                                         r"its own: track_tasks, max_keys, record_history; the options of strategy 'pool': oom_snapshot, "
+                                         r"its own: track_tasks, max_keys, record_history; "
+                                         r"the options of strategy 'pool': oom_snapshot, "
                                          "route, track_origins"):
         cmd.MemstratPlugin("pool", max_key=5)
     # a path on the workers' machines: not checked against the client's file system
@@ -253,7 +255,8 @@ def test_the_preload_leaves_other_preloads_options_to_them(tmp_path):
     # as dask_cuda.CUDAWorker starts its workers: the preloads and one flat list of their arguments
     script = ("import asyncio, sys, distributed\n"
               "async def main():\n"
-              "    async with distributed.Worker(sys.argv[1], nthreads=1, preload=['cupy_memstrat.dask', sys.argv[2]],\n"
+              "    async with distributed.Worker(sys.argv[1], nthreads=1, "
+              "preload=['cupy_memstrat.dask', sys.argv[2]],\n"
               "                                  preload_argv=['--create-cuda-context']) as w:\n"
               "        await w.finished()\n"
               "asyncio.run(main())\n")
@@ -417,11 +420,13 @@ def test_an_allocator_set_after_the_plugin_is_named_not_silently_counted_as_noth
     client.register_plugin(_SetsCuPysAllocator())  # registered after ours: it wins for CuPy
     try:
         with pytest.warns(RuntimeWarning, match=r"CuPy's allocator was replaced after the MemstratPlugin \(now "
-                                                r"<built-in method malloc of cupy.cuda.memory.MemoryPool object.*register the MemstratPlugin last"):
+                                                r"<built-in method malloc of cupy.cuda.memory.MemoryPool object.*"
+                                                r"register the MemstratPlugin last"):
             st = cmd.stats(client)
         assert all(s.strategy == "device" for s in st.values())
         logs = client.get_worker_logs()
-        assert all(any("CuPy's allocator is now <built-in method malloc of cupy.cuda.memory.MemoryPool" in line for _, line in lines)
+        assert all(any("CuPy's allocator is now <built-in method malloc of cupy.cuda.memory.MemoryPool" in line
+                       for _, line in lines)
                    for lines in logs.values())
     finally:
         client.unregister_worker_plugin(_SetsCuPysAllocator.name)

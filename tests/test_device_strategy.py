@@ -64,7 +64,8 @@ def test_size_zero_is_the_null_pointer_and_allocates_nothing(dev, fake):
     assert dev.stats(0).n_invalid_frees == 0
 
 
-@pytest.mark.parametrize("bad, exc", [(-1, ValueError), (1.5, TypeError), ("8", TypeError), (True, TypeError), (None, TypeError)])
+@pytest.mark.parametrize("bad, exc", [(-1, ValueError), (1.5, TypeError), ("8", TypeError), (True, TypeError),
+                                      (None, TypeError)])
 def test_bad_sizes_raise_and_lose_nothing(dev, fake, bad, exc):
     keep = dev.raw_malloc(4096, 0)
     before = dev.stats(0)

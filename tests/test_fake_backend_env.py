@@ -95,6 +95,7 @@ def test_use_from_env_installs_what_cupy_memstrat_names(fresh, restore_cupy_allo
     s = cupy_memstrat.use_from_env()
     assert cupy_memstrat.current() is s and s.name == "managed" and s.config["prefetch"] == "on_alloc"
     fresh.setenv("MY_STRATEGY", "device:colour=red")
-    with pytest.raises(ValueError, match=r"environment variable MY_STRATEGY='device:colour=red': .*unknown option 'colour'"):
+    with pytest.raises(ValueError,
+                       match=r"environment variable MY_STRATEGY='device:colour=red': .*unknown option 'colour'"):
         cupy_memstrat.use_from_env("MY_STRATEGY")
     assert cupy_memstrat.current() is s  # nothing changed

@@ -470,7 +470,8 @@ def test_cupti_not_installed(monkeypatch):
         return real_import(name, *args, **kw)
 
     monkeypatch.setattr(builtins, "__import__", no_cupti)
-    with pytest.raises(FaultCountersUnavailable, match=r"cupti-python is not installed \(pip install 'cupy-memstrat\[cupti\]'\)"):
+    with pytest.raises(FaultCountersUnavailable,
+                       match=r"cupti-python is not installed \(pip install 'cupy-memstrat\[cupti\]'\)"):
         _cupti.open_cupti_counters()
 
 

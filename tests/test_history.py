@@ -105,7 +105,8 @@ def test_plot_picks_a_test_timeline_from_a_gpumem_report(fake_cupy, tmp_path, ca
     path = tmp_path / "gpumem.json"
     path.write_text(json.dumps(report))
     assert main(["plot", str(path), "-o", str(tmp_path / "x.png")]) == 2
-    assert "2 tests have a timeline (t.py::test_b, t.py::test_c): pick one with --test NODEID" in capsys.readouterr().err
+    assert ("2 tests have a timeline (t.py::test_b, t.py::test_c): pick one with --test NODEID"
+            in capsys.readouterr().err)
     assert main(["plot", str(path), "--test", "test_c", "-o", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").exists()
     assert main(["plot", str(path), "--test", "test_z", "-o", str(tmp_path / "z.png")]) == 2

@@ -515,7 +515,8 @@ def test_advise_sets_and_unsets(fake, managed_ptr):
     p, n = managed_ptr, 8 * MiB
     calls = fake.n_advise_calls
     cupy_memstrat.advise(p, preferred_location="host", accessed_by=[0, "host"], nbytes=n, backend=fake)
-    cupy_memstrat.advise(p, preferred_location=None, unset_accessed_by="host", read_mostly=False, nbytes=n, backend=fake)
+    cupy_memstrat.advise(p, preferred_location=None, unset_accessed_by="host", read_mostly=False, nbytes=n,
+                         backend=fake)
     assert fake.advice(p)[-6:] == [
         (n, C.ADVISE_SET_PREFERRED_LOCATION, C.HOST),
         (n, C.ADVISE_SET_ACCESSED_BY, 0),

@@ -143,7 +143,8 @@ def test_snapshot_writes_a_protocol_4_pickle_and_export_writes_the_same(fake_cup
 
 def test_a_bad_format_or_an_old_snapshot_is_refused_and_nothing_is_written(fake_cupy, tmp_path):
     _recorded("device")
-    with pytest.raises(ValueError, match=r"format: expected 'json' or 'torch' \(PyTorch's memory viewer\), got 'pickle'"):
+    with pytest.raises(ValueError,
+                       match=r"format: expected 'json' or 'torch' \(PyTorch's memory viewer\), got 'pickle'"):
         cupy_memstrat.snapshot(str(tmp_path / "s.bin"), format="pickle")
     assert not (tmp_path / "s.bin").exists()
     with pytest.raises(ValueError, match="this snapshot is version 1; PyTorch's viewer needs version 2"):

@@ -37,7 +37,8 @@ def test_without_gpu_the_session_runs_and_the_header_says_why(pytester):
     pytester.makepyfile("def test_ok():\n    pass\n")
     r = pytester.runpytest_subprocess("--gpumem-strategy=device")
     r.assert_outcomes(passed=1)
-    r.stdout.fnmatch_lines(["gpumem: strategy 'device' not installed, tests run with CuPy's own allocator: no CUDA device*"])
+    r.stdout.fnmatch_lines(["gpumem: strategy 'device' not installed, tests run with CuPy's own allocator: "
+                            "no CUDA device*"])
 
 
 def test_an_empty_option_switches_off_the_ini_setting(pytester):

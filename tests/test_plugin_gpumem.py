@@ -340,7 +340,8 @@ def test_leaks_fail_the_test_listing_each_leaked_allocation(pytester, fake_env):
     assert "FAILED test_leaks_fail_the_test_listing_each_leaked_allocation.py::test_fails_and_leaks" in summary
     tests = {t["nodeid"].split("::")[1]: t for t in json.loads((pytester.path / "out.json").read_text())["tests"]}
     assert tests["test_leaks"]["leaked_bytes"] == 4 * 2**20 + 1024 and tests["test_leaks"]["leaked_count"] == 3
-    assert [x["size"] for x in tests["test_leaks"]["leaks"]] == [3 << 20, 1 << 20, 1024]  # as the pool rounds: 512 B steps
+    # as the pool rounds: 512 B steps
+    assert [x["size"] for x in tests["test_leaks"]["leaks"]] == [3 << 20, 1 << 20, 1024]
     assert tests["test_leaks"]["verdict"] == "leaks" and tests["test_leaks"]["outcome"] == "failed"
     assert tests["test_fails_and_leaks"]["leaked_bytes"] is None  # no leak verdict on a failed test
     assert tests["test_fails_and_leaks"]["leak_check"].startswith("skipped")
@@ -586,20 +587,24 @@ def test_an_installed_strategy_is_measured_through(pytester, fake_env):
 
 
 def test_the_strategy_option_with_measuring(pytester, fake_env):
-    pytester.makepyfile(HEAD + "import cupy_memstrat\ndef test_a():\n    assert cupy_memstrat.current().name == 'async'\n")
+    pytester.makepyfile(HEAD + "import cupy_memstrat\ndef test_a():\n"
+                        "    assert cupy_memstrat.current().name == 'async'\n")
     fake_env.setenv("GPUMEM_STRATEGY", "async")
     r = run(pytester, "--gpumem")
     r.assert_outcomes(passed=1)
-    r.stdout.fnmatch_lines(["gpumem: CuPy allocates with strategy 'async' (environment variable GPUMEM_STRATEGY='async')",
+    r.stdout.fnmatch_lines(["gpumem: CuPy allocates with strategy 'async' "
+                            "(environment variable GPUMEM_STRATEGY='async')",
                             "gpumem: measuring every test through strategy 'async'*"])
 
 
 def test_cupy_memstrat_env_sets_the_strategy_below_gpumem_strategy(pytester, fake_env):
-    pytester.makepyfile(HEAD + "import cupy_memstrat\ndef test_a():\n    assert cupy_memstrat.current().name == 'managed'\n")
+    pytester.makepyfile(HEAD + "import cupy_memstrat\ndef test_a():\n"
+                        "    assert cupy_memstrat.current().name == 'managed'\n")
     fake_env.setenv("CUPY_MEMSTRAT", "managed")
     r = run(pytester, "--gpumem")
     r.assert_outcomes(passed=1)
-    r.stdout.fnmatch_lines(["gpumem: CuPy allocates with strategy 'managed' (environment variable CUPY_MEMSTRAT='managed')"])
+    r.stdout.fnmatch_lines(["gpumem: CuPy allocates with strategy 'managed' "
+                            "(environment variable CUPY_MEMSTRAT='managed')"])
     fake_env.setenv("GPUMEM_STRATEGY", "async")
     r = run(pytester, "--gpumem")
     r.assert_outcomes(failed=1)  # GPUMEM_STRATEGY wins: the test sees async
@@ -679,7 +684,8 @@ def test_a_json_path_that_cannot_be_written_is_a_usage_error_before_any_test(pyt
     r = run(pytester, "--gpumem", f"--gpumem-json={path}", "-s")
     assert r.ret == pytest.ExitCode.USAGE_ERROR
     assert "RAN" not in r.stdout.str() and "Traceback" not in r.stdout.str() + r.stderr.str()
-    assert "--gpumem-json" in r.stderr.str() and ("is a directory" in r.stderr.str() or "cannot write" in r.stderr.str())
+    assert "--gpumem-json" in r.stderr.str() and ("is a directory" in r.stderr.str()
+                                                  or "cannot write" in r.stderr.str())
     assert not [p for p in pytester.path.rglob("*.tmp*")]
 
 
@@ -768,7 +774,8 @@ def test_b():
     r.assert_outcomes(passed=1, failed=1)
     r.stdout.fnmatch_lines(["gpumem: JSON report written to sub/out.json"])
     doc = json.loads((pytester.path / "sub" / "out.json").read_text())
-    assert doc["version"] == 1 and doc["strategy"] == {"name": "pool", "options": {"track_origins": False, "oom_snapshot": None, "route": "direct"}}
+    assert doc["version"] == 1 and doc["strategy"] == {
+        "name": "pool", "options": {"track_origins": False, "oom_snapshot": None, "route": "direct"}}
     assert doc["machine"]["backend"] == "fake" and doc["machine"]["devices"][0]["name"] == "Fake NVIDIA H200"
     assert doc["machine"]["driver_version"] == 13000 and doc["packages"]["cupy_memstrat"]
     assert doc["settings"]["leaks"] == "fail"
@@ -792,7 +799,8 @@ def test_xdist_workers_measure_and_the_controller_merges(pytester, monkeypatch):
             monkeypatch.delenv(k)
     monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
     body = "\n".join(f"def test_{i}():\n    x = alloc({i + 1} * MiB)\n" for i in range(6))
-    pytester.makepyfile(HEAD + body + "@pytest.mark.limit_gpu_memory('1MiB')\ndef test_over():\n    x = alloc(2 * MiB)\n"
+    pytester.makepyfile(HEAD + body + "@pytest.mark.limit_gpu_memory('1MiB')\ndef test_over():\n"
+                        "    x = alloc(2 * MiB)\n"
                         "def test_leak():\n    KEEP.append(alloc(MiB))\n")
     r = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", "--gpumem-leaks=fail",
                                       "--gpumem-json=out.json", "--junitxml=junit.xml")
@@ -802,7 +810,8 @@ def test_xdist_workers_measure_and_the_controller_merges(pytester, monkeypatch):
                             "*6.0 MiB*::test_5 (gw*)"])
     assert "M" in r.stdout.str()
     doc = json.loads((pytester.path / "out.json").read_text())
-    assert doc["strategy"] == {"name": "pool", "options": {"track_origins": False, "oom_snapshot": None, "route": "direct"}}  # was null under xdist
+    assert doc["strategy"] == {  # was null under xdist
+        "name": "pool", "options": {"track_origins": False, "oom_snapshot": None, "route": "direct"}}
     tests = {t["nodeid"].split("::")[1]: t for t in doc["tests"]}
     assert len(tests) == 8 and {t["worker"] for t in tests.values()} <= {"gw0", "gw1"}
     assert {tests[f"test_{i}"]["peak_bytes"] for i in range(6)} == {(i + 1) << 20 for i in range(6)}
@@ -1133,7 +1142,8 @@ def test_clean():
     tests = {t["nodeid"].split("::")[1]: t for t in doc["tests"]}
     assert tests["test_clean"]["n_findings"] == 0
     f = tests["test_out_of_bounds"]["findings"][0]
-    assert f["kind"] == "out-of-bounds write" and f["first_bad_offset"] == 1003 and "test_out_of_bounds" in f["free_site"]
+    assert (f["kind"] == "out-of-bounds write" and f["first_bad_offset"] == 1003
+            and "test_out_of_bounds" in f["free_site"])
 
 
 def test_without_checks_the_same_bugs_pass_unnoticed(pytester, fake_env):
@@ -1160,7 +1170,8 @@ def test_write_after_free():
         pytester.makeini("[pytest]\ngpumem_check = poison\n")
     r = run(pytester)
     r.assert_outcomes(failed=1)
-    r.stdout.fnmatch_lines(["*checks: poison (*GPUMEM_CHECK*" if where == "env" else "*checks: poison (ini key gpumem_check)"])
+    r.stdout.fnmatch_lines(["*checks: poison (*GPUMEM_CHECK*" if where == "env"
+                            else "*checks: poison (ini key gpumem_check)"])
 
 
 LEGACY = CHECKS_HEAD + """

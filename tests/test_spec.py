@@ -41,12 +41,14 @@ def test_spec_must_be_a_string():
 
 
 def test_unknown_option_lists_valid_ones(fake):
-    with pytest.raises(ValueError, match=r"unknown option 'colour'; valid options: granule, oom_snapshot, track_origins"):
+    with pytest.raises(ValueError,
+                       match=r"unknown option 'colour'; valid options: granule, oom_snapshot, track_origins"):
         cupy_memstrat.create("device:colour=blue", backend=fake)
 
 
 def test_bad_option_value_names_option_and_value(fake):
-    with pytest.raises(ValueError, match=r"option track_origins: expected true or false, or a number of frames from 1 to 128, got 'sometimes'"):
+    with pytest.raises(ValueError, match=r"option track_origins: expected true or false, "
+                                         r"or a number of frames from 1 to 128, got 'sometimes'"):
         cupy_memstrat.create("device", track_origins="sometimes", backend=fake)
 
 
@@ -56,7 +58,8 @@ def test_option_in_spec_and_keyword_is_an_error(fake):
 
 
 def test_validate_needs_no_gpu():
-    assert cupy_memstrat.validate("malloc:track_origins=on") == ("device", {"track_origins": True, "oom_snapshot": None, "granule": 1})
+    assert cupy_memstrat.validate("malloc:track_origins=on") == (
+        "device", {"track_origins": True, "oom_snapshot": None, "granule": 1})
 
 
 def test_bool_options_take_0_and_1(fake):

@@ -102,7 +102,8 @@ def test_out_of_memory_is_our_error_counted_and_loses_nothing(s):
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_strategies_get_the_c_hot_path_by_default(monkeypatch, name):
     monkeypatch.delenv(_support.HOT_PATH_ENV, raising=False)
-    assert cupy_memstrat.hot_path_status() == {"setting": "auto", "hot_path": "c", "reason": "compiled from csrc/hotpath.c"}
+    assert cupy_memstrat.hot_path_status() == {"setting": "auto", "hot_path": "c",
+                                               "reason": "compiled from csrc/hotpath.c"}
     s = cupy_memstrat.create(name, backend=FakeBackend())
     assert s.hot_path is None  # built on first use
     s.raw_free(s.raw_malloc(1000))

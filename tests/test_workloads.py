@@ -118,12 +118,14 @@ def test_the_measuring_loop_times_checks_and_reports_peaks():
     assert released == ["base", "mine"] and s.resets == 3  # each cache given back once, at the end
     assert rows["base"]["check"] == {"identical": True, "max_rel_diff": 0.0, "reference": True}
     assert rows["mine"]["check"] == {"identical": True, "max_rel_diff": 0.0}
-    assert rows["noisy"]["check"]["identical"] is False and rows["noisy"]["check"]["max_rel_diff"] == pytest.approx(1e-3)
+    assert (rows["noisy"]["check"]["identical"] is False
+            and rows["noisy"]["check"]["max_rel_diff"] == pytest.approx(1e-3))
     assert rows["mine"]["peak_bytes_in_use"] == 4096 and rows["mine"]["peak_bytes_reserved"] == 8192
     assert rows["base"]["pool_total_bytes_after"] == 7 and len(rows["base"]["runs"]) == 3
     assert rows["base"]["value"] == [0.0, 2.0, 4.0, 6.0] and rows["base"]["ratio_to_first"] == 1.0
     text = W.format_table({"params": {"descriptions": {"prog": "a test"}}, "results": res})
-    assert "prog: a test" in text and "reference" in text and "identical" in text and "differs (max rel 1.00e-03)" in text
+    assert ("prog: a test" in text and "reference" in text and "identical" in text
+            and "differs (max rel 1.00e-03)" in text)
 
 
 class _Clock:

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# The API reference in docs/api/, generated from the docstrings with pdoc
-# (pip install -e ".[docs]"). Run it after changing a public docstring, and commit the result.
-# Written into a temporary folder first: docs/api is replaced only when pdoc succeeded
-# (a missing pdoc once left the repository without its reference).
+# The API reference, generated from the docstrings with pdoc (pip install -e ".[docs]"):
+#   tools/api_docs.sh [FOLDER]     (default docs/api; open FOLDER/index.html)
+# docs/api is not committed (docs/development.md says why): build it when you want to read it.
+# Written into a temporary folder first: FOLDER is replaced only when pdoc succeeded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+out=${1:-docs/api}
 if ! python -c "import pdoc" 2>/dev/null; then
-  echo "api_docs: pdoc is not installed for $(command -v python) (pip install -e \".[docs]\"); docs/api left as it is" >&2
+  echo "api_docs: pdoc is not installed for $(command -v python) (pip install -e \".[docs]\"); $out left as it is" >&2
   exit 1
 fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-python -m pdoc --no-search --no-show-source -o "$tmp/api" cupy_memstrat
-rm -rf docs/api
-mv "$tmp/api" docs/api
-echo "wrote docs/api/ (open docs/api/index.html)"
+python -m pdoc --no-search --no-show-source -o "$tmp/api" cupy_memstrat pytest_gpumem
+rm -rf "$out"
+mkdir -p "$(dirname "$out")"
+mv "$tmp/api" "$out"
+echo "wrote $out/ (open $out/index.html)"

@@ -35,7 +35,8 @@ def compare(base_path: str, cand_path: str) -> dict:
     base, base_s = outcomes(base_path)
     cand, cand_s = outcomes(cand_path)
     count = lambda d: {k: sum(1 for v in d.values() if v == k) for k in ("passed", "failed", "error", "skipped")}  # noqa: E731
-    differ = {k: [base.get(k, "missing"), cand.get(k, "missing")] for k in sorted(set(base) | set(cand)) if base.get(k) != cand.get(k)}
+    differ = {k: [base.get(k, "missing"), cand.get(k, "missing")] for k in sorted(set(base) | set(cand))
+              if base.get(k) != cand.get(k)}
     bad = ("failed", "error", "missing")
     new_failures = [k for k, (b, c) in differ.items() if c in bad and b not in bad]
     failing = lambda d: sorted(k for k, v in d.items() if v in ("failed", "error"))  # noqa: E731
@@ -63,7 +64,8 @@ def main(argv=None) -> int:
     print(f"time ratio candidate/baseline: {r['time_ratio']:.2f}" if r["time_ratio"] else "time ratio: n/a")
     for k, (b, c) in r["differ"].items():
         print(f"  {k}: {b} -> {c}")
-    print("same outcomes" if r["same_outcomes"] else f"{len(r['differ'])} outcomes differ, {len(r['new_failures'])} new failures")
+    print("same outcomes" if r["same_outcomes"]
+          else f"{len(r['differ'])} outcomes differ, {len(r['new_failures'])} new failures")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)

@@ -255,7 +255,7 @@ def run(*, rounds: int = 7, target_s: float = 0.03, progress=None, strategies=No
                 if key not in iters:
                     iters[key] = _calibrate(lambda n: _time_workload(step, n), target_s * 3)
                 work[label].append(_time_workload(step, iters[key]) * 1e6)
-                del step, check
+                step = check = None  # the workload's arrays go now
     finally:
         try:
             cupy.cuda.set_allocator(prev)

@@ -312,7 +312,8 @@ def format_table(report: dict) -> str:
     out.append(
         "bars: "
         + "managed / CuPy pool latency, back to back "
-        + ", ".join(f"{format_size(int(k)) if k.isdigit() else k} {v:.2f}x" for k, v in b["latency_managed_over_cupy_pool"].items())
+        + ", ".join(f"{format_size(int(k)) if k.isdigit() else k} {v:.2f}x"
+                    for k, v in b["latency_managed_over_cupy_pool"].items())
         + (" (medians of the rounds: "
            + ", ".join(f"{format_size(int(k)) if k.isdigit() else k} {v:.2f}x"
                        for k, v in b["latency_managed_over_cupy_pool_rounds"].items()) + ")"

@@ -64,7 +64,8 @@ def _latency_panels(lat: dict, axes) -> None:
     for ax, size in zip(axes, sizes):
         us = [lat["results_us"][lab][size]["median_us"] for lab in labels]
         base = lat["results_us"]["cupy-default"][size]["median_us"]
-        colors = ["0.55" if lab in ("cupy-default", "no-pool", "cupy-async", "rmm-async") else "#4c72b0" for lab in labels]
+        colors = ["0.55" if lab in ("cupy-default", "no-pool", "cupy-async", "rmm-async") else "#4c72b0"
+                  for lab in labels]
         y = list(range(len(labels)))
         ax.barh(y, us, color=colors)
         ax.set_yticks(y, labels)
@@ -88,7 +89,8 @@ def _alloc(report: dict, plt):
     from matplotlib.patches import Patch
 
     fig.suptitle(f"Alloc+free through cupy.cuda.alloc on {_device_name(report)} (median of rounds)", fontsize=10)
-    fig.legend(handles=[Patch(color="#4c72b0", label="cupy_memstrat strategy (device+origins: device, track_origins=True)"),
+    fig.legend(handles=[Patch(color="#4c72b0",
+                              label="cupy_memstrat strategy (device+origins: device, track_origins=True)"),
                         Patch(color="0.55", label="CuPy's pool, raw cudaMalloc (no-pool), CuPy / RMM async pools"),
                         Line2D([], [], color="0.3", ls="--", label="CuPy's pool")],
                loc="lower center", ncol=3, fontsize=8, frameon=False)
@@ -127,7 +129,8 @@ def _workload_ratio(row: dict) -> float:
 
 def _workloads(report: dict, plt):
     """Per workload, each path's wall time as a ratio to CuPy's pool (the
-    median of the ratios of the samples of each round; grouped bars, log scale); GPU page faults and a result that differs
+    median of the ratios of the samples of each round; grouped bars, log scale); GPU page faults and
+    a result that differs
     from the pool's are written by the bar; a workload measured cold says so."""
     res = report["results"]
     names = list(res)

@@ -306,7 +306,8 @@ class AsyncPoolStrategy(Strategy):
             self._pools[device] = pool
             return pool
 
-    def _recover_pool(self, size: int, device: int, sptr: int, pool: int, exc: BaseException, alloc_size: int = 0) -> int:
+    def _recover_pool(self, size: int, device: int, sptr: int, pool: int, exc: BaseException,
+                      alloc_size: int = 0) -> int:
         """A pool allocation failed: recover in CuPy's order
         (:meth:`Strategy._recover`: this strategy's trim, which gives the
         cached blocks back, synchronises the device and trims the pool to 0,
@@ -453,7 +454,8 @@ class AsyncPoolStrategy(Strategy):
         capture = origin_capture(track)  # the first frame, or track_origins=N frames
         ensure_pool, recover, fold, unknown_free = self._ensure_pool, self._recover_pool, self._fold, self._unknown_free
         free_off_path, ref, get_ident = self._free_off_path, weakref.ref, threading.get_ident
-        recorded, pending, poll, defer, watch = self._recorded, self._pending, self._poll_pending, self._defer, self._watch
+        recorded, pending, poll, defer, watch = (self._recorded, self._pending, self._poll_pending, self._defer,
+                                                 self._watch)
 
         caches, limits = self._cache, self._cache_limit
         scaches, new_stream_cache, dead, reap = self._stream_caches, self._new_stream_cache, self._dead, self._reap
@@ -590,7 +592,8 @@ class AsyncPoolStrategy(Strategy):
             self._give_back_fn(ptr, size, device, 2)
         except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
             self.backend.clear_last_error()
-            warn_at_user(f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}", RuntimeWarning)
+            warn_at_user(f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}",
+                         RuntimeWarning)
 
     def _free_off_path(self, ptr: int, size: int, device: int, stream: int | None, stacklevel: int = 1) -> None:
         """Frees the hot path does not do: on another device's default

@@ -60,7 +60,8 @@ class LibraryPoolStrategy(Strategy):
             self.reserved_is_in_use = True
             malloc = self.backend.malloc
             allocate_on, deallocate = (lambda size, device, stream: malloc(size)), self.backend.free
-        current_stream, get_device, before = self.backend.current_stream, self.backend.get_device, self.guard.before_allocation
+        current_stream, get_device, before = (self.backend.current_stream, self.backend.get_device,
+                                              self.guard.before_allocation)
 
         def allocate(size):
             d = get_device()

@@ -336,7 +336,8 @@ class ManagedStrategy(Strategy):
         ``prefetch`` option is applied per allocation by the caller.)"""
         b, cfg = self.backend, self.config
         if cfg["preferred_location"] is not None:
-            b.mem_advise(ptr, nbytes, _cuda.ADVISE_SET_PREFERRED_LOCATION, self._location(cfg["preferred_location"], device))
+            b.mem_advise(ptr, nbytes, _cuda.ADVISE_SET_PREFERRED_LOCATION,
+                         self._location(cfg["preferred_location"], device))
         for loc in cfg["accessed_by"]:
             b.mem_advise(ptr, nbytes, _cuda.ADVISE_SET_ACCESSED_BY, self._location(loc, device))
         if cfg["read_mostly"]:
@@ -809,7 +810,8 @@ class ManagedStrategy(Strategy):
         capture = origin_capture(track)  # the first frame, or track_origins=N frames
         arenas, owner, arena_of = self._arenas, self._owner, self._arena_of
         miss, fold, unknown_free = self._miss, self._fold, self._unknown_free
-        recorded, pending, poll, defer, watch = self._recorded, self._pending, self._poll_pending, self._defer, self._watch
+        recorded, pending, poll, defer, watch = (self._recorded, self._pending, self._poll_pending, self._defer,
+                                                 self._watch)
         prefetch_to = self._prefetch_to if self.config["prefetch"] == "on_alloc" else None
         capsule, stream_ptr = self._stream_source()
         Accounting = c_accounting(track)
@@ -898,7 +900,8 @@ class ManagedStrategy(Strategy):
             else:
                 arena[1][(size + 511) & -512].append(ptr)
         except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
-            warn_at_user(f"managed: caching 0x{ptr:x} ({size} bytes) on device {device} failed: {exc!r}", RuntimeWarning)
+            warn_at_user(f"managed: caching 0x{ptr:x} ({size} bytes) on device {device} failed: {exc!r}",
+                         RuntimeWarning)
 
     def _arena_of(self, ptr: int, device: int) -> tuple[list, dict]:
         """The arena a live block goes back to, when its chunk's base is not

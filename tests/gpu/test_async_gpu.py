@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 import cupy_memstrat
-from cupy_memstrat import cuda as C
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -126,7 +126,8 @@ CHILD = textwrap.dedent(r"""
             with open(path, "wb") as f:
                 pickle.dump(h, f)
             opener = ("import pickle, sys; from numba import cuda; h = pickle.load(open(sys.argv[1], 'rb'));"
-                      "a = h.open(); d = a.copy_to_host(); print(float(d[0]), float(d.astype('float64').sum()), a.size);"
+                      "a = h.open(); d = a.copy_to_host(); "
+                      "print(float(d[0]), float(d.astype('float64').sum()), a.size);"
                       "h.close()")
             env = {k: v for k, v in os.environ.items() if k != "NUMBA_CUDA_MEMORY_MANAGER"}
             r = subprocess.run([sys.executable, "-c", opener, path], capture_output=True, text=True, env=env,

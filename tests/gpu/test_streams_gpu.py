@@ -101,7 +101,8 @@ def test_pool_waits_for_a_dead_streams_kernel_before_handing_out_a_block(cp, ker
     if CUDA gives the new stream the same handle. The control, CuPy's own
     pool, returns while the dead stream's kernel still runs."""
     assert _run(cp, spec, lambda: _a_dead_streams_kernel_is_done_when_the_next_allocation_returns(cp, kern))
-    assert not _run(cp, "cupy-default", lambda: _a_dead_streams_kernel_is_done_when_the_next_allocation_returns(cp, kern))
+    assert not _run(cp, "cupy-default",
+                    lambda: _a_dead_streams_kernel_is_done_when_the_next_allocation_returns(cp, kern))
     rounds = []
     _run(cp, spec, lambda: S.dead_stream(cp, kern, rounds=8, per_round=rounds))
     print(f"{spec}: (handle reused, wrong elements) per round: {rounds}")

@@ -53,7 +53,7 @@ try:
         cupti.activity_register_callbacks(req, comp)
         cfg = configure()
         cupti.activity_enable(cupti.ActivityKind.UNIFIED_MEMORY_COUNTER)
-    elif mode == "toggle":  # what faults.py does: enable, disable, enable
+    elif mode == "toggle":  # what cupy_memstrat.faults does: enable, disable, enable
         cupti.activity_register_callbacks(req, comp)
         cfg = configure()
         cupti.activity_enable(cupti.ActivityKind.UNIFIED_MEMORY_COUNTER)
@@ -83,4 +83,5 @@ try:
 except Exception:
     traceback.print_exc()
 c = collections.Counter(r[1] for r in recs)
-print(mode, "records", len(recs), "by counter_kind", dict(c), "htod bytes", sum(r[2] for r in recs if r[1] == int(kinds[0])), "kinds", collections.Counter(r[0] for r in recs))
+print(mode, "records", len(recs), "by counter_kind", dict(c), "htod bytes",
+      sum(r[2] for r in recs if r[1] == int(kinds[0])), "kinds", collections.Counter(r[0] for r in recs))

@@ -1,7 +1,7 @@
 """Probe: arrays that die in a garbage-collected reference cycle under a
 PythonFunctionAllocator-based strategy. CuPy 14.2's PythonFunctionAllocatorMemory has no
 @cython.no_gc, so the collector may clear its free function before its destructor runs."""
-import gc, sys
+import gc
 import cupy, cupy_memstrat
 
 for name in ("device", "pool", "managed", "async"):

@@ -40,7 +40,8 @@ CUTS = {
          "    if (1)\n        return 0;\n    Accounting *acc = o->acc;\n    long long c;\n"),
     ],
     "bare": [("    PyObject *mem = PyObject_GetAttr(mp, S_mem), *ptr = NULL, *size = NULL, *device = NULL;",
-              "    if (1)\n        return mp;\n    PyObject *mem = PyObject_GetAttr(mp, S_mem), *ptr = NULL, *size = NULL, "
+              "    if (1)\n        return mp;\n"
+              "    PyObject *mem = PyObject_GetAttr(mp, S_mem), *ptr = NULL, *size = NULL, "
               "*device = NULL;")],
 }
 
@@ -69,7 +70,8 @@ def run(f):
     return (time.perf_counter() - t0) / N * 1e6
 a, b = [], []
 for r in range(7):
-    for label, f in ((("cupy", pool.malloc), ("variant", m)) if r % 2 == 0 else (("variant", m), ("cupy", pool.malloc))):
+    for label, f in ((("cupy", pool.malloc), ("variant", m)) if r % 2 == 0
+                     else (("variant", m), ("cupy", pool.malloc))):
         (a if label == "cupy" else b).append(run(f))
 cupy.cuda.set_allocator(pool.malloc)
 print(json.dumps({"cupy_us": statistics.median(a), "variant_us": statistics.median(b),
