@@ -237,6 +237,17 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _write_plot(draw, what, output: str) -> int:
+    """``draw(what, output)``; say what it wrote, or why it could not (exit status 2)."""
+    try:
+        written = draw(what, output)
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"plot: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {written}")
+    return 0
+
+
 def _cmd_plot(args) -> int:
     from .bench.plot import plot, plot_side_by_side
 
@@ -255,24 +266,12 @@ def _cmd_plot(args) -> int:
             if doc is None:
                 return 2
             docs.append((os.path.splitext(os.path.basename(source))[0], doc))
-        try:
-            written = plot_side_by_side(docs, args.output)
-        except (ValueError, RuntimeError, OSError) as exc:
-            print(f"plot: {exc}", file=sys.stderr)
-            return 2
-        print(f"wrote {written}")
-        return 0
+        return _write_plot(plot_side_by_side, docs, args.output)
     report = _load_report("plot", paths[0], args.test,
                           "bench --json, cupy_memstrat.snapshot() or pytest --gpumem-json")
     if report is None:
         return 2
-    try:
-        written = plot(report, args.output)
-    except (ValueError, RuntimeError, OSError) as exc:
-        print(f"plot: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {written}")
-    return 0
+    return _write_plot(plot, report, args.output)
 
 
 def _cmd_run(args) -> int:

@@ -2,7 +2,6 @@
 release threshold, trim, OOM recovery, several devices, bad input."""
 
 import gc
-import threading
 import warnings
 
 import pytest
@@ -10,6 +9,7 @@ import pytest
 import cupy_memstrat
 from cupy_memstrat import cuda as C
 from cupy_memstrat.testing import FakeBackend
+from helpers import run_threads
 
 MiB = 1 << 20
 
@@ -296,11 +296,7 @@ def test_eight_threads_on_their_own_streams_keep_exact_counts(fake):
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work, 8)
     assert not errors
     st = s.stats(0)
     assert st.n_allocs == st.n_frees == 2400 and st.bytes_in_use == 0 and st.n_live == 0

@@ -8,7 +8,6 @@ import os
 import pytest
 
 import cupy_memstrat
-import cupy_memstrat.cuda as C
 from cupy_memstrat.memory_viz import to_torch
 from cupy_memstrat.testing import FakeBackend
 
@@ -122,13 +121,7 @@ def test_the_guard_and_the_checks_layer_write_it_too(fake_cupy, tmp_path):
     assert os.path.exists(path2)
 
 
-def test_the_plugin_names_the_snapshot_of_a_test_that_ran_out_of_memory(pytester, monkeypatch, tmp_path):
-    for k in list(os.environ):
-        if k.startswith("GPUMEM"):
-            monkeypatch.delenv(k)
-    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
-    monkeypatch.setattr(C, "_backend", None)
-    prev = cupy.cuda.get_allocator()
+def test_the_plugin_names_the_snapshot_of_a_test_that_ran_out_of_memory(pytester, fake_env, tmp_path):
     snap = tmp_path / "oom.json"
     pytester.makepyfile("""
 import cupy
@@ -137,12 +130,9 @@ def test_big():
 def test_small():
     cupy.empty(100, dtype=cupy.uint8)
 """)
-    try:
-        r = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--gpumem",
-                                         f"--gpumem-strategy=device:oom_snapshot={snap}",
-                                         f"--gpumem-json={tmp_path / 'r.json'}")
-    finally:
-        cupy.cuda.set_allocator(prev)
+    r = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--gpumem",
+                                     f"--gpumem-strategy=device:oom_snapshot={snap}",
+                                     f"--gpumem-json={tmp_path / 'r.json'}")
     r.assert_outcomes(passed=1, failed=1)
     r.stdout.fnmatch_lines([f"*out of memory: the strategy wrote the memory at the error to {snap}*",
                             f"*python -m cupy_memstrat export {snap} -o oom.pickle*"])

@@ -12,6 +12,7 @@ import pytest
 import cupy_memstrat
 from cupy_memstrat.strategies import _support
 from cupy_memstrat.testing import FakeBackend
+from helpers import run_threads
 
 STRATEGIES = sorted(cupy_memstrat.available())
 
@@ -60,11 +61,7 @@ def test_eight_threads_keep_exact_counts_and_distinct_pointers(s):
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work, n_threads)
     assert not errors
     live = [p for held in kept for p in held]
     assert len(live) == len(set(live)) == n_threads * n_iter * 2 // 3  # no block handed out twice

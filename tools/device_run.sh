@@ -131,6 +131,58 @@ benches() {  # bench GROUP --json ${BENCH_DIR:-$OUT}/bench-GROUP.json, for each 
     python3 -m cupy_memstrat bench $g --json "${BENCH_DIR:-$OUT}/bench-$g.json"
   done
 }
+quiet_gpu_tests() {  # LINES: tests/gpu quietly, JUnit XML into $OUT, the last LINES lines on the log
+  step "tests/gpu"
+  python3 -m pytest tests/gpu -p no:cacheprovider -q -rs --junitxml="$OUT/tests_gpu.xml" 2>&1 | tail -$1
+}
+
+# The callN parts: their JSON gathers in J=/tmp/callN_json and comes back as $OUT/callN_json.tgz
+json_dir() {  # NAME: J=/tmp/NAME_json, made, with cupy_memstrat info --json in it
+  J=/tmp/$1_json; mkdir -p $J
+  python3 -m cupy_memstrat info --json > "$J/info.json"
+}
+pack_json() {  # $J as $OUT/NAME_json.tgz (again after each stage, so that a cut run keeps what it has)
+  tar -czf "$OUT/${J##*/}.tgz" -C /tmp "${J##*/}"
+}
+timed_gpu_tests() {  # SECONDS: tests/gpu, every outcome on the log, JUnit XML into $J, capped at SECONDS
+  step tests/gpu
+  timeout $1 python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$J/tests_gpu.xml"
+}
+reclaim_probe() {  # DIR [PREFIX...]: tools/probes/managed_reclaim.py (run behind PREFIX, e.g. timeout 120), JSON into DIR
+  local dir=$1; shift
+  step "probe: destroyed streams' chunks under managed"
+  "$@" python3 tools/probes/managed_reclaim.py "$dir/managed-reclaim.json"
+}
+cost_probes() {  # where pool's direct route spends its time and the PythonFunctionAllocator floor, JSON into $J
+  step "probe: where pool's direct route spends its time"
+  python3 tools/probes/pool_direct_cost.py --json "$J/pool_direct_cost.json"
+  step "probe: the floor of an allocator behind a PythonFunctionAllocator"
+  python3 tools/probes/hot_path_floor.py --json "$J/hot_path_floor.json" device managed pool
+}
+warm_workloads() {  # STRATEGIES: bench workloads, 9 rounds, the warm programs, into $J/bench-workloads.json
+  step "bench workloads (warm programs, pooling strategies)"
+  python3 -m cupy_memstrat bench workloads --rounds 9 --strategies "$1" \
+    --only cg-poisson,fft-convolution,kmeans,monte-carlo,multi-stream --json "$J/bench-workloads.json"
+}
+cold_workloads() {  # STRATEGIES: bench workloads, 5 rounds of managed-large, into $J/bench-workloads-cold.json
+  step "bench workloads managed-large (cold)"
+  python3 -m cupy_memstrat bench workloads --rounds 5 --strategies "$1" --only managed-large \
+    --json "$J/bench-workloads-cold.json"
+}
+plugin_rounds() {  # HOW-MANY MODE...: with .cupy_tests, the plugin's cost on CuPy's subset into R=$J/plugin:
+  # a warm-up, then one run per MODE (plain, or measure: --gpumem with a budget and leaks=fail)
+  local how=$1; shift
+  if [ -d .cupy_tests/tests ]; then
+    R=$J/plugin; mkdir -p $R
+    step "plugin cost: warm-up, then plain and --gpumem in $how rotated rounds"
+    run_subset $R warmup
+    for mode in "$@"; do
+      n=$(ls $R/${mode}_*.xml 2>/dev/null | wc -l)
+      if [ $mode = plain ]; then run_subset $R plain_$((n + 1)); \
+      else run_subset $R measure_$((n + 1)) --gpumem --gpumem-budget=64GiB --gpumem-leaks=fail; fi
+    done
+  fi
+}
 
 step install
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -191,8 +243,7 @@ if [ "$part" = reclaim ]; then
   step "tests/gpu: streams and managed"
   python3 -m pytest tests/gpu/test_streams_gpu.py tests/gpu/test_managed_gpu.py -v -p no:cacheprovider -rs \
     --junitxml="$OUT/tests_gpu.xml"
-  step "probe: destroyed streams' chunks under managed"
-  python3 tools/probes/managed_reclaim.py "$OUT/managed-reclaim.json"
+  reclaim_probe "$OUT"
 fi
 
 if [ "$part" = pending ]; then
@@ -200,8 +251,7 @@ if [ "$part" = pending ]; then
   mkdir -p /tmp/viz
   GPUMEM_VIZ_OUT=/tmp/viz gpu_tests
   cp /tmp/viz/memory-viz-managed-trace.html "$OUT/" 2>/dev/null
-  step "probe: destroyed streams' chunks under managed"
-  python3 tools/probes/managed_reclaim.py "$OUT/managed-reclaim.json"
+  reclaim_probe "$OUT"
   step "probe: what track_origins costs"
   python3 tools/probes/origins_cost.py "$OUT/origins-cost.json"
 fi
@@ -212,52 +262,49 @@ if [ "$part" = session ]; then
   python3 -m cupy_memstrat info --json > "$J/info.json"; python3 -m cupy_memstrat info | head -20
   GPUMEM_VIZ_OUT=/tmp/viz gpu_tests
   tar -czf "$OUT/viz.tgz" -C /tmp viz
-  step "probe: destroyed streams' chunks under managed"
-  python3 tools/probes/managed_reclaim.py "$J/managed-reclaim.json"
+  reclaim_probe "$J"
   step "probe: async on the multi-stream pipeline"
   python3 tools/probes/async_multistream.py "$J/async-multistream.json"
   step "probe: what track_origins costs"
   python3 tools/probes/origins_cost.py "$J/origins-cost.json"
   BENCH_DIR=$J benches streams managed workloads
-  tar -czf "$OUT/session_json.tgz" -C /tmp session_json
+  pack_json
 fi
 
 if [ "$part" = call2 ]; then
   # the dead-stream trace, tests/gpu, Dask on the GPU (wheels in .whl), the reclaim probe,
   # bench streams and workloads; the JSON in one tgz
-  J=/tmp/call2_json; mkdir -p $J
-  python3 -m cupy_memstrat info --json > "$J/info.json"; python3 -m cupy_memstrat info | head -20
+  json_dir call2
+  python3 -m cupy_memstrat info | head -20
   step "probe: the dead-stream pattern, round by round"
   timeout 120 python3 tools/probes/dead_stream_trace.py "$J/dead-stream-trace.json" | tail -40
   gpu_tests
   step "probe: Dask on the GPU (LocalCUDACluster)"
   timeout 200 python3 tools/probes/dask_gpu.py "$J" --rounds 5
-  step "probe: destroyed streams' chunks under managed"
-  timeout 120 python3 tools/probes/managed_reclaim.py "$J/managed-reclaim.json"
+  reclaim_probe "$J" timeout 120
   BENCH_DIR=$J benches streams workloads
-  tar -czf "$OUT/call2_json.tgz" -C /tmp call2_json
+  pack_json
 fi
 
 if [ "$part" = call3 ]; then
   # tests/gpu, Dask on the GPU (a larger workload, 9 rounds of the tracking cost), the reclaim
   # probe, bench streams, workloads and managed; the JSON in one tgz
-  J=/tmp/call3_json; mkdir -p $J
-  python3 -m cupy_memstrat info --json > "$J/info.json"; python3 -m cupy_memstrat info | head -20
+  json_dir call3
+  python3 -m cupy_memstrat info | head -20
   gpu_tests
   step "probe: Dask on the GPU (LocalCUDACluster)"
   timeout 240 python3 tools/probes/dask_gpu.py "$J" --n 24576 --rounds 9
-  step "probe: destroyed streams' chunks under managed"
-  timeout 120 python3 tools/probes/managed_reclaim.py "$J/managed-reclaim.json"
+  reclaim_probe "$J" timeout 120
   BENCH_DIR=$J benches streams workloads managed
-  tar -czf "$OUT/call3_json.tgz" -C /tmp call3_json
+  pack_json
 fi
 
 if [ "$part" = call5 ]; then
   # tests/gpu (with what the last session could not run: from_external, the growth gate, trim
   # reset), the managed hot-path probe, bench streams, workloads (9 rounds: the ratio in rounds)
   # and managed (the latency back to back), bench alloc; the JSON in one tgz
-  J=/tmp/call5_json; mkdir -p $J
-  python3 -m cupy_memstrat info --json > "$J/info.json"; python3 -m cupy_memstrat info | head -20
+  json_dir call5
+  python3 -m cupy_memstrat info | head -20
   gpu_tests
   step "probe: the managed hot path"
   timeout 60 python3 tools/probes/managed_hot_path.py | tee "$J/managed_hot_path.json"
@@ -265,17 +312,17 @@ if [ "$part" = call5 ]; then
   step "bench workloads --rounds 9"
   python3 -m cupy_memstrat bench workloads --rounds 9 --json "$J/bench-workloads.json"
   BENCH_DIR=$J benches managed alloc
-  tar -czf "$OUT/call5_json.tgz" -C /tmp call5_json
+  pack_json
 fi
 
 if [ "$part" = call6 ]; then
   # issue 20 (carry .whl: RMM): tests/gpu (the rmm and torch strategies, the Numba memory
   # manager, the mixed CuPy + PyTorch + Numba probe's JSON), then bench alloc with their rows
-  J=/tmp/call6_json; mkdir -p $J
-  python3 -m cupy_memstrat info --json > "$J/info.json"; python3 -m cupy_memstrat info | head -30
+  json_dir call6
+  python3 -m cupy_memstrat info | head -30
   GPUMEM_INTEROP_OUT=$J gpu_tests
   BENCH_DIR=$J benches alloc
-  tar -czf "$OUT/call6_json.tgz" -C /tmp call6_json
+  pack_json
 fi
 
 if [ "$part" = call7 ]; then
@@ -285,7 +332,7 @@ if [ "$part" = call7 ]; then
   step "tests/gpu: interop, numba, plugin"
   GPUMEM_INTEROP_OUT=$J python3 -m pytest tests/gpu/test_interop_gpu.py tests/gpu/test_numba_gpu.py \
     tests/gpu/test_plugin_gpu.py -v -p no:cacheprovider -rs --junitxml="$J/tests_gpu_interop.xml"
-  tar -czf "$OUT/call7_json.tgz" -C /tmp call7_json
+  pack_json
   set -- default rmm torch
   part=cupy
 fi
@@ -293,49 +340,45 @@ fi
 if [ "$part" = call8 ]; then
   # after the mend and the review (carry .whl): tests/gpu in full, the Numba allocation probe,
   # bench alloc (the rmm and torch rows)
-  J=/tmp/call8_json; mkdir -p $J
-  python3 -m cupy_memstrat info --json > "$J/info.json"
+  json_dir call8
   GPUMEM_INTEROP_OUT=$J gpu_tests
   step "probe: a Numba allocation through cupy_memstrat.numba"
   timeout 150 python3 tools/probes/numba_alloc_cost.py "$J/numba-alloc-cost.json"
   BENCH_DIR=$J benches alloc
-  tar -czf "$OUT/call8_json.tgz" -C /tmp call8_json
+  pack_json
 fi
 
 if [ "$part" = call9 ]; then
   # pool:route=direct (added without a GPU): tests/gpu in full, bench alloc with the pool-direct
   # row beside pool, bench streams with pool:route=direct among the safe allocators
-  J=/tmp/call9_json; mkdir -p $J
-  python3 -m cupy_memstrat info --json > "$J/info.json"
+  json_dir call9
   gpu_tests
   BENCH_DIR=$J benches alloc streams
-  tar -czf "$OUT/call9_json.tgz" -C /tmp call9_json
+  pack_json
 fi
 
 if [ "$part" = call10 ]; then
   # pool's route "direct" the default (record_stream holds the block): tests/gpu in full, bench
   # alloc (pool beside pool-wrap) and bench workloads --rounds 7 (pool beside pool:route=wrap)
-  J=/tmp/call10_json; mkdir -p $J
-  python3 -m cupy_memstrat info --json > "$J/info.json"
+  json_dir call10
   gpu_tests
   BENCH_DIR=$J benches alloc
   step "bench workloads --rounds 7"
   python3 -m cupy_memstrat bench workloads --rounds 7 --json "$J/bench-workloads.json"
-  tar -czf "$OUT/call10_json.tgz" -C /tmp call10_json
+  pack_json
 fi
 
 if [ "$part" = call11 ]; then
   # after call10: its one failure's file again (the test expected the PythonFunctionAllocator's
   # guard for pool), where the direct route's time goes (tools/probes/pool_direct_cost.py),
   # bench managed, then CuPy's subset under CuPy's pool, pool (direct) and pool:route=wrap
-  J=/tmp/call11_json; mkdir -p $J
-  python3 -m cupy_memstrat info --json > "$J/info.json"
+  json_dir call11
   step "tests/gpu/test_hot_path_gpu.py"
   python3 -m pytest tests/gpu/test_hot_path_gpu.py -v -p no:cacheprovider --junitxml="$J/tests_hot_path.xml"
   step "probe: where pool's direct route spends its time"
   python3 tools/probes/pool_direct_cost.py --json "$J/pool_direct_cost.json"
   BENCH_DIR=$J benches managed
-  tar -czf "$OUT/call11_json.tgz" -C /tmp call11_json
+  pack_json
   set -- default pool pool:route=wrap
   part=cupy
 fi
@@ -343,174 +386,122 @@ fi
 if [ "$part" = call12 ]; then
   # the final code: tests/gpu in full, bench alloc, then docs/debugging.md's worked examples
   # (tools/debugging_walkthrough.sh: the OOM hunt, PyTorch's viewer, the plugin, the growth gate)
-  J=/tmp/call12_json; mkdir -p $J
-  python3 -m cupy_memstrat info --json > "$J/info.json"
+  json_dir call12
   gpu_tests
   BENCH_DIR=$J benches alloc streams
   step "docs/debugging.md, worked on the GPU"
   timeout 240 bash tools/debugging_walkthrough.sh $J/debugging
-  tar -czf "$OUT/call12_json.tgz" -C /tmp call12_json
+  pack_json
 fi
 
 if [ "$part" = call13 ]; then
   # the last commits of the previous session (never run on a GPU): tests/gpu in full; then bench
   # workloads with its A/A control and 0.25 s samples for the pooling strategies, managed-large
   # apart (cold), and where async's cold time goes (tools/probes/async_cold.py)
-  J=/tmp/call13_json; mkdir -p $J
-  python3 -m cupy_memstrat info --json > "$J/info.json"
-  step tests/gpu
-  timeout 340 python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$J/tests_gpu.xml"
+  json_dir call13
+  timed_gpu_tests 340
   BENCH_DIR=$J benches alloc
-  step "bench workloads (warm programs, pooling strategies)"
-  python3 -m cupy_memstrat bench workloads --rounds 9 --strategies "pool;async;managed;pool:route=wrap" \
-    --only cg-poisson,fft-convolution,kmeans,monte-carlo,multi-stream --json "$J/bench-workloads.json"
-  step "bench workloads managed-large (cold)"
-  python3 -m cupy_memstrat bench workloads --rounds 5 --strategies "pool;async" --only managed-large \
-    --json "$J/bench-workloads-cold.json"
+  warm_workloads "pool;async;managed;pool:route=wrap"
+  cold_workloads "pool;async"
   step "probe: async's cold large allocation"
   python3 tools/probes/async_cold.py --json "$J/async_cold.json"
-  tar -czf "$OUT/call13_json.tgz" -C /tmp call13_json
+  pack_json
 fi
 
 if [ "$part" = call14 ]; then
   # the allocation benches side by side in one run (bench alloc, async, managed), the two probes
   # that say where the time goes (pool's direct route; PythonFunctionAllocator's floor and device
   # against raw cudaMalloc), then tests/gpu in full, last so that a cut run still has the benches
-  J=/tmp/call14_json; mkdir -p $J
-  python3 -m cupy_memstrat info --json > "$J/info.json"
+  json_dir call14
   python3 -m cupy_memstrat info | tail -8
   BENCH_DIR=$J benches alloc async managed
-  step "probe: where pool's direct route spends its time"
-  python3 tools/probes/pool_direct_cost.py --json "$J/pool_direct_cost.json"
-  step "probe: the floor of an allocator behind a PythonFunctionAllocator"
-  python3 tools/probes/hot_path_floor.py --json "$J/hot_path_floor.json" device managed pool
-  tar -czf "$OUT/call14_json.tgz" -C /tmp call14_json
-  step tests/gpu
-  timeout 420 python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$J/tests_gpu.xml"
-  tar -czf "$OUT/call14_json.tgz" -C /tmp call14_json
+  cost_probes
+  pack_json
+  timed_gpu_tests 420
+  pack_json
 fi
 
 if [ "$part" = call15 ]; then
   # the final code (pool's dead-stream guard): tests/gpu in full first, then bench alloc, async and
   # managed side by side in one run (issue 18), then the plugin's cost on CuPy's subset again
-  J=/tmp/call15_json; mkdir -p $J
-  python3 -m cupy_memstrat info --json > "$J/info.json"
+  json_dir call15
   python3 -m cupy_memstrat info | tail -6
-  step tests/gpu
-  timeout 380 python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$J/tests_gpu.xml"
-  tar -czf "$OUT/call15_json.tgz" -C /tmp call15_json
+  timed_gpu_tests 380
+  pack_json
   BENCH_DIR=$J benches ${CALL15_BENCHES:-alloc async managed}
-  tar -czf "$OUT/call15_json.tgz" -C /tmp call15_json
-  if [ -d .cupy_tests/tests ]; then
-    R=$J/plugin; mkdir -p $R
-    step "plugin cost: warm-up, then plain and --gpumem in two rotated rounds"
-    run_subset $R warmup
-    for mode in plain measure measure plain; do
-      n=$(ls $R/${mode}_*.xml 2>/dev/null | wc -l)
-      if [ $mode = plain ]; then run_subset $R plain_$((n + 1)); \
-      else run_subset $R measure_$((n + 1)) --gpumem --gpumem-budget=64GiB --gpumem-leaks=fail; fi
-    done
-  fi
-  tar -czf "$OUT/call15_json.tgz" -C /tmp call15_json
+  pack_json
+  plugin_rounds two plain measure measure plain
+  pack_json
 fi
 
 if [ "$part" = call16 ]; then
   # the hot path's counts in C (no event lists to fold): the allocation benches side by side, the
   # two probes that say where the time goes, bench workloads for the pooling strategies, then
   # tests/gpu in full, last so that a cut run still has the benches
-  J=/tmp/call16_json; mkdir -p $J
-  python3 -m cupy_memstrat info --json > "$J/info.json"
+  json_dir call16
   python3 -m cupy_memstrat info | tail -6
   BENCH_DIR=$J benches alloc managed async
-  step "probe: where pool's direct route spends its time"
-  python3 tools/probes/pool_direct_cost.py --json "$J/pool_direct_cost.json"
-  step "probe: the floor of an allocator behind a PythonFunctionAllocator"
-  python3 tools/probes/hot_path_floor.py --json "$J/hot_path_floor.json" device managed pool
-  tar -czf "$OUT/call16_json.tgz" -C /tmp call16_json
-  step "bench workloads (warm programs, pooling strategies)"
-  python3 -m cupy_memstrat bench workloads --rounds 9 --strategies "pool;async;managed" \
-    --only cg-poisson,fft-convolution,kmeans,monte-carlo,multi-stream --json "$J/bench-workloads.json"
-  tar -czf "$OUT/call16_json.tgz" -C /tmp call16_json
-  step tests/gpu
-  timeout ${GPU_TIMEOUT:-330} python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$J/tests_gpu.xml"
-  tar -czf "$OUT/call16_json.tgz" -C /tmp call16_json
+  cost_probes
+  pack_json
+  warm_workloads "pool;async;managed"
+  pack_json
+  timed_gpu_tests ${GPU_TIMEOUT:-330}
+  pack_json
 fi
 
 if [ "$part" = call17 ]; then
   # the final hot path: the allocation benches side by side, bench workloads for the pooling
   # strategies and managed-large cold, then tests/gpu in full, last so that a cut run keeps the benches
-  J=/tmp/call17_json; mkdir -p $J
-  python3 -m cupy_memstrat info --json > "$J/info.json"
+  json_dir call17
   python3 -m cupy_memstrat info | tail -6
   BENCH_DIR=$J benches alloc managed async
-  tar -czf "$OUT/call17_json.tgz" -C /tmp call17_json
-  step "bench workloads (warm programs, pooling strategies)"
-  python3 -m cupy_memstrat bench workloads --rounds 9 --strategies "pool;async;managed" \
-    --only cg-poisson,fft-convolution,kmeans,monte-carlo,multi-stream --json "$J/bench-workloads.json"
-  step "bench workloads managed-large (cold)"
-  python3 -m cupy_memstrat bench workloads --rounds 5 --strategies "pool;async;managed" --only managed-large \
-    --json "$J/bench-workloads-cold.json"
-  tar -czf "$OUT/call17_json.tgz" -C /tmp call17_json
-  step tests/gpu
-  timeout ${GPU_TIMEOUT:-330} python3 -m pytest tests/gpu -v -p no:cacheprovider -rs --junitxml="$J/tests_gpu.xml"
-  tar -czf "$OUT/call17_json.tgz" -C /tmp call17_json
+  pack_json
+  warm_workloads "pool;async;managed"
+  cold_workloads "pool;async;managed"
+  pack_json
+  timed_gpu_tests ${GPU_TIMEOUT:-330}
+  pack_json
 fi
 
 if [ "$part" = call18 ]; then
   # where pool's time goes now, the PythonFunctionAllocator floor, then the plugin's cost on
   # CuPy's subset (issue 18): a warm-up, then plain and --gpumem in three rotated rounds
-  J=/tmp/call18_json; mkdir -p $J
-  python3 -m cupy_memstrat info --json > "$J/info.json"
-  step "probe: where pool's direct route spends its time"
-  python3 tools/probes/pool_direct_cost.py --json "$J/pool_direct_cost.json"
-  step "probe: the floor of an allocator behind a PythonFunctionAllocator"
-  python3 tools/probes/hot_path_floor.py --json "$J/hot_path_floor.json" device managed pool
+  json_dir call18
+  cost_probes
   step "probe: PyTorch allocating through a strategy (CUDAPluggableAllocator)"
   timeout 300 python3 tools/probes/torch_pluggable.py --json "$J/torch_pluggable.json"
-  tar -czf "$OUT/call18_json.tgz" -C /tmp call18_json
-  if [ -d .cupy_tests/tests ]; then
-    R=$J/plugin; mkdir -p $R
-    step "plugin cost: warm-up, then plain and --gpumem in three rotated rounds"
-    run_subset $R warmup
-    for mode in plain measure measure plain plain measure; do
-      n=$(ls $R/${mode}_*.xml 2>/dev/null | wc -l)
-      if [ $mode = plain ]; then run_subset $R plain_$((n + 1)); \
-      else run_subset $R measure_$((n + 1)) --gpumem --gpumem-budget=64GiB --gpumem-leaks=fail; fi
-    done
-  fi
-  tar -czf "$OUT/call18_json.tgz" -C /tmp call18_json
+  pack_json
+  plugin_rounds three plain measure measure plain plain measure
+  pack_json
 fi
 
 if [ "$part" = call19 ]; then
   # the CUDAPluggableAllocator probe again, with the step each child reached (call18's
   # pluggable-pool child died of SIGSEGV before its output could be kept)
-  J=/tmp/call19_json; mkdir -p $J
-  python3 -m cupy_memstrat info --json > "$J/info.json"
+  json_dir call19
   step "probe: PyTorch allocating through a strategy (CUDAPluggableAllocator)"
   timeout 300 python3 tools/probes/torch_pluggable.py --json "$J/torch_pluggable.json"
-  tar -czf "$OUT/call19_json.tgz" -C /tmp call19_json
+  pack_json
 fi
 
 if [ "$part" = call20 ]; then
   # issue 19's last GPU paths (carry .whl: dask, distributed, dask-cuda, RMM): next to dask-cuda's
   # RMM plugin in both orders, two `dask cuda worker --preload` workers, record_history and the
   # side-by-side plot (tools/probes/dask_gpu_more.py)
-  J=/tmp/call20_json; mkdir -p $J
-  python3 -m cupy_memstrat info --json > "$J/info.json"
+  json_dir call20
   step "probe: dask_gpu_more"
   timeout 420 python3 tools/probes/dask_gpu_more.py "$J"
   echo "probe exit $?"
-  tar -czf "$OUT/call20_json.tgz" -C /tmp call20_json
+  pack_json
 fi
 
 if [ "$part" = call4 ]; then
   # Dask on the GPU again (the per-task hook without CUDA reads; the Prometheus endpoint), then
   # CuPy's v14.2.0 subset under CuPy's pool and managed (carry .whl and .cupy_tests)
-  J=/tmp/call4_json; mkdir -p $J
-  python3 -m cupy_memstrat info --json > "$J/info.json"
+  json_dir call4
   step "probe: Dask on the GPU (LocalCUDACluster)"
   timeout 240 python3 tools/probes/dask_gpu.py "$J" --n 24576 --rounds 9
-  tar -czf "$OUT/call4_json.tgz" -C /tmp call4_json
+  pack_json
   set -- default managed
   part=cupy
 fi
@@ -585,8 +576,7 @@ fi
 if [ "$part" = checks ] && [ -d .cupy_tests/tests ]; then
   step info
   python3 -m cupy_memstrat info --json > "$OUT/info.json"
-  step "tests/gpu"
-  python3 -m pytest tests/gpu -p no:cacheprovider -q -rs --junitxml="$OUT/tests_gpu.xml" 2>&1 | tail -25
+  quiet_gpu_tests 25
   R=/tmp/check_runs; mkdir -p $R
   M="--gpumem --gpumem-budget=64GiB --gpumem-leaks=fail"
   declare -A COPTS=(
@@ -617,8 +607,7 @@ if [ "$part" = final ] && [ -d .cupy_tests/tests ]; then
   # one writing its findings as JSON), then compute-sanitizer memcheck for ${SAN_TIMEOUT:-240} s at most
   step info
   python3 -m cupy_memstrat info --json > "$OUT/info.json"
-  step "tests/gpu"
-  python3 -m pytest tests/gpu -p no:cacheprovider -q -rs --junitxml="$OUT/tests_gpu.xml" 2>&1 | tail -25
+  quiet_gpu_tests 25
   R=/tmp/final_runs; mkdir -p $R
   M="--gpumem --gpumem-budget=64GiB --gpumem-leaks=fail"
   step "warm-up (compiles the kernels)"
@@ -679,16 +668,14 @@ if [ "$part" = sanitizer ] && [ -d .cupy_tests/tests ]; then
 fi
 
 if [ "$part" = gpu ]; then
-  step "tests/gpu"
-  python3 -m pytest tests/gpu -p no:cacheprovider -q -rs --junitxml="$OUT/tests_gpu.xml" 2>&1 | tail -15
+  quiet_gpu_tests 15
 fi
 
 if [ "$part" = hotpath ]; then
   step info
   python3 -m cupy_memstrat info | tail -7
   python3 -m cupy_memstrat info --json > "$OUT/info.json"
-  step "tests/gpu"
-  python3 -m pytest tests/gpu -p no:cacheprovider -q -rs --junitxml="$OUT/tests_gpu.xml" 2>&1 | tail -15
+  quiet_gpu_tests 15
   step "PythonFunctionAllocator floor, C and Python hot paths"
   python3 tools/probes/hot_path_floor.py --json "$OUT/hot_path_floor.json"
   step "bench alloc"
@@ -704,8 +691,7 @@ if [ "$part" = probes ]; then
   gcc --version | head -1
   python3 -c "import os, sysconfig; p = sysconfig.get_paths()['include']; print(p, 'Python.h', os.path.exists(os.path.join(p, 'Python.h')))"
   python3 -c "import setuptools; print('setuptools', setuptools.__version__)"
-  step "tests/gpu"
-  python3 -m pytest tests/gpu -p no:cacheprovider -q -rs --junitxml="$OUT/tests_gpu.xml" 2>&1 | tail -15
+  quiet_gpu_tests 15
   step "PythonFunctionAllocator floor"
   python3 tools/probes/hot_path_floor.py --json "$OUT/hot_path_floor.json"
   step "GC-cleared PythonFunctionAllocatorMemory"

@@ -1,8 +1,9 @@
 """tests/gpu: real CuPy on a real device. Skipped, with the reason, without one."""
 
-import pytest
-
+import os
 import re
+
+import pytest
 
 
 def _short_reason(exc: BaseException) -> str:
@@ -71,3 +72,13 @@ def k(cp):
 
     m = cp.RawModule(code=KERNELS + _FILL_N)
     return {name: m.get_function(name) for name in ("slow_copy", "slow_fill", "fill_n")}
+
+
+@pytest.fixture
+def inner(pytester, monkeypatch):
+    """pytester for an inner session that sees none of the outer run's GPUMEM_* settings
+    nor its CUPY_MEMSTRAT_BACKEND."""
+    for k in list(os.environ):
+        if k.startswith("GPUMEM") or k == "CUPY_MEMSTRAT_BACKEND":
+            monkeypatch.delenv(k)
+    return pytester

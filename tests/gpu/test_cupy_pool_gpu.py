@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 import cupy_memstrat
+from helpers import run_threads
 
 MiB = 1 << 20
 
@@ -79,7 +80,6 @@ def test_route_direct_counts_exactly_under_threads(cp):
     """Eight threads allocate and free through CuPy's pool at once: every
     block counted, none left, none counted twice (the stale path)."""
     import random
-    import threading
 
     s = cupy_memstrat.use("pool:route=direct")
     errors = []
@@ -95,11 +95,7 @@ def test_route_direct_counts_exactly_under_threads(cp):
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work, 8)
     st = s.stats()
     assert not errors
     assert st.n_allocs == st.n_frees == 8 * 3000 and st.bytes_in_use == 0 and st.n_live == 0

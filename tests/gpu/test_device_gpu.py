@@ -10,6 +10,7 @@ import pytest
 
 import cupy_memstrat
 from cupy_memstrat import InvalidFreeWarning
+from helpers import run_threads
 
 
 def test_arrays_compute_right_and_stats_are_exact(cp):
@@ -110,11 +111,7 @@ def test_eight_threads_allocating_keep_counters_exact(cp):
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work, 8)
     gc.collect()
     assert not errors
     st = s.stats()

@@ -162,14 +162,6 @@ def test_after_a_stream_that_allocated_dies_the_next_allocation_waits_once(cp, s
         S.release(cp, s)
 
 
-@pytest.fixture
-def inner(pytester, monkeypatch):
-    for k in list(os.environ):
-        if k.startswith("GPUMEM") or k == "CUPY_MEMSTRAT_BACKEND":
-            monkeypatch.delenv(k)
-    return pytester
-
-
 @pytest.mark.parametrize("name", SPECS)
 def test_the_plugin_catches_a_leak_and_enforces_a_budget(inner, name):
     inner.makepyfile("""

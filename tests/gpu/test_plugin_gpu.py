@@ -2,7 +2,6 @@
 in a subprocess (the outer process has CUDA initialised)."""
 
 import json
-import os
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -43,14 +42,6 @@ def test_fft_plan_cache_is_not_a_leak():
     y = cupy.fft.fft(cupy.ones(1 << 20, dtype=cupy.complex64))
     assert abs(complex(y[0]) - (1 << 20)) < 1
 """
-
-
-@pytest.fixture
-def inner(pytester, monkeypatch):
-    for k in list(os.environ):
-        if k.startswith("GPUMEM") or k == "CUPY_MEMSTRAT_BACKEND":
-            monkeypatch.delenv(k)
-    return pytester
 
 
 def test_budget_leaks_and_reports_with_real_cupy(inner):

@@ -101,6 +101,19 @@ def main():
         f.write(json.dumps(report, indent=1, default=str) + "\n")
 
 
+def observe(client, n, chunk, ref):
+    """The workload again under the allocators installed now: its values against ref, the
+    plugin's stats (with the warnings the client saw reading them) and the workers' log lines."""
+    import cupy_memstrat.dask as cmd
+
+    got = workload(client, n, chunk)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        st = cmd.stats(client)
+    return dict(compare(got, ref), stats={a: dataclasses.asdict(s) for a, s in st.items()},
+                client_warnings=[str(w.message) for w in seen], worker_log=memstrat_log_lines(client))
+
+
 def rmm_paths(report, n, chunk):
     """1. next to dask-cuda's RMM plugin; returns the reference result."""
     from dask_cuda import LocalCUDACluster
@@ -120,13 +133,7 @@ def rmm_paths(report, n, chunk):
 
         client.register_plugin(cmd.MemstratPlugin("async"))
         rm["memstrat_after_rmm"] = {"allocators": allocators(client)}
-        got = workload(client, n, chunk)
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            st = cmd.stats(client)
-        rm["memstrat_after_rmm"].update(
-            compare(got, ref), stats={a: dataclasses.asdict(s) for a, s in st.items()},
-            client_warnings=[str(w.message) for w in seen], worker_log=memstrat_log_lines(client))
+        rm["memstrat_after_rmm"].update(observe(client, n, chunk, ref))
         print("MemstratPlugin after RMM:", json.dumps(rm["memstrat_after_rmm"], default=str)[:900], flush=True)
 
         client.unregister_worker_plugin(cmd.PLUGIN_NAME)
@@ -138,13 +145,7 @@ def rmm_paths(report, n, chunk):
                                         async_alloc=False, release_threshold=None, log_directory=None,
                                         track_allocations=False, external_lib_list=["cupy"]))
         rm["rmm_after_memstrat"] = {"allocators": allocators(client)}
-        got = workload(client, n, chunk)
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            st = cmd.stats(client)
-        rm["rmm_after_memstrat"].update(
-            compare(got, ref), stats={a: dataclasses.asdict(s) for a, s in st.items()},
-            client_warnings=[str(w.message) for w in seen], worker_log=memstrat_log_lines(client))
+        rm["rmm_after_memstrat"].update(observe(client, n, chunk, ref))
         print("RMMSetup after MemstratPlugin:", json.dumps(rm["rmm_after_memstrat"], default=str)[:900], flush=True)
     return ref
 
