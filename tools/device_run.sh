@@ -90,6 +90,9 @@
 #                                         torch_pluggable probes, then the plugin's cost on CuPy's subset: a warm-up, then
 #                                         plain and --gpumem in three rotated rounds (call18_json.tgz)
 #   tools/device_run.sh call19            the torch_pluggable probe alone, with each child's last step
+#   tools/device_run.sh call21            (carry .whl) tests/gpu after the architecture refactor (call21_json.tgz)
+#   tools/device_run.sh call22            (carry .before) bench alloc and managed, after and before the refactor,
+#                                         alternating, two rounds (call22_json.tgz)
 #   tools/device_run.sh call20            (carry .whl) tools/probes/dask_gpu_more.py: RMM's plugin in both
 #                                         orders, dask cuda worker --preload, record_history + plot (call20_json.tgz)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
@@ -482,6 +485,38 @@ if [ "$part" = call19 ]; then
   step "probe: PyTorch allocating through a strategy (CUDAPluggableAllocator)"
   timeout 300 python3 tools/probes/torch_pluggable.py --json "$J/torch_pluggable.json"
   pack_json
+fi
+
+if [ "$part" = call21 ]; then
+  # issue 17 (the architecture refactor, behaviour unchanged): tests/gpu in full (carry .whl for
+  # RMM and Dask)
+  json_dir call21
+  timed_gpu_tests ${GPU_TIMEOUT:-540}
+  pack_json
+fi
+
+if [ "$part" = call22 ]; then
+  # issue 17: bench alloc and bench managed on the refactored tree and on the tree before it
+  # (carry .before: git archive b582c60 cupy_memstrat csrc setup.py pyproject.toml), alternating,
+  # so that the two are compared in one machine start
+  json_dir call22
+  inc=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+  ext=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+  gcc -shared -fPIC -O2 -I"$inc" .before/csrc/hotpath.c -o .before/cupy_memstrat/_hotpath$ext || exit 1
+  before() { PYTHONPATH=$PWD/.before${PYTHONPATH:+:$PYTHONPATH} "$@"; }
+  python3 -c 'import cupy_memstrat; print("after: ", cupy_memstrat.__file__, cupy_memstrat.hot_path_status())'
+  before python3 -c 'import cupy_memstrat; print("before:", cupy_memstrat.__file__, cupy_memstrat.hot_path_status())'
+  for round in 1 2; do
+    for g in alloc managed; do
+      for tree in after before; do
+        [ $round = 2 ] && tree=$([ $tree = after ] && echo before || echo after)
+        step "bench $g, $tree the refactor (round $round)"
+        if [ $tree = after ]; then python3 -m cupy_memstrat bench $g --json "$J/bench-$g-after-$round.json"
+        else before python3 -m cupy_memstrat bench $g --json "$J/bench-$g-before-$round.json"; fi
+        pack_json
+      done
+    done
+  done
 fi
 
 if [ "$part" = call20 ]; then

@@ -181,7 +181,7 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
                 inner_free(ptr, device)  # nothing is lost: the block goes back before the error
                 raise
             ev = events[device]
-            ev.append(size)
+            ev.append(size)  # the accounting rule (strategies/_support.py)
             origins[ptr] = origin
             meta[ptr] = (padded, ent, tid, seq)
             live[device][ptr] = size

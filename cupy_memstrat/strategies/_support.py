@@ -1,5 +1,7 @@
 """What the strategies' own hot paths share, written once: the hot-path
-choice (C or Python) and the accounting rule.
+choice (C or Python), the accounting rule, and the size check of the
+allocation entry points (:func:`check_size`, public as
+``cupy_memstrat.strategies.base.check_size``).
 
 This is an internal module of :mod:`cupy_memstrat.strategies` (and of the
 checking layer, which wraps a strategy's hot path). A third-party strategy
@@ -30,9 +32,11 @@ is written.
 from __future__ import annotations
 
 import importlib
+import operator
 import os
 
-__all__ = ["FOLD_AT", "SIZE_T_LIMIT", "HOT_PATH_ENV", "C_MISSING", "c_hotpath", "c_accounting", "hot_path_status"]
+__all__ = ["FOLD_AT", "SIZE_T_LIMIT", "HOT_PATH_ENV", "C_MISSING", "c_hotpath", "c_accounting", "check_size",
+           "hot_path_status"]
 
 try:
     c_hotpath = importlib.import_module("cupy_memstrat._hotpath")
@@ -51,6 +55,26 @@ _HOT_PATH_CHOICES = ("auto", "c", "python")
 FOLD_AT = 1 << 16
 #: sizes and pointers are ``size_t``: below 2**64
 SIZE_T_LIMIT = 1 << 64
+
+
+def check_size(size) -> int:
+    """Validate an allocation size: an int (or ``__index__`` object) >= 0.
+
+    Raises:
+        TypeError: ``size`` is not an integer (``bool`` and ``float`` included).
+        ValueError: ``size`` is negative or does not fit in ``size_t``.
+    """
+    if type(size) is not int:
+        if isinstance(size, bool) or not hasattr(size, "__index__"):
+            raise TypeError(
+                f"size: expected an int number of bytes, got {type(size).__name__} {size!r}"
+            )
+        size = int(operator.index(size))  # a plain int: an int subclass could redefine arithmetic
+    if size < 0:
+        raise ValueError(f"size: expected a number of bytes >= 0, got {size}")
+    if size >= SIZE_T_LIMIT:
+        raise ValueError(f"size: {size} bytes does not fit in size_t (at most 2**64 - 1)")
+    return size
 
 
 def hot_path_status() -> dict:

@@ -512,7 +512,7 @@ class AsyncPoolStrategy(Strategy):
                 # cudaStreamPerThread (2) is another stream in each thread: remember the thread
                 r = ref(stream) if sptr != 2 else get_ident()
             ev = events[device]
-            ev.append(size)
+            ev.append(size)  # the accounting rule (strategies/_support.py)
             if track:
                 origins[ptr] = capture(1)
             live[device][ptr] = size

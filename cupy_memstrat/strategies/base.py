@@ -11,9 +11,12 @@ A strategy subclass provides two hooks, the strategy contract
 and, if it caches, calls ``record_reserved(device, delta)`` when it takes
 memory from CUDA or gives it back.
 
-Everything else is here and shared: size validation, the live-allocation
-table, the :class:`~cupy_memstrat.Stats` counters (exact under threads),
-origin tracking, out-of-memory errors, invalid frees, and the CuPy allocator
+Everything else is shared, here and in the classes :class:`Strategy` is
+composed of (the private modules of this package: ``_statistics``,
+``_streams``, ``_recovery``, ``_cupy_glue``, ``_lifetime``; their state is set
+in ``Strategy.__init__``): size validation, the live-allocation table, the
+:class:`~cupy_memstrat.Stats` counters (exact under threads), origin
+tracking, out-of-memory errors, invalid frees, and the CuPy allocator
 callable.
 
 The hot path takes no lock. In C (below) each allocation is one dict insert
@@ -44,27 +47,32 @@ chooses, read when a strategy builds its hot path (its first allocation).
 from __future__ import annotations
 
 import difflib
-import gc
 import importlib.util
 import operator
 import os
-import sys
 import threading
-import weakref
 from typing import ClassVar
 
 import numpy as np
 
 from .. import backend as _seam
 from .. import cuda as _cuda
-from ..errors import InvalidFreeWarning, out_of_memory_class
 from ..options import Option, as_frames, as_output_file
-from ..sizes import format_size, parse_size
 from .._userwarn import warn_at_user
-from . import _support
-from ._support import FOLD_AT, SIZE_T_LIMIT, c_accounting, hot_path_status
-from ..stats import Allocation, Stats, origin_capture
-from ._layout import block, segment
+from ._cupy_glue import _CupyMixin
+from ._lifetime import _LifetimeMixin
+from ._recovery import _RecoveryMixin
+from ._statistics import _Counters, _StatisticsMixin
+from ._streams import _StreamsMixin, check_stream
+from ._support import FOLD_AT, c_accounting, check_size, hot_path_status
+from ..stats import origin_capture
+
+# defined here before the mixins were split off, and still importable from here (tests read
+# base._pinned and base._pfa_owners, cupy_memstrat.history calls base.cupy_malloc_over)
+from ._cupy_glue import _FakeOwner, _cupy_memory, _cupy_pool_hint, _free_cupy_pool_blocks  # noqa: F401
+from ._cupy_glue import _pfa_owners, cupy_malloc_over  # noqa: F401
+from ._lifetime import _pinned, _pinned_lock  # noqa: F401
+from ._support import SIZE_T_LIMIT  # noqa: F401
 
 __all__ = ["Strategy", "check_size", "check_stream", "hot_path_status"]
 
@@ -72,104 +80,7 @@ __all__ = ["Strategy", "check_size", "check_stream", "hot_path_status"]
 OOM_SNAPSHOT_ENV = "CUPY_MEMSTRAT_OOM_SNAPSHOT"
 
 
-def check_size(size) -> int:
-    """Validate an allocation size: an int (or ``__index__`` object) >= 0.
-
-    Raises:
-        TypeError: ``size`` is not an integer (``bool`` and ``float`` included).
-        ValueError: ``size`` is negative or does not fit in ``size_t``.
-    """
-    if type(size) is not int:
-        if isinstance(size, bool) or not hasattr(size, "__index__"):
-            raise TypeError(
-                f"size: expected an int number of bytes, got {type(size).__name__} {size!r}"
-            )
-        size = int(operator.index(size))  # a plain int: an int subclass could redefine arithmetic
-    if size < 0:
-        raise ValueError(f"size: expected a number of bytes >= 0, got {size}")
-    if size >= SIZE_T_LIMIT:
-        raise ValueError(f"size: {size} bytes does not fit in size_t (at most 2**64 - 1)")
-    return size
-
-
-class _Counters:
-    __slots__ = (
-        "in_use",
-        "peak_in_use",
-        "reserved",
-        "peak_reserved",
-        "n_allocs",
-        "n_frees",
-        "n_failed",
-        "n_oom_recoveries",
-    )
-
-    def __init__(self):
-        self.in_use = self.peak_in_use = self.reserved = self.peak_reserved = 0
-        self.n_allocs = self.n_frees = self.n_failed = self.n_oom_recoveries = 0
-
-
-class _FakeOwner:
-    """Frees a block when CuPy drops its memory object (fake backend only;
-    with CUDA, CuPy's ``PythonFunctionAllocator`` does this in Cython)."""
-
-    __slots__ = ("free", "ptr", "device")
-
-    def __init__(self, free, ptr, device):
-        self.free, self.ptr, self.device = free, ptr, device
-
-    def __del__(self):
-        self.free(self.ptr, self.device)
-
-
-def cupy_malloc_over(backend, malloc, free, granule: int = 1):
-    """CuPy's ``malloc(size) -> MemoryPointer`` over a hot path's
-    ``malloc(size, device)`` / ``free(ptr, device, stacklevel)``.
-
-    ``granule`` (a power of two): sizes are rounded up to a multiple of it
-    before the hot path sees them, so ``memptr.mem.size`` is what the block
-    holds, as with CuPy's own pool (512).
-
-    Returns ``(cupy_malloc, pfa, gc_safe)``: ``pfa`` is the
-    ``PythonFunctionAllocator`` behind it (None with the fake backend, where
-    a small Python function does its work), ``gc_safe`` whether the C
-    ``GcSafeMalloc`` wraps it (wherever the extension is built, whichever hot
-    path was chosen, unless ``CUPY_MEMSTRAT_HOT_PATH=python``).
-    """
-    memory = _cupy_memory()
-    gc_safe = _support.c_hotpath is not None and hot_path_status()["setting"] != "python"
-    mask = -granule
-    if isinstance(backend, _cuda.RealBackend):
-        # CuPy reads the current device, calls malloc(size, device) for
-        # size > 0 and, when the array's memory dies, free(ptr, device), all
-        # in Cython.
-        pfa = memory.PythonFunctionAllocator(malloc, free)
-        cupy_malloc = pfa.malloc
-        if gc_safe:
-            # Keeps each array's memory object off the garbage collector,
-            # which in CuPy 14.2 can clear it before its destructor has
-            # freed the block (csrc/hotpath.c, GcSafeMalloc); rounds too.
-            cupy_malloc = _support.c_hotpath.GcSafeMalloc(cupy_malloc, granule)
-        elif granule > 1:
-            pfa_malloc = cupy_malloc
-
-            def cupy_malloc(size):
-                return pfa_malloc((size + granule - 1) & mask)
-
-        return cupy_malloc, pfa, gc_safe
-
-    def fake_malloc(size):
-        __tracebackhide__ = True  # pytest shows the user's frames, not ours
-        device = backend.get_device()
-        size = (size + granule - 1) & mask
-        ptr = malloc(size, device) if size else 0
-        owner = _FakeOwner(free, ptr, device) if ptr else None
-        return memory.MemoryPointer(memory.UnownedMemory(ptr, size, owner, device), 0)
-
-    return fake_malloc, None, gc_safe
-
-
-class Strategy:
+class Strategy(_StreamsMixin, _RecoveryMixin, _StatisticsMixin, _CupyMixin, _LifetimeMixin):
     """A named allocator policy that CuPy can use as its allocator.
 
     Create one with :func:`cupy_memstrat.use` / :func:`~cupy_memstrat.using`
@@ -411,7 +322,8 @@ class Strategy:
         recover, fold, track = self._recover_hook, self._fold, self._track_origins
         capture = origin_capture(track)  # the first frame, or track_origins=N frames
         unknown_free, name = self._unknown_free, self.name
-        recorded, pending, poll, defer, watch = self._recorded, self._pending, self._poll_pending, self._defer, self._watch
+        recorded, pending, poll = self._recorded, self._pending, self._poll_pending
+        defer, watch = self._defer, self._watch
         Accounting = c_accounting(track)
         if Accounting is not None:
             acc = self._new_accounting(
@@ -430,7 +342,7 @@ class Strategy:
             except Error as exc:
                 ptr = recover(size, device, exc)  # CuPy's order: give back, collect, retry; or raise
             ev = events[device]
-            ev.append(size)  # before the insert: the matching -size can only follow it
+            ev.append(size)  # before the insert (the accounting rule, strategies/_support.py)
             if track:
                 origins[ptr] = capture(1)
             live[device][ptr] = size
@@ -465,329 +377,7 @@ class Strategy:
         self._malloc, self._free, self.hot_path = malloc, free, "python"
         return malloc, free
 
-    def stream_key(self, device: int | None = None) -> int:
-        """CuPy's identifier of the current stream of ``device`` (default:
-        the current device): the stream's handle, or, for the per-thread
-        default stream (handle ``cudaStreamPerThread`` in every thread),
-        minus the calling thread's ident, as CuPy's pool keys its arenas
-        (``_get_stream_identifier`` in cupy/cuda/memory.pyx, cupy#5069).
-
-        A strategy that caches freed blocks keys its cache by it: remember
-        the key at ``_allocate``, put the block back under that key at
-        ``_deallocate``, and hand it out again only to an allocation under
-        the same key (docs/streams.md); the built-in ``managed`` does so.
-        """
-        d = self.backend.get_device() if device is None else self._device_or_current(device)
-        h = self.backend.current_stream_ptr(d)
-        return -threading.get_ident() if h == _cuda.STREAM_PER_THREAD else h
-
-    # -- record_stream: blocks other streams still use ----------------------------------
-    def record_stream(self, ptr: int, stream) -> bool:
-        """Mark the live block at ``ptr`` (the start of an allocation of this
-        strategy) as used by ``stream`` too, as PyTorch's
-        ``Tensor.record_stream``: when the block is freed, no stream, its own
-        included, gets it again until the work queued on ``stream`` at the
-        free is done (an event recorded there at the free).
-
-        :func:`cupy_memstrat.record_stream` validates its arguments and calls
-        this on the strategy that owns the array.
-
-        Args:
-            ptr: the allocation's pointer (``array.data.mem.ptr``).
-            stream: a ``cupy.cuda.Stream`` (or ``ExternalStream``; anything
-                with ``.ptr`` and ``.device_id``); it is kept alive until the
-                block is freed.
-
-        Returns:
-            bool: True if recorded; False if this strategy's frees already
-            wait for every stream (``device``: ``cudaFree`` synchronises the
-            device), so there is nothing to record.
-
-        Raises:
-            ValueError: ``ptr`` is not a live allocation of this strategy.
-        """
-        check_stream(stream)
-        if isinstance(ptr, bool) or not isinstance(ptr, int):
-            raise TypeError(f"ptr: expected an int pointer, got {type(ptr).__name__} {ptr!r}")
-        for d, live in enumerate(self._live):
-            if ptr in live:
-                break
-        else:
-            raise ValueError(f"{self.name}: {ptr:#x} is not the start of a live allocation of this strategy")
-        sdev = getattr(stream, "device_id", -1)
-        if isinstance(sdev, int) and not isinstance(sdev, bool) and sdev >= 0 and sdev != d:
-            raise ValueError(f"stream: {stream!r} is on device {sdev}, but the block at {ptr:#x} is on device {d}")
-        if self.backend.stream_destroyed(stream.ptr):
-            raise ValueError(f"stream: {stream!r} (handle {stream.ptr:#x}) was destroyed")
-        if self.free_waits_for_all_streams:
-            return False
-        handle = stream.ptr
-        tid = threading.get_ident() if handle == _cuda.STREAM_PER_THREAD else None
-        dev = getattr(stream, "device_id", d)
-        recs = self._recorded.setdefault(ptr, [])
-        if not any(r[1] == handle and r[3] == tid and r[2] == dev for r in recs):
-            recs.append((stream, handle, d if dev is None or dev < 0 else dev, tid))
-        return True
-
-    def _defer(self, ptr: int, size: int, device: int, *keep) -> list | None:
-        """A block with recorded streams was freed (the hot path's free): an
-        event on each recorded stream, and the block waits in ``_pending``
-        until they are done. Where an event cannot be recorded (a stream
-        destroyed since, or another thread's per-thread default stream), the
-        device is synchronised instead and the block is given back at once.
-        ``keep``: what the entry also holds for :meth:`_give_back_pending`
-        (``pool``'s direct route: CuPy's memory object of the block). Returns
-        the pending entry (``[events, ptr, size, device, *keep]``), or None if
-        the block was given back at once. Never raises (CuPy frees from
-        finalisers)."""
-        b = self.backend
-        recs = self._recorded.pop(ptr, ())
-        events = []
-        sync = False
-        try:
-            me = threading.get_ident()
-            for _stream, handle, dev, tid in recs:
-                if tid is not None and tid != me:
-                    sync = True  # that thread's cudaStreamPerThread cannot be named from here
-                    break
-                cur = b.get_device()
-                try:
-                    if cur != dev:
-                        b.set_device(dev)
-                    ev = b.event_create()
-                    try:
-                        b.event_record(ev, handle)
-                    except Exception:
-                        b.event_destroy(ev)
-                        raise
-                    events.append((dev, ev))
-                finally:
-                    if cur != dev:
-                        b.set_device(cur)
-        except Exception:  # noqa: BLE001 - a destroyed stream: wait for everything instead
-            b.clear_last_error()
-            sync = True
-        if sync:
-            self._destroy_events(events)
-            try:
-                for dev in sorted({r[2] for r in recs} | {device}):
-                    b.device_synchronize(dev)
-            except Exception as exc:  # noqa: BLE001
-                b.clear_last_error()
-                warn_at_user(f"{self.name}: synchronising before freeing 0x{ptr:x} failed: {exc}", RuntimeWarning)
-            self._give_back_pending([events, ptr, size, device, *keep])
-            return None
-        entry = [events, ptr, size, device, *keep]
-        self._pending.append(entry)
-        return entry
-
-    def _destroy_events(self, events) -> None:
-        b = self.backend
-        for _dev, ev in events:
-            try:
-                b.event_destroy(ev)
-            except Exception:  # noqa: BLE001
-                b.clear_last_error()
-
-    def _poll_pending(self, wait=None) -> None:
-        """Give back the pending blocks (freed with recorded streams) whose
-        events are done, oldest first, stopping at the first that is not
-        (PyTorch's caching allocator does the same). ``wait``: ids of entries
-        to give back without asking their events (the caller synchronised the
-        devices after they were queued)."""
-        if not self._poll_lock.acquire(blocking=False):
-            return  # another thread is at it (or this one, re-entered from a finaliser)
-        try:
-            pend, b = self._pending, self.backend
-            while pend:
-                events = pend[0][0]
-                if not wait or id(pend[0]) not in wait:
-                    done = True
-                    for dev, ev in events:
-                        cur = b.get_device()
-                        if cur != dev:
-                            b.set_device(dev)
-                        try:
-                            done = b.event_done(ev)
-                        finally:
-                            if cur != dev:
-                                b.set_device(cur)
-                        if not done:
-                            break
-                    if not done:
-                        return
-                entry = pend.pop(0)
-                self._destroy_events(events)
-                self._give_back_pending(entry)
-        finally:
-            self._poll_lock.release()
-
-    def _flush_pending(self) -> None:
-        """Synchronise the devices with pending blocks and give back those
-        that were pending before the synchronisation (trim, out-of-memory
-        recovery, close); one another thread defers meanwhile waits for its
-        own events."""
-        if not self._pending:
-            return
-        before = list(self._pending)
-        devices = {p[3] for p in before} | {d for p in before for d, _ in p[0]}
-        for d in sorted(devices):
-            self.backend.device_synchronize(d)
-        self._poll_pending(wait={id(p) for p in before})
-
-    def _give_back_pending(self, entry: list) -> None:
-        """A pending entry of :meth:`_defer` whose recorded streams are done
-        (or were synchronised): its block goes back (:meth:`_give_back_block`).
-        Must not raise."""
-        self._give_back_block(entry[1], entry[2], entry[3])
-
-    def _give_back_block(self, ptr: int, size: int, device: int) -> None:
-        """What a free does after the accounting: give the block to the
-        strategy's cache or back to CUDA (here: ``_deallocate``). Caching
-        strategies override it. Must not raise."""
-        try:
-            self._hooks()[1](ptr)
-        except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
-            self.backend.clear_last_error()
-            warn_at_user(f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}", RuntimeWarning)
-
-    # -- out of memory: CuPy's order -------------------------------------------------
-    def _recover_hook(self, size: int, device: int, exc: BaseException) -> int:
-        """The hot path's ``allocate(size)`` raised ``exc``: recover and
-        retry (:meth:`_recover`), returning the pointer, or raise."""
-        __tracebackhide__ = True  # pytest shows the user's frames, not ours
-        allocate = self._hooks()[0]
-        return self._recover(size, device, exc, lambda: allocate(size))
-
-    def _recover(self, size: int, device: int, exc: BaseException, retry, detail=None) -> int:
-        """Out-of-memory recovery in CuPy's order (``_try_malloc`` of
-        ``cupy/cuda/memory.pyx``, v14.2.0): give back cached memory
-        (:meth:`_give_back`), retry; then ``gc.collect()`` twice, so that
-        arrays held only by reference cycles are freed, give back again,
-        retry; then raise ``OutOfMemoryError``. ``retry()`` allocates again
-        and raises ``backend.Error`` on failure. A CUDA error other than out
-        of memory is raised at once. Counts ``n_oom_recoveries`` on success.
-
-        Args:
-            detail: a callable returning text for the final error message.
-        """
-        __tracebackhide__ = True  # pytest shows the user's frames, not ours
-        b = self.backend
-        for step in (1, 2):
-            b.clear_last_error()
-            if getattr(exc, "status", None) != _cuda.ERROR_MEMORY_ALLOCATION:
-                break
-            if step == 2:
-                gc.collect()
-                gc.collect()
-            self._give_back(device)
-            try:
-                ptr = retry()
-            except self._Error as exc2:
-                exc = exc2
-                continue
-            with self._fold_lock:
-                self._counters[device].n_oom_recoveries += 1
-            return ptr
-        self._allocation_failed(size, device, exc, detail=detail() if detail else "")
-
-    def _give_back(self, device: int) -> None:
-        """Before retrying a failed allocation: this strategy's cached memory
-        (:meth:`trim`, which also gives back blocks waiting on recorded
-        streams), every other strategy's that holds memory on ``device``, and
-        the free blocks of CuPy's own default pool there, go back to CUDA."""
-        try:
-            self.trim(0, device)
-        except Exception:  # noqa: BLE001 - best effort: the retry decides
-            self.backend.clear_last_error()
-        for other in list(_pinned):
-            if other is not self:
-                try:
-                    other.trim(0, device)
-                except Exception:  # noqa: BLE001 - best effort for someone else's cache
-                    self.backend.clear_last_error()
-        if isinstance(self.backend, _cuda.RealBackend):
-            _free_cupy_pool_blocks(device)
-
-    # -- using(): let go once empty ----------------------------------------------------
-    def _let_go_when_empty(self) -> None:
-        """Close this strategy (giving its cache back) once its last live
-        allocation is freed, or now if there is none: what :func:`using`
-        does for a strategy it made when arrays outlive the block."""
-        self._watch[0] = self._check_empty
-        self._check_empty()
-
-    def _keep(self) -> None:
-        """Installed again (use() / using() of this object): stay open, and
-        reachable again if it was closed (record_stream, other strategies'
-        out-of-memory recovery)."""
-        self._watch[0] = None
-        if not self._pinned:
-            self._pin()
-
-    @staticmethod
-    def _owner_of_pointer(ptr: int, device: int) -> "Strategy | None":
-        """The strategy whose live table holds ``ptr`` on ``device``; a
-        checking layer is preferred to the strategy it wraps (both hold it)."""
-        found = None
-        with _pinned_lock:
-            candidates = list(_pinned)
-        for s in candidates:
-            live = s._live
-            if 0 <= device < len(live) and ptr in live[device]:
-                if getattr(s, "inner", None) is not None:
-                    return s  # the layer: the program's view
-                found = s
-        return found
-
-    def _check_empty(self) -> None:
-        if any(self._live):
-            return
-        self._watch[0] = None
-        try:
-            self.close()
-        except Exception as exc:  # noqa: BLE001 - called from a finaliser
-            self.backend.clear_last_error()
-            warn_at_user(f"{self.name}: closing after its last array was freed failed: {exc}", RuntimeWarning)
-
     # -- accounting off the hot path -------------------------------------------
-    def _deallocation_failed(self, ptr: int, size: int, device: int, exc: BaseException, stacklevel: int) -> None:
-        """The C hot path's free: ``_deallocate`` raised. A finaliser must not
-        raise, so this warns (as the Python free does, same stack level)."""
-        warn_at_user(
-            f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}",
-            RuntimeWarning)
-
-    def _unknown_free(self, ptr, stacklevel: int = 1) -> tuple[int, int | None]:
-        """A free whose device hint was wrong: (device, size) of the live
-        block, popped; else counts and warns an invalid free, (-1, None)."""
-        __tracebackhide__ = True  # pytest shows the user's frames under -W error
-        device, size = self._find_live(ptr)
-        if size is None and not (ptr == 0 and type(ptr) is int):
-            self._invalid_free(ptr, 4 + stacklevel)
-        return device, size
-
-    def _find_live(self, ptr) -> tuple[int, int | None]:
-        """(device, size) of a live pointer freed without its device, or (-1, None)."""
-        for device, live in enumerate(self._live):
-            try:
-                size = live.pop(ptr, None)
-            except TypeError:  # unhashable: not a pointer
-                return -1, None
-            if size is not None:
-                return device, size
-        return -1, None
-
-    def _pin(self) -> None:
-        # A strategy that has handed out memory stays reachable from this
-        # module until close(): CuPy frees through it from finalisers, and the
-        # garbage collector must never clear it while arrays that are garbage
-        # in the same cycle still have to be freed (seen on the H200: a test's
-        # traceback cycle held both).
-        with _pinned_lock:
-            _pinned.add(self)
-            self._pinned = True
-
     def _new_accounting(self, Accounting, unknown_free, failed, **tables):
         """The C hot path's ``Accounting`` over this strategy's live tables
         (``csrc/hotpath.c``), its counts drained into the counters by
@@ -821,11 +411,9 @@ class Strategy:
                 c.n_frees += n - n_allocs
             return c
 
-    # -- the strategy contract: what a subclass provides -----------------------
-    # A subclass defines allocate and deallocate as methods, or sets them in
-    # __init__ (plain backend functions bound directly keep Python frames off
-    # the hot path: the device strategy does this). The hot path reads them
-    # once, when it is built (the first allocation).
+    # -- the strategy contract: what a subclass provides (methods, or set in __init__: backend
+    # functions bound directly keep Python frames off the hot path, as device does); the hot path
+    # reads them once, when it is built (the first allocation)
     def allocate(self, size: int) -> int:
         """The subclass's hook: obtain ``size`` bytes (> 0) on the current
         device and return the pointer (an int).
@@ -890,429 +478,23 @@ class Strategy:
                 hooks.append(getattr(self, name))
         return tuple(hooks)
 
-    # -- failure paths (off the hot path) ------------------------------------
-    def _allocation_failed(self, size: int, device: int, exc: BaseException, detail: str = ""):
-        __tracebackhide__ = True  # pytest shows the user's frames, not ours
-        self.backend.clear_last_error()
-        with self._fold_lock:
-            self._counters[device].n_failed += 1
-        if getattr(exc, "status", None) != _cuda.ERROR_MEMORY_ALLOCATION:
-            raise exc
-        self._raise_out_of_memory(size, device, reason="cuda", cause=exc, detail=detail)
-
-    def _raise_out_of_memory(self, size: int, device: int, *, reason: str, cause=None, detail: str = ""):
-        __tracebackhide__ = True  # pytest shows the user's frames, not ours
-        st = self.stats(device)
-        free = None
-        try:
-            free, total = self.backend.mem_get_info(device)
-            cuda_has = f"CUDA reports {format_size(free)} free of {format_size(total)}"
-        except Exception as exc:  # noqa: BLE001 - the report must not hide the OOM
-            cuda_has = f"free memory unknown ({exc})"
-        msg = (
-            f"{self.name} strategy: out of memory allocating {format_size(size)} ({size:,} bytes) "
-            f"on device {device}{detail}; {cuda_has}; this strategy holds "
-            f"{format_size(st.bytes_in_use)} in use in {st.n_live} allocation{'' if st.n_live == 1 else 's'} "
-            f"(reserved {format_size(st.bytes_reserved)}, peak in use {format_size(st.peak_bytes_in_use)})"
-        )
-        if isinstance(self.backend, _cuda.RealBackend):
-            msg += _cupy_pool_hint(device)
-        if self.oom_context is not None:
-            try:
-                msg += str(self.oom_context())
-            except Exception:  # noqa: BLE001 - the context must not hide the error
-                pass
-        h = self._history
-        if h is not None:  # a recording takes the event (PyTorch's "oom" trace entry)
-            h.oom(size, device, free or 0)
-        path = self.config.get("oom_snapshot")
-        if path:  # the memory at the error, written before raising; a failure to write never hides the error
-            from ..history import write_oom_snapshot
-
-            try:
-                write_oom_snapshot(self, path, size=size, device=device, reason=reason, message=msg,
-                                   device_free=free)
-            except Exception as exc:  # noqa: BLE001 - the out-of-memory error must still be raised
-                msg += f"; the out-of-memory snapshot could not be written to {path!r}: {exc}"
-                path = None
-            else:
-                msg += (f"; snapshot of the memory at this error: {path} (python -m cupy_memstrat export "
-                        f"{path} -o oom.pickle opens it in PyTorch's memory viewer)")
-        oom = out_of_memory_class()(
-            msg, requested=size, device=device, stats=st, strategy=self.name, reason=reason, snapshot=path
-        )
-        raise oom from cause
-
-    def _invalid_free(self, ptr, stacklevel: int) -> None:
-        __tracebackhide__ = True  # pytest shows the user's frames under -W error
-        with self._fold_lock:
-            self._n_invalid_frees += 1
-        shown = f"0x{ptr:x}" if type(ptr) is int and ptr >= 0 else repr(ptr)
-        warn_at_user(
-            f"{self.name}: free of pointer {shown} that this strategy does not own "
-            "(unknown, already freed, or not a pointer); ignored",
-            InvalidFreeWarning)
-
-    # -- statistics ------------------------------------------------------------
-    def _settle(self) -> None:
-        """Before the statistics or the live table are read: account frees
-        that a strategy sees only by looking (``pool``'s route ``"direct"``
-        holds a block :func:`cupy_memstrat.record_stream` recorded until its
-        arrays are gone). Nothing here."""
-
-    def _hold_recorded(self, mem) -> None:
-        """:func:`cupy_memstrat.record_stream` recorded a stream on the block
-        of CuPy's memory object ``mem`` (this strategy's): a strategy whose
-        memory objects are not its own may keep ``mem`` (``pool``'s route
-        ``"direct"``). Nothing here."""
-
-    def _stop_holding(self) -> None:
-        """No longer CuPy's allocator (:func:`cupy_memstrat.use` installed
-        another): let go of anything kept for :meth:`_hold_recorded`. Nothing
-        here."""
-
-    def _device_or_current(self, device):
-        if device is None:
-            return self.backend.get_device()
-        if isinstance(device, bool) or not hasattr(device, "__index__"):
-            raise TypeError(f"device: expected an int device ordinal, got {type(device).__name__} {device!r}")
-        device = operator.index(device)
-        n = self.backend.device_count()
-        if not 0 <= device < n:
-            raise ValueError(f"device: expected 0 <= device < {n}, got {device}")
-        return device
-
-    def stats(self, device: int | None = None) -> Stats:
-        """This strategy's :class:`~cupy_memstrat.Stats` for ``device``
-        (default: CuPy's current device).
-
-        Raises:
-            TypeError, ValueError: ``device`` is not a valid device ordinal.
-        """
-        device = self._device_or_current(device)
-        self._settle()
-        with self._fold_lock:
-            c = self._fold(device)
-            n_live = c.n_allocs - c.n_frees
-            fields = dict(
-                bytes_in_use=c.in_use,
-                peak_bytes_in_use=c.peak_in_use,
-                bytes_reserved=c.reserved,
-                peak_bytes_reserved=c.peak_reserved,
-                n_allocs=c.n_allocs,
-                n_frees=c.n_frees,
-                n_live=n_live,
-                n_failed=c.n_failed,
-                n_invalid_frees=self._n_invalid_frees,
-                n_oom_recoveries=c.n_oom_recoveries,
-            )
-        if self.reserved_is_in_use:
-            fields["bytes_reserved"] = fields["bytes_in_use"]
-            fields["peak_bytes_reserved"] = fields["peak_bytes_in_use"]
-        return Stats(device=device, strategy=self.name, **fields)
-
-    def in_use(self, device: int | None = None) -> tuple[int, int]:
-        """``(bytes in use, peak bytes in use)`` on ``device`` (default:
-        current), the two numbers of :meth:`stats` a per-task hook needs,
-        without reading anything from CUDA (the Dask plugin reads them at
-        every task's start and end).
-
-        Raises:
-            TypeError, ValueError: ``device`` is not a valid device ordinal.
-        """
-        device = self._device_or_current(device)
-        self._settle()
-        with self._fold_lock:
-            c = self._fold(device)
-            return c.in_use, c.peak_in_use
-
-    def reset_peak(self, device: int | None = None, *, reserved: bool = True) -> None:
-        """Set the peaks of ``device`` (default: current) to the present
-        values: the peak in use, and with ``reserved`` (default) the peak
-        reserved too (``reserved=False`` touches nothing in CUDA).
-
-        Raises:
-            TypeError: ``reserved`` is not True or False (nothing is reset).
-            ValueError, TypeError: ``device`` is not a device ordinal.
-        """
-        if reserved is not True and reserved is not False:
-            raise TypeError(f"reset_peak: reserved must be True or False, got {reserved!r}")
-        device = self._device_or_current(device)
-        self._settle()
-        with self._fold_lock:
-            c = self._fold(device)
-            c.peak_in_use = c.in_use
-            if reserved:
-                c.peak_reserved = c.reserved
-
-    def live_allocations(self, device: int | None = None) -> list[Allocation]:
-        """Live allocations, largest first, on ``device`` or on every device
-        (default). ``origin`` is set when ``track_origins=True``."""
-        if device is not None:
-            device = self._device_or_current(device)
-        self._settle()
-        origins = self._origins
-        rows = [
-            Allocation(ptr=p, size=s, device=d, origin=origins.get(p))
-            for d, live in enumerate(self._live)
-            if device is None or d == device
-            for p, s in list(live.items())
-        ]
-        rows.sort(key=lambda a: (-a.size, a.ptr))
-        return rows
-
-    #: how :meth:`memory_segments` maps this strategy's memory: ``"blocks"``,
-    #: each live block is its own segment (what CUDA keeps behind a pool is
-    #: not visible); ``"chunks"``, segments are the strategy's own chunks.
-    segment_kind: ClassVar[str] = "blocks"
-
-    def memory_segments(self, device: int | None = None) -> list[dict]:
-        """The memory held on ``device`` (default: every device) as segments
-        in the layout of PyTorch's memory snapshot (``torch.cuda.memory._snapshot()``;
-        :func:`cupy_memstrat.snapshot` with ``format="torch"`` writes them).
-
-        Each segment is a dict with ``device``, ``address``, ``total_size``
-        (bytes), ``stream``, ``segment_type`` (``"small"`` up to 1 MiB, else
-        ``"large"``), ``allocated_size``, ``active_size`` and ``blocks``,
-        which tile the segment in address order: ``address``, ``size``,
-        ``requested_size`` (bytes), ``state`` (``"active_allocated"`` or
-        ``"inactive"``: free) and ``frames`` (``{"filename", "line",
-        "name"}`` dicts, innermost first, when ``track_origins`` is on).
-        Here each live block is its own segment (:attr:`segment_kind`
-        ``"blocks"``): cached memory does not show. ``managed`` overrides it
-        with its chunks.
-
-        Raises:
-            TypeError, ValueError: ``device`` is not a valid device ordinal.
-        """
-        devices = range(len(self._live)) if device is None else [self._device_or_current(device)]
-        self._settle()
-        origins = self._origins
-        out = []
-        for d in devices:
-            for ptr, size in sorted(list(self._live[d].items())):
-                blk = block(ptr, size, size, True, origins.get(ptr))
-                out.append(segment(d, ptr, size, [blk]))
-        return out
-
-    def live_sizes(self, device: int | None = None) -> dict[int, int]:
-        """A snapshot of the live allocations as ``{ptr: size in bytes}``, in
-        allocation order, on ``device`` or on every device (default).
-
-        Cheap (a dict copy per device: no sorting, no :class:`Allocation`
-        rows, no origins): for code that compares the live set at two points,
-        such as the pytest plugin's leak check. ``live_sizes().items() -
-        before.items()`` are the allocations made in between that are still
-        live (a block that reuses the address *and* size of one freed in
-        between is indistinguishable from it)."""
-        self._settle()
-        if device is not None:
-            return dict(self._live[self._device_or_current(device)])
-        if len(self._live) == 1:
-            return dict(self._live[0])
-        out: dict[int, int] = {}
-        for live in self._live:
-            out.update(live)
-        return out
-
-    def _trim_devices(self, keep_bytes, device) -> list[tuple[int, int]]:
-        """``[(device, bytes to keep)]`` for :meth:`trim`: every value checked
-        before anything is released (``"N%"`` of each device's memory).
-
-        Raises:
-            TypeError, ValueError: a bad ``keep_bytes`` or ``device``.
-        """
-        devices = range(self.backend.device_count()) if device is None else [self._device_or_current(device)]
-        out = []
-        for d in devices:
-            total = None
-            if isinstance(keep_bytes, str) and keep_bytes.strip().endswith("%"):
-                total = self.backend.device_properties(d)["total_memory"]
-            out.append((d, parse_size(keep_bytes, total=total, what="keep_bytes")))
-        return out
-
-    def trim(self, keep_bytes=0, device: int | None = None) -> int:
-        """Give memory the strategy caches but does not use back to CUDA.
-
-        A strategy that caches nothing (``reserved_is_in_use``, e.g.
-        ``device``) has nothing to give back: this is a no-op that returns 0
-        (the arguments are still checked). Caching strategies override it.
-
-        Args:
-            keep_bytes: bytes to keep cached (int, size string or ``"N%"``).
-            device: a device ordinal, or ``None`` for every device.
-
-        Returns:
-            int: bytes given back to CUDA.
-
-        Raises:
-            TypeError, ValueError: a bad ``keep_bytes`` or ``device``.
-        """
-        if device is not None:
-            self._device_or_current(device)
-        parse_size(keep_bytes, total=100, what="keep_bytes")  # validated; nothing to keep
-        self._flush_pending()
-        return 0
-
-    # -- CuPy -------------------------------------------------------------------
-    def malloc(self, size) -> "cupy.cuda.MemoryPointer":  # noqa: F821
-        """CuPy's allocator interface, with size checks: ``size`` bytes ->
-        ``cupy.cuda.MemoryPointer`` on CuPy's current device. Usable with
-        ``cupy.cuda.set_allocator``; :func:`cupy_memstrat.use` installs the
-        faster :meth:`cupy_allocator`, which skips these checks.
-
-        Raises:
-            TypeError, ValueError: ``size`` is not an int >= 0 (CuPy's own
-                pool raises ``OverflowError`` for a negative size).
-            cupy.cuda.memory.OutOfMemoryError: as :meth:`raw_malloc`.
-        """
-        __tracebackhide__ = True  # pytest shows the user's frames, not ours
-        if size.__class__ is not int or size < 0 or size >= SIZE_T_LIMIT:
-            size = check_size(size)
-        cupy_malloc = self._cupy_malloc
-        if cupy_malloc is None:
-            cupy_malloc = self._make_cupy_malloc()
-        return cupy_malloc(size)
-
-    def cupy_allocator(self):
-        """The callable :func:`cupy_memstrat.use` passes to ``cupy.cuda.set_allocator``.
-
-        With CUDA it is the ``malloc`` of a ``cupy.cuda.PythonFunctionAllocator``
-        over this strategy's hot path, with no Python wrapper in between (one
-        Python frame less per allocation). Bad sizes then fail as they do with
-        CuPy's own pool: ``cupy.cuda.alloc(-1)`` raises ``OverflowError``; call
-        :meth:`malloc` for the ``ValueError`` / ``TypeError`` checks. With the
-        fake backend it is :meth:`malloc`.
-        """
-        if not isinstance(self.backend, _cuda.RealBackend):
-            return self.malloc
-        if self._cupy_malloc is None:
-            self._make_cupy_malloc()
-        return self._cupy_malloc
-
-    @staticmethod
-    def _owner_of(allocator) -> "Strategy | None":
-        """The strategy behind a callable from :meth:`cupy_allocator` or :meth:`malloc`."""
-        owner = getattr(allocator, "__self__", None)
-        if isinstance(owner, Strategy):
-            return owner
-        recorded = getattr(allocator, "_memstrat_strategy", None)  # cupy_memstrat.history's recorder
-        if isinstance(recorded, Strategy):
-            return recorded
-        ref = _pfa_owners.get(id(owner))
-        s = ref() if ref is not None else None
-        return s if s is not None and s._pfa is owner else None
-
-    def _cupy_route(self, malloc, free):
-        """CuPy's ``malloc(size) -> MemoryPointer`` over the hot path's
-        ``malloc`` / ``free``, and the object that callable names as its
-        ``__self__`` (None if it names none; :meth:`_owner_of` finds the
-        strategy through it). A strategy with a route of its own into CuPy
-        overrides this (``pool``'s ``route="direct"``)."""
-        cupy_malloc, pfa, self._gc_safe = cupy_malloc_over(self.backend, malloc, free, self.block_granule)
-        return cupy_malloc, pfa
-
-    def _make_cupy_malloc(self):
-        malloc, free = self._hot_path()
-        cupy_malloc, pfa = self._cupy_route(malloc, free)
-        if pfa is not None:
-            self._pfa = pfa
-            _pfa_owners[id(pfa)] = weakref.ref(self)
-        self._pin()
-        self._cupy_malloc = cupy_malloc
-        return cupy_malloc
-
-    def close(self) -> None:
-        """Let the strategy be garbage-collected once unreachable, and release
-        what it holds beyond live allocations (nothing for ``device``).
-
-        A strategy that has allocated stays referenced by cupy_memstrat until
-        closed, because CuPy's finalisers free through it. Close it only once
-        its arrays are gone and it is no longer CuPy's allocator (allocations
-        through an allocator that is still installed do not pin it again;
-        :meth:`raw_malloc` does). Closing twice is harmless. Blocks freed
-        with :func:`cupy_memstrat.record_stream`'d streams still pending are
-        given back first (after a synchronisation).
-        """
-        self._watch[0] = None
-        self._flush_pending()
-        with _pinned_lock:
-            _pinned.discard(self)
-            self._pinned = False
-
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
         return f"<{type(self).__name__} {self.name!r} ({opts}) on {self.backend.name}>"
 
 
-_pinned: set = set()
 _warned_hooks: set = set()  # (class, old hook name) already warned about
-_pinned_lock = threading.RLock()  # re-entered when a finaliser lets a strategy go
-_pfa_owners: dict = {}  # id(PythonFunctionAllocator) -> weakref to its strategy
 
 
-def _cupy_memory():
-    try:
-        from cupy.cuda import memory
-    except ImportError as exc:
-        from ..errors import CuPyNotInstalledError
-
-        raise CuPyNotInstalledError(
-            "CuPy is not installed: install a CuPy wheel, e.g. pip install 'cupy-memstrat[cuda13]'"
-        ) from exc
-    return memory
-
-
-def check_stream(stream) -> None:
-    """A stream object: ``.ptr`` an int handle (``cudaStream_t``) from 0 to 2**64 - 1.
-
-    Raises:
-        TypeError: not a stream object (a raw handle, None, a str...).
-        ValueError: a handle outside that range.
-    """
-    if isinstance(stream, (bool, int, float, str, bytes)) or stream is None:
-        raise TypeError(
-            f"stream: expected a cupy.cuda.Stream (or ExternalStream), got {type(stream).__name__} {stream!r}"
-        )
-    handle = getattr(stream, "ptr", None)
-    if isinstance(handle, bool) or not isinstance(handle, int):
-        raise TypeError(f"stream: expected a stream object whose .ptr is an int handle, got {stream!r} "
-                        f"(.ptr = {handle!r})")
-    if not 0 <= handle < 1 << 64:
-        raise ValueError(f"stream: {stream!r} has the handle {handle}, which is no cudaStream_t")
+def _bind_public(cls) -> None:
+    """Bind the public methods and attributes of ``cls``'s mixins in ``cls`` too (the same
+    objects; a subclass's override still comes first): they are documented as ``Strategy``'s
+    own, as before they moved to the mixins, by pdoc, which writes the API reference
+    (tools/api_docs.sh) and shows no member inherited from a private module."""
+    for mixin in cls.__mro__[1:-1]:
+        for name, value in list(vars(mixin).items()):
+            if not name.startswith("_"):
+                setattr(cls, name, value)
 
 
-def _free_cupy_pool_blocks(device: int) -> None:
-    """``free_all_blocks()`` of CuPy's default pool on ``device``, if CuPy is
-    loaded: memory cached there from before a strategy was installed is
-    memory CuPy's pool would have reused."""
-    cupy = sys.modules.get("cupy")
-    if cupy is None:
-        return
-    try:
-        from cupy.cuda import Device
-
-        with Device(device):
-            cupy.get_default_memory_pool().free_all_blocks()
-    except Exception:  # noqa: BLE001 - best effort
-        pass
-
-
-def _cupy_pool_hint(device: int) -> str:
-    cupy = sys.modules.get("cupy")
-    if cupy is None:
-        return ""
-    try:
-        from cupy.cuda import Device
-
-        with Device(device):
-            pool = cupy.get_default_memory_pool()
-            cached = pool.total_bytes() - pool.used_bytes()
-    except Exception:  # noqa: BLE001
-        return ""
-    if cached <= 0:
-        return ""
-    return (
-        f". CuPy's default memory pool still caches {format_size(cached)} on this device: "
-        "cupy.get_default_memory_pool().free_all_blocks() gives it back"
-    )
+_bind_public(Strategy)

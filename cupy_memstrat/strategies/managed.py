@@ -858,7 +858,7 @@ class ManagedStrategy(Strategy):
             if not ptr:  # none free in this stream's arena: the slow path
                 ptr = miss(size, device, key)
             ev = events[device]
-            ev.append(size)
+            ev.append(size)  # the accounting rule (strategies/_support.py)
             if track:
                 origins[ptr] = capture(1)
             live[device][ptr] = size
