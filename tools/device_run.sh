@@ -503,9 +503,13 @@ if [ "$part" = call22 ]; then
   inc=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
   ext=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
   gcc -shared -fPIC -O2 -I"$inc" .before/csrc/hotpath.c -o .before/cupy_memstrat/_hotpath$ext || exit 1
-  before() { PYTHONPATH=$PWD/.before${PYTHONPATH:+:$PYTHONPATH} "$@"; }
+  # run from inside .before: python puts the current folder first on sys.path (call22's first try
+  # ran PYTHONPATH=.before from the checkout, and so imported the refactored tree four times)
+  before() { ( cd .before && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$@" ); }
   python3 -c 'import cupy_memstrat; print("after: ", cupy_memstrat.__file__, cupy_memstrat.hot_path_status())'
   before python3 -c 'import cupy_memstrat; print("before:", cupy_memstrat.__file__, cupy_memstrat.hot_path_status())'
+  before python3 -c 'import cupy_memstrat, sys; sys.exit("/.before/" not in cupy_memstrat.__file__)' || exit 1
+  python3 -c 'import cupy_memstrat, sys; sys.exit("/.before/" in cupy_memstrat.__file__)' || exit 1
   for round in 1 2; do
     for g in alloc managed; do
       for tree in after before; do
