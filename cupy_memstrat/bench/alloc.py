@@ -17,6 +17,7 @@ resource), ``device`` with ``track_origins=True``, RMM's
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
@@ -28,6 +29,22 @@ WORKLOAD = "temporaries"
 N_TEMPS = 30
 WORKLOAD_ELEMS = 4096
 PAIRED_ROUNDS = 21  # adjacent device / no-pool measurements per size
+
+
+@contextlib.contextmanager
+def gpu_session(progress=None):
+    """A benchmark's frame: a real GPU or :class:`~cupy_memstrat.NoDeviceError`
+    (:func:`require_real_gpu`), then ``(cupy, say, prev)``: CuPy, the progress
+    callback (or one that says nothing) and CuPy's allocator before, which is
+    put back at the end, also on an error."""
+    require_real_gpu()
+    import cupy
+
+    prev = cupy.cuda.get_allocator()
+    try:
+        yield cupy, progress or (lambda msg: None), prev
+    finally:
+        cupy.cuda.set_allocator(prev)
 
 
 def require_real_gpu():

@@ -204,14 +204,9 @@ def run(*, rounds: int = 7, target_s: float = 0.03, progress=None) -> dict:
     Raises:
         NoDeviceError, CuPyNotInstalledError: nothing to measure on.
     """
-    _alloc.require_real_gpu()
-    import cupy
-
     from ..api import create
 
-    say = progress or (lambda msg: None)
-    prev = cupy.cuda.get_allocator()
-    try:
+    with _alloc.gpu_session(progress) as (cupy, say, prev):
         no_cache = create("async", cache=0)  # every allocation a cudaMallocFromPoolAsync
         floor = _python_pool_floor(cupy)
         extra = [("async:cache=0", lambda m=no_cache.cupy_allocator(): cupy.cuda.set_allocator(m)),
@@ -244,8 +239,6 @@ def run(*, rounds: int = 7, target_s: float = 0.03, progress=None) -> dict:
         trim = _trim(cupy)
         say("max_size granularity")
         max_size = _max_size(cupy)
-    finally:
-        cupy.cuda.set_allocator(prev)
     return {
         "benchmark": "async",
         "machine": lat.pop("machine"),

@@ -235,14 +235,9 @@ def run(*, rounds: int = 3, target_s: float = 0.03, progress=None) -> dict:
     Raises:
         NoDeviceError, CuPyNotInstalledError: nothing to measure on.
     """
-    _alloc.require_real_gpu()
-    import cupy
-
     from ..api import create
 
-    say = progress or (lambda msg: None)
-    prev = cupy.cuda.get_allocator()
-    try:
+    with _alloc.gpu_session(progress) as (cupy, say, prev):
         floor, release_floor = _alloc.python_floor_allocator(cupy)
         extra = [("python-floor", lambda: cupy.cuda.set_allocator(floor.malloc))]
         lat = _alloc.run(
@@ -255,8 +250,6 @@ def run(*, rounds: int = 3, target_s: float = 0.03, progress=None) -> dict:
         release_floor()
         first = _first_pass(cupy, rounds, say)
         rm = _read_mostly(cupy, say)
-    finally:
-        cupy.cuda.set_allocator(prev)
     res = first["results"]
     best = res["cpu-init/prefetch=on_alloc+prefetch()"]
     bars = {

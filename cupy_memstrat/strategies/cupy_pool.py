@@ -13,13 +13,11 @@ pytest plugin measures through when no strategy is asked for.
 from __future__ import annotations
 
 import importlib
-import threading
-from dataclasses import replace
 
 from .. import cuda as _cuda
 from .._userwarn import warn_at_user
 from ..options import Option
-from ..stats import Stats
+from ._foreign_reserve import ForeignReserved
 from .base import Strategy
 from .stream_guard import shared_guard
 
@@ -63,7 +61,7 @@ def route_status(hot_path: str, cuda: bool = True) -> dict:
     return {"route": "direct", "reason": "CuPy gets its pool's own MemoryPointer"}
 
 
-class CuPyPoolStrategy(Strategy):
+class CuPyPoolStrategy(ForeignReserved, Strategy):
     """CuPy's default memory pool (``cupy.get_default_memory_pool()``), with
     per-allocation statistics and live-allocation tracking.
 
@@ -136,8 +134,7 @@ class CuPyPoolStrategy(Strategy):
     def __init__(self, *, backend=None, **options):
         super().__init__(backend=backend, **options)
         n = self.backend.device_count()
-        self._peak_reserved = [0] * n
-        self._reserved_lock = threading.Lock()
+        self._init_foreign_reserved(n)
         self._direct = None  # route="direct": the extension's PoolDirect, once CuPy's allocator is made
         self._held: dict = {}  # route="direct": ptr -> CuPy's memory object of a record_stream'd block
         real = isinstance(self.backend, _cuda.RealBackend)
@@ -369,27 +366,11 @@ class CuPyPoolStrategy(Strategy):
         with self._Device(device):
             return int(self._pool.total_bytes())
 
-    def stats(self, device: int | None = None) -> Stats:
-        """As :meth:`Strategy.stats`; ``bytes_reserved`` is the CuPy pool's
-        ``total_bytes()`` on the device (see the class docstring for
-        ``peak_bytes_reserved``)."""
-        st = super().stats(device)
-        if self._pool is None:
-            return st
-        reserved = self._pool_total(st.device)
-        with self._reserved_lock:
-            peak = max(self._peak_reserved[st.device], reserved, st.peak_bytes_in_use)
-            self._peak_reserved[st.device] = peak
-        return replace(st, bytes_reserved=reserved, peak_bytes_reserved=peak)
+    def _foreign_reserved(self, device: int) -> int | None:
+        return None if self._pool is None else self._pool_total(device)
 
-    def reset_peak(self, device: int | None = None, *, reserved: bool = True) -> None:
-        """As :meth:`Strategy.reset_peak`; the reserved peak restarts from the
-        pool's present ``total_bytes()``."""
-        d = self._device_or_current(device)
-        super().reset_peak(d, reserved=reserved)
-        if reserved and self._pool is not None:
-            with self._reserved_lock:
-                self._peak_reserved[d] = self._pool_total(d)
+    # named here too, so that the API reference (pdoc) documents them with the class
+    stats, reset_peak = ForeignReserved.stats, ForeignReserved.reset_peak
 
     def trim(self, keep_bytes=0, device: int | None = None) -> int:
         """Give the CuPy pool's cached (free) blocks back to CUDA

@@ -3,12 +3,10 @@ so CuPy and PyTorch share one pool, with the statistics every strategy keeps."""
 
 from __future__ import annotations
 
-import threading
-from dataclasses import replace
 
 from .. import cuda as _cuda
 from ..errors import MemstratError
-from ..stats import Stats
+from ._foreign_reserve import ForeignReserved
 from .library_pool import LibraryPoolStrategy
 
 __all__ = ["TorchStrategy"]
@@ -32,7 +30,7 @@ def _import_torch():
     return torch
 
 
-class TorchStrategy(LibraryPoolStrategy):
+class TorchStrategy(ForeignReserved, LibraryPoolStrategy):
     """Allocate from PyTorch's CUDA caching allocator
     (``torch.cuda.caching_allocator_alloc`` / ``caching_allocator_delete``),
     so CuPy's arrays and PyTorch's tensors share one pool: memory CuPy frees
@@ -86,8 +84,7 @@ class TorchStrategy(LibraryPoolStrategy):
 
     def __init__(self, *, backend=None, **options):
         super().__init__(backend=backend, **options)
-        self._peak_reserved = [0] * self.backend.device_count()
-        self._reserved_lock = threading.Lock()
+        self._init_foreign_reserved(self.backend.device_count())
 
     _import_library = staticmethod(_import_torch)
 
@@ -113,26 +110,11 @@ class TorchStrategy(LibraryPoolStrategy):
     def _reserved(self, device: int) -> int:
         return int(self.library.cuda.memory_reserved(device))
 
-    def stats(self, device: int | None = None) -> Stats:
-        """As :meth:`Strategy.stats`; ``bytes_reserved`` is
-        ``torch.cuda.memory_reserved(device)`` (see the class docstring)."""
-        st = super().stats(device)
-        if self.library is None:
-            return st
-        reserved = self._reserved(st.device)
-        with self._reserved_lock:
-            peak = max(self._peak_reserved[st.device], reserved, st.peak_bytes_in_use)
-            self._peak_reserved[st.device] = peak
-        return replace(st, bytes_reserved=reserved, peak_bytes_reserved=peak)
+    def _foreign_reserved(self, device: int) -> int | None:
+        return None if self.library is None else self._reserved(device)
 
-    def reset_peak(self, device: int | None = None, *, reserved: bool = True) -> None:
-        """As :meth:`Strategy.reset_peak`; the reserved peak restarts from
-        ``torch.cuda.memory_reserved(device)``."""
-        d = self._device_or_current(device)
-        super().reset_peak(d, reserved=reserved)
-        if reserved and self.library is not None:
-            with self._reserved_lock:
-                self._peak_reserved[d] = self._reserved(d)
+    # named here too, so that the API reference (pdoc) documents them with the class
+    stats, reset_peak = ForeignReserved.stats, ForeignReserved.reset_peak
 
     def trim(self, keep_bytes=0, device: int | None = None) -> int:
         """``torch.cuda.empty_cache()``: PyTorch gives its cached (free)
