@@ -758,3 +758,18 @@ def test_config_reports_the_wrapped_strategys_options_and_the_checks_as_a_spec(h
     assert s.config["track_origins"] is True and s.config["check"] == "streams,poison,redzone"
     assert s.config["granule"] == 1 and s.config["on_finding"] == "raise"
     json.dumps(s.config)  # JSON-ready
+
+
+def test_the_checked_class_is_the_one_made_after_the_layer_module_is_imported_again(monkeypatch):
+    """pytester's runpytest_inprocess drops the modules an inner run imported: a CheckedStrategy
+    class kept by the package from an earlier run was not the class use(..., check=...) made next,
+    and the pytest plugin, whose isinstance then failed, judged no finding (seen when
+    tests/test_plugin_gpumem.py ran in one process)."""
+    import sys
+
+    from cupy_memstrat.testing import FakeBackend
+
+    assert checks.CheckedStrategy is sys.modules["cupy_memstrat.checks.layer"].CheckedStrategy
+    monkeypatch.delitem(sys.modules, "cupy_memstrat.checks.layer")  # as pytester's snapshot restore does
+    s = cupy_memstrat.create("device", backend=FakeBackend(), check="all")
+    assert isinstance(s, checks.CheckedStrategy)

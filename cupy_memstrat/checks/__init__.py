@@ -61,6 +61,8 @@ composed of the checks' parts). This module only re-exports their public names.
 
 from __future__ import annotations
 
+import importlib
+
 from .findings import KINDS, CheckError, CheckWarning, Finding, clear, collect, findings, mark
 from .options import CHECKS, parse_checks
 from .quarantine import CANARY_BYTE, POISON_BYTE
@@ -90,11 +92,11 @@ _LAZY = ("CheckedStrategy", "checked")  # from .layer, imported on first use (wi
 
 
 def __getattr__(name):
+    # looked up in sys.modules at every access, not kept here: a pytest run in the same process
+    # (pytester's runpytest_inprocess) drops the modules it imported, and a class kept from an
+    # earlier run would no longer be the one use(..., check=...) makes (isinstance would fail)
     if name in _LAZY:
-        from . import layer
-
-        globals().update({n: getattr(layer, n) for n in _LAZY})
-        return globals()[name]
+        return getattr(importlib.import_module(f"{__name__}.layer"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
