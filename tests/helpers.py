@@ -11,3 +11,11 @@ def run_threads(target, n):
         t.start()
     for t in threads:
         t.join()
+
+
+def assert_sole_live_origin(s, filename, size):
+    """``s`` (made with ``track_origins=True``) has one live allocation, of ``size`` bytes, made
+    from ``filename``. The allocation itself stays in the test: the origin is the first frame
+    outside CuPy and cupy_memstrat, so an allocation made here would be recorded as this file's."""
+    (row,) = s.live_allocations()
+    assert row.origin.filename == filename and row.size == size, (row.origin, row.size)

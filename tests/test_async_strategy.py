@@ -9,7 +9,7 @@ import pytest
 import cupy_memstrat
 from cupy_memstrat import cuda as C
 from cupy_memstrat.testing import FakeBackend
-from helpers import run_threads
+from helpers import assert_sole_live_origin, run_threads
 
 MiB = 1 << 20
 
@@ -309,8 +309,7 @@ def test_eight_threads_on_their_own_streams_keep_exact_counts(fake):
 def test_track_origins_records_where_and_frees_normally(fake):
     s = cupy_memstrat.create("async", backend=fake, track_origins=True)
     p = s.raw_malloc(1234)
-    (row,) = s.live_allocations()
-    assert row.origin.filename == __file__ and row.size == 1234
+    assert_sole_live_origin(s, __file__, 1234)
     s.raw_free(p)
     ps = s.pool_stats(0)
     assert s.live_allocations() == [] and ps.used_bytes == ps.cached_bytes == 1536

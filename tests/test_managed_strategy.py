@@ -11,6 +11,7 @@ import cupy_memstrat
 from cupy_memstrat import cuda as C
 from cupy_memstrat.strategies.managed import CHUNK_BYTES, SIZE_CLASSES
 from cupy_memstrat.testing import FakeBackend
+from helpers import assert_sole_live_origin
 
 MiB = 1 << 20
 
@@ -404,8 +405,7 @@ def test_blocks_are_freed_for_their_device_whatever_is_current(fake2):
 def test_track_origins(fake):
     s = cupy_memstrat.create("managed", backend=fake, track_origins=True)
     p = s.raw_malloc(1234)
-    (row,) = s.live_allocations()
-    assert row.origin.filename == __file__ and row.size == 1234
+    assert_sole_live_origin(s, __file__, 1234)
     s.raw_free(p)
 
 

@@ -135,23 +135,24 @@ def test_the_settings_come_from_the_environment_and_the_ini_file(pytester, fake_
     r.stdout.fnmatch_lines(["*more than the 20% allowed (ini key gpumem_max_growth)*"])
 
 
+def _with_growth(limit):
+    """A valid report with no tests as the baseline, and the arguments comparing with it under
+    --gpumem-max-growth=LIMIT: (content, args) of a row below."""
+    return '{"version": 1, "tests": []}', ["--gpumem-compare={f}", f"--gpumem-max-growth={limit}"]
+
+
 @pytest.mark.parametrize("content, args, match", [
     (None, ["--gpumem-compare={missing}"], "the baseline '*missing.json' does not exist"),
     ("not json", ["--gpumem-compare={f}"], "cannot read the baseline '*'"),
     ('{"benchmark": "alloc"}', ["--gpumem-compare={f}"], "*is not a pytest --gpumem-json report*"),
     ('{"version": 0, "tests": []}', ["--gpumem-compare={f}"], "*is a version 0 report; this pytest_gpumem reads*"),
-    ('{"version": 1, "tests": []}', ["--gpumem-compare={f}", "--gpumem-max-growth=-5%"],
-     "*--gpumem-max-growth='-5%': expected a growth of 0% or more, got '-5%'"),
-    ('{"version": 1, "tests": []}', ["--gpumem-compare={f}", "--gpumem-max-growth=ten"],
-     "*--gpumem-max-growth='ten': expected a growth such as '10%' or '1MiB', got 'ten'"),
-    ('{"version": 1, "tests": []}', ["--gpumem-compare={f}", "--gpumem-max-growth=nan%"],
-     "*expected a growth such as '10%' or '1MiB', got 'nan%'"),
-    ('{"version": 1, "tests": []}', ["--gpumem-compare={f}", "--gpumem-max-growth=1e306%"],
-     "*expected a growth such as '10%' or '1MiB', got '1e306%'"),
-    ('{"version": 1, "tests": []}', ["--gpumem-compare={f}", "--gpumem-max-growth=10"],
+    (*_with_growth("-5%"), "*--gpumem-max-growth='-5%': expected a growth of 0% or more, got '-5%'"),
+    (*_with_growth("ten"), "*--gpumem-max-growth='ten': expected a growth such as '10%' or '1MiB', got 'ten'"),
+    (*_with_growth("nan%"), "*expected a growth such as '10%' or '1MiB', got 'nan%'"),
+    (*_with_growth("1e306%"), "*expected a growth such as '10%' or '1MiB', got '1e306%'"),
+    (*_with_growth("10"),
      "*'10' has no unit: write '10%' for a share of the baseline's value or a size such as '1MiB'*"),
-    ('{"version": 1, "tests": []}', ["--gpumem-compare={f}", "--gpumem-max-growth=0.13"],
-     "*'0.13' has no unit*"),
+    (*_with_growth("0.13"), "*'0.13' has no unit*"),
     ('{"version": "1", "tests": []}', ["--gpumem-compare={f}"], "*has version '1', not a whole number*"),
     ('{"version": 1, "tests": [{"nodeid": "t.py::a", "peak_bytes_per_device": [true]}]}', ["--gpumem-compare={f}"],
      "*the record of t.py::a has peak_bytes_per_device=?True?: expected a list of byte counts, one per device"),

@@ -31,6 +31,16 @@ def run(pytester, *args):
     return pytester.runpytest_inprocess("-p", "no:cacheprovider", *args)
 
 
+def _xdist_env(monkeypatch):
+    """Skip without pytest-xdist; else no GPUMEM* variable and a 1 GiB fake backend, which the
+    worker subprocesses inherit."""
+    pytest.importorskip("xdist")
+    for k in list(os.environ):
+        if k.startswith("GPUMEM"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
+
+
 def _gpu_present():
     try:
         C.RealBackend()
@@ -586,11 +596,17 @@ def test_an_installed_strategy_is_measured_through(pytester, fake_env):
                             "peak 1.0 MiB > budget 1.0 KiB (limit_gpu_memory marker)"])
 
 
-def test_the_strategy_option_with_measuring(pytester, fake_env):
+def _run_with_strategy_from_env(pytester, fake_env, var, name):
+    """Run, under --gpumem, a test that passes only if CuPy allocates with strategy ``name``,
+    with the environment variable ``var`` set to ``name``."""
     pytester.makepyfile(HEAD + "import cupy_memstrat\ndef test_a():\n"
-                        "    assert cupy_memstrat.current().name == 'async'\n")
-    fake_env.setenv("GPUMEM_STRATEGY", "async")
-    r = run(pytester, "--gpumem")
+                        f"    assert cupy_memstrat.current().name == {name!r}\n")
+    fake_env.setenv(var, name)
+    return run(pytester, "--gpumem")
+
+
+def test_the_strategy_option_with_measuring(pytester, fake_env):
+    r = _run_with_strategy_from_env(pytester, fake_env, "GPUMEM_STRATEGY", "async")
     r.assert_outcomes(passed=1)
     r.stdout.fnmatch_lines(["gpumem: CuPy allocates with strategy 'async' "
                             "(environment variable GPUMEM_STRATEGY='async')",
@@ -598,10 +614,7 @@ def test_the_strategy_option_with_measuring(pytester, fake_env):
 
 
 def test_cupy_memstrat_env_sets_the_strategy_below_gpumem_strategy(pytester, fake_env):
-    pytester.makepyfile(HEAD + "import cupy_memstrat\ndef test_a():\n"
-                        "    assert cupy_memstrat.current().name == 'managed'\n")
-    fake_env.setenv("CUPY_MEMSTRAT", "managed")
-    r = run(pytester, "--gpumem")
+    r = _run_with_strategy_from_env(pytester, fake_env, "CUPY_MEMSTRAT", "managed")
     r.assert_outcomes(passed=1)
     r.stdout.fnmatch_lines(["gpumem: CuPy allocates with strategy 'managed' "
                             "(environment variable CUPY_MEMSTRAT='managed')"])
@@ -793,11 +806,7 @@ def test_b():
 
 
 def test_xdist_workers_measure_and_the_controller_merges(pytester, monkeypatch):
-    pytest.importorskip("xdist")
-    for k in list(os.environ):
-        if k.startswith("GPUMEM"):
-            monkeypatch.delenv(k)
-    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
+    _xdist_env(monkeypatch)
     body = "\n".join(f"def test_{i}():\n    x = alloc({i + 1} * MiB)\n" for i in range(6))
     pytester.makepyfile(HEAD + body + "@pytest.mark.limit_gpu_memory('1MiB')\ndef test_over():\n"
                         "    x = alloc(2 * MiB)\n"
@@ -826,11 +835,7 @@ def test_xdist_workers_measure_and_the_controller_merges(pytester, monkeypatch):
 def test_xdist_usage_errors_error_each_test_instead_of_crashing_the_workers(pytester, monkeypatch, bad):
     """From an adversarial trial: under -n 2 a bad marker was an INTERNALERROR (exit 3), and a strategy
     option only a device can check (accessed_by=7) crashed every worker over and over (exit 5)."""
-    pytest.importorskip("xdist")
-    for k in list(os.environ):
-        if k.startswith("GPUMEM"):
-            monkeypatch.delenv(k)
-    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
+    _xdist_env(monkeypatch)
     marker = '@pytest.mark.limit_gpu_memory("lots")\n' if bad == "marker" else ""
     pytester.makepyfile(HEAD + marker + "def test_a():\n    raise AssertionError('BODY RAN')\n"
                         "def test_b():\n    x = alloc(MiB)\n")
@@ -986,11 +991,7 @@ def test_badrepr():
 
 
 def test_xdist_checks_given_twice_error_each_test(pytester, monkeypatch):
-    pytest.importorskip("xdist")
-    for k in list(os.environ):
-        if k.startswith("GPUMEM"):
-            monkeypatch.delenv(k)
-    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
+    _xdist_env(monkeypatch)
     pytester.makepyfile("def test_a():\n    pass\n")
     r = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", "--gpumem-check=all",
                                       "--gpumem-strategy=device:check=streams")
@@ -1031,11 +1032,7 @@ def test_typo(gpumem_strategy):
 
 
 def test_xdist_names_the_strategy_given_on_the_command_line(pytester, monkeypatch):
-    pytest.importorskip("xdist")
-    for k in list(os.environ):
-        if k.startswith("GPUMEM"):
-            monkeypatch.delenv(k)
-    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
+    _xdist_env(monkeypatch)
     pytester.makepyfile(HEAD + "def test_a():\n    x = alloc(MiB)\n")
     r = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", "--gpumem", "--gpumem-strategy=device",
                                       "--gpumem-json=out.json")
