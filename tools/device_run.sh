@@ -93,6 +93,7 @@
 #   tools/device_run.sh call21            (carry .whl) tests/gpu after the architecture refactor (call21_json.tgz)
 #   tools/device_run.sh call22            (carry .before) bench alloc and managed, after and before the refactor,
 #                                         alternating, two rounds (call22_json.tgz)
+#   tools/device_run.sh call23            bench async and managed, tests/gpu of pool and torch (call23_json.tgz)
 #   tools/device_run.sh call20            (carry .whl) tools/probes/dask_gpu_more.py: RMM's plugin in both
 #                                         orders, dask cuda worker --preload, record_history + plot (call20_json.tgz)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
@@ -521,6 +522,18 @@ if [ "$part" = call22 ]; then
       done
     done
   done
+fi
+
+if [ "$part" = call23 ]; then
+  # after the last two repeats were removed (pool's and torch's reserved bytes through one mixin, the
+  # benches' frame): bench async and bench managed, and the GPU tests of pool and torch
+  json_dir call23
+  BENCH_DIR=$J benches async managed
+  pack_json
+  step "tests/gpu: pool and torch"
+  timeout 150 python3 -m pytest tests/gpu/test_cupy_pool_gpu.py tests/gpu/test_interop_gpu.py -v -p no:cacheprovider \
+    -rs --junitxml="$J/tests_gpu_pool_torch.xml"
+  pack_json
 fi
 
 if [ "$part" = call20 ]; then
