@@ -411,6 +411,13 @@ def _records_on_worker(dask_worker=None):
     return plugin.records()
 
 
+def _snapshot_on_worker(dask_worker=None):
+    """The worker's recording, or the plugin's strategy's memory now (also when another plugin
+    has since replaced CuPy's allocator: then no strategy is current)."""
+    plugin = dask_worker.plugins.get(PLUGIN_NAME) if dask_worker is not None else None
+    return cupy_memstrat.snapshot(strategy=getattr(plugin, "strategy", None))
+
+
 def _check_spec(spec, options: dict) -> None:
     """The spec and options as :func:`cupy_memstrat.validate` checks them,
     at the client, but ``oom_snapshot``: a path on the workers' machines,
@@ -521,7 +528,7 @@ def snapshot(client, folder) -> list[str]:
     if not isinstance(folder, (str, os.PathLike)) or isinstance(os.fspath(folder), bytes) or not os.fspath(folder):
         raise ValueError(f"folder: expected a folder path (str or os.PathLike), got {folder!r}")
     _gather(client)
-    docs = client.run(lambda: cupy_memstrat.snapshot(), on_error="return")
+    docs = client.run(_snapshot_on_worker, on_error="return")
     gone = sorted(a for a, d in docs.items() if isinstance(d, BaseException))
     if gone:
         raise RuntimeError(f"cupy_memstrat.dask: worker {gone[0]} failed its snapshot "
@@ -562,6 +569,12 @@ if click is not None:
         context made up front: there, set ``CUPY_MEMSTRAT`` in the worker's
         environment instead (docs/dask.md); a warning in the worker's log
         says so."""
+        ours = [a for a in other_preloads_argv if a.startswith("--memstrat")]
+        if ours:  # a misspelt option of ours, left over by ignore_unknown_options
+            near = difflib.get_close_matches(ours[0].split("=")[0], ["--memstrat-strategy"], n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(f"cupy_memstrat.dask: unknown option {ours[0]!r}{hint}; this preload takes "
+                             "--memstrat-strategy=SPEC")
         if memstrat_strategy and other_preloads_argv:
             logging.getLogger("distributed.worker.cupy_memstrat").warning(
                 "cupy_memstrat.dask: this worker's preloads share their arguments (%s), so the others get "

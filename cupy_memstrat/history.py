@@ -339,11 +339,11 @@ def write_oom_snapshot(strategy, path, **oom) -> None:
     write_file_atomically(path, json.dumps(oom_document(strategy, **oom)).encode())
 
 
-def snapshot(path: str | None = None, format: str | None = None) -> dict:
+def snapshot(path: str | None = None, format: str | None = None, *, strategy=None) -> dict:
     """The current (or last) recording as a dict (:meth:`History.as_dict`);
     with ``path``, also written there as JSON, which ``python -m cupy_memstrat
     plot PATH -o timeline.png`` draws. With no recording in this process, the
-    installed strategy's memory now: its segments, no events.
+    memory now of ``strategy`` (default: the installed one): its segments, no events.
 
     With ``format="torch"``: the same in the layout of PyTorch's memory
     snapshot (``torch.cuda.memory._snapshot()``, see
@@ -359,8 +359,9 @@ def snapshot(path: str | None = None, format: str | None = None) -> dict:
         ValueError: ``format`` is not ``"json"``, ``"torch"`` or None;
             ``path`` is empty, or names a directory, a FIFO, a socket or a
             device (checked before anything is written).
+        TypeError: ``strategy`` is not a :class:`~cupy_memstrat.Strategy`.
         RuntimeError: nothing was ever recorded in this process and no
-            strategy is installed.
+            strategy is installed (or given).
         OSError: ``path`` cannot be written (``FileNotFoundError``: its folder does not exist).
     """
     if path is not None and not isinstance(path, (str, os.PathLike)):
@@ -371,9 +372,12 @@ def snapshot(path: str | None = None, format: str | None = None) -> dict:
         format = "torch" if name.endswith((".pickle", ".pkl")) else "json"
     if format not in ("json", "torch"):
         raise ValueError(f"format: expected 'json' or 'torch' (PyTorch's memory viewer), got {format!r}")
+    from .strategies.base import Strategy
+
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(f"strategy: expected a cupy_memstrat.Strategy, got {type(strategy).__name__} {strategy!r}")
     h = _active or _last
-    strategy = None
-    if h is None:
+    if h is None and strategy is None:
         from . import api
 
         strategy = api.current()

@@ -267,6 +267,22 @@ def test_the_preload_leaves_other_preloads_options_to_them(tmp_path):
             True]
 
 
+def test_a_misspelt_option_of_the_preload_is_refused_not_ignored(tmp_path):
+    """Other preloads' options are left to them, but one that looks like ours is a typo: refused, so
+    that the worker does not run the default strategy in silence."""
+    script = ("import asyncio, sys, distributed\n"
+              "async def main():\n"
+              "    async with distributed.Worker(sys.argv[1], nthreads=1, preload=['cupy_memstrat.dask'],\n"
+              "                                  preload_argv=['--memstrat-stratgy=device']) as w:\n"
+              "        await w.finished()\n"
+              "asyncio.run(main())\n")
+    with _CommandLineWorker(tmp_path, [], argv=[sys.executable, "-c", script, "{scheduler}"]) as c:
+        with pytest.raises(RuntimeError, match="the MemstratPlugin is not registered on worker"):
+            cmd.stats(c)
+    log = (tmp_path / "worker.log").read_text()
+    assert "unknown option '--memstrat-stratgy=device' (did you mean '--memstrat-strategy'?)" in log
+
+
 def _pin(c):
     return sorted(c.scheduler_info()["workers"])[0]
 
@@ -413,7 +429,7 @@ class _SetsCuPysAllocator(distributed.WorkerPlugin):
         cupy.cuda.set_allocator(worker._test_pool.malloc)
 
 
-def test_an_allocator_set_after_the_plugin_is_named_not_silently_counted_as_nothing(client):
+def test_an_allocator_set_after_the_plugin_is_named_not_silently_counted_as_nothing(client, tmp_path):
     client.register_plugin(cmd.MemstratPlugin("device"))
     with _no_warning():
         cmd.stats(client)
@@ -424,6 +440,10 @@ def test_an_allocator_set_after_the_plugin_is_named_not_silently_counted_as_noth
                                                 r"register the MemstratPlugin last"):
             st = cmd.stats(client)
         assert all(s.strategy == "device" for s in st.values())
+        with pytest.warns(RuntimeWarning, match="replaced after the MemstratPlugin"):
+            paths = cmd.snapshot(client, tmp_path / "snaps")  # the plugin's strategy's memory, not current()'s
+        assert len(paths) == 2 and all(json.load(open(p))["kind"] == cupy_memstrat.history.SNAPSHOT_KIND
+                                       for p in paths)
         logs = client.get_worker_logs()
         assert all(any("CuPy's allocator is now <built-in method malloc of cupy.cuda.memory.MemoryPool" in line
                        for _, line in lines)

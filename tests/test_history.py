@@ -231,3 +231,23 @@ def test_without_a_recording_the_snapshot_is_the_installed_strategys_memory_now(
     j = cupy_memstrat.snapshot(str(tmp_path / "now.json"))
     assert j["recording"] is False and j["events"] == [] and json.loads((tmp_path / "now.json").read_text()) == j
     del x
+
+
+def test_snapshot_of_a_strategy_given_when_nothing_is_recorded_and_none_is_installed(monkeypatch):
+    """The Dask plugin's snapshot after another plugin replaced CuPy's allocator: no strategy is
+    current, the plugin's still holds the worker's memory."""
+    from cupy_memstrat import history
+    from cupy_memstrat.testing import FakeBackend
+
+    monkeypatch.setattr(history, "_active", None)
+    monkeypatch.setattr(history, "_last", None)
+    monkeypatch.setattr(cupy_memstrat.api, "current", lambda: None)
+    with pytest.raises(RuntimeError, match="no memory history and no strategy installed"):
+        cupy_memstrat.snapshot()
+    s = cupy_memstrat.create("device", backend=FakeBackend())
+    p = s.raw_malloc(4096)
+    doc = cupy_memstrat.snapshot(strategy=s)
+    assert doc["strategy"]["name"] == "device" and doc["events"] == [] and doc["baseline_bytes_in_use"] == [4096]
+    with pytest.raises(TypeError, match="strategy: expected a cupy_memstrat.Strategy, got str 'device'"):
+        cupy_memstrat.snapshot(strategy="device")
+    s.raw_free(p)

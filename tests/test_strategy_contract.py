@@ -139,27 +139,95 @@ def test_a_subclass_with_the_public_hooks_is_counted_on_both_hot_paths(fake):
     assert fake.used_bytes(0) == 0
 
 
-def test_the_names_before_0_2_still_work_with_a_deprecation_warning(fake):
-    class Old(cupy_memstrat.Strategy):
-        name = "old-hooks-test"
-        reserved_is_in_use = False
-
-        def _allocate(self, size):
-            self._record_reserved(0, size)
-            return self.backend.malloc(size)
-
-        def _deallocate(self, ptr):
-            self.backend.free(ptr)
-
-    s = Old(backend=fake)
+def test_the_old_hook_names_still_work_with_a_deprecation_warning_at_the_class_statement(fake):
     with pytest.warns(DeprecationWarning) as seen:
+        class Old(cupy_memstrat.Strategy):
+            name = "old-hooks-test"
+            reserved_is_in_use = False
+
+            def _allocate(self, size):
+                self._record_reserved(0, size)
+                return self.backend.malloc(size)
+
+            def _deallocate(self, ptr):
+                self.backend.free(ptr)
+
+        s = Old(backend=fake)
         p = s.raw_malloc(1000)
         s.raw_free(p)
     said = sorted({str(w.message).split(":")[0] for w in seen})
     assert said == ["Old._allocate is deprecated", "Old._deallocate is deprecated",
                     "Old._record_reserved is deprecated"]
+    assert {w.filename for w in seen} == {__file__}  # the user's lines: shown by Python's default filters
     st = s.stats()
     assert (st.n_allocs, st.n_frees, st.bytes_in_use, st.bytes_reserved) == (1, 1, 0, 1000)
+
+
+def test_the_most_derived_hook_wins_whatever_its_name(fake):
+    calls = []
+    with pytest.warns(DeprecationWarning):
+        class Old(cupy_memstrat.Strategy):
+            name = "old-base-test"
+
+            def _allocate(self, size):
+                calls.append("old")
+                return self.backend.malloc(size)
+
+            def _deallocate(self, ptr):
+                self.backend.free(ptr)
+
+    class New(Old):
+        name = "new-over-old-test"
+
+        def allocate(self, size):
+            calls.append("new")
+            return self.backend.malloc(size)
+
+    s = New(backend=fake)
+    s.raw_free(s.raw_malloc(100))
+    assert calls == ["new"] and s.stats().n_frees == 1
+
+
+@pytest.mark.parametrize("base", ["device", "pool", "torch", "rmm"])
+def test_a_subclass_of_a_built_in_can_override_a_hook_and_call_the_built_in_one(fake, base):
+    calls = []
+    cls = type(cupy_memstrat.create(base, backend=fake))
+
+    class Logged(cls):
+        name = f"logged-{base}-test"
+
+        def allocate(self, size):
+            calls.append(size)
+            return super().allocate(size)
+
+    s = Logged(backend=fake)
+    s.raw_free(s.raw_malloc(123))
+    st = s.stats()
+    assert calls == [123] and (st.n_allocs, st.n_frees, st.bytes_in_use) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("base", ["managed", "async"])
+def test_hooks_on_a_strategy_with_its_own_hot_path_are_refused_at_the_class_statement(fake, base):
+    cls = type(cupy_memstrat.create(base, backend=fake))
+    with pytest.raises(TypeError, match=r"Mine: allocate would never be called: .* builds a hot path of its own"):
+        class Mine(cls):
+            def allocate(self, size):
+                return 0
+    with pytest.raises(NotImplementedError, match=r"has no allocate hook: allocate with raw_malloc\(size\)"):
+        cupy_memstrat.create(base, backend=fake).allocate(64)
+
+
+@pytest.mark.parametrize("device, delta, error, match", [
+    (0, 1.5, TypeError, "delta: expected an int, got float 1.5"), (0, True, TypeError, "delta: expected an int"),
+    (0, "10", TypeError, "delta: expected an int, got str"), (0, None, TypeError, "delta"),
+    (5, 10, ValueError, r"device: expected 0 <= device < 1, got 5"), (-1, 10, ValueError, "got -1"),
+    (True, 10, TypeError, "device: expected an int")])
+def test_record_reserved_refuses_bad_values_by_name_and_counts_nothing(fake, device, delta, error, match):
+    s = cupy_memstrat.create("device", backend=fake)
+    before = s.stats()
+    with pytest.raises(error, match=match):
+        s.record_reserved(device, delta)
+    assert s.stats() == before
 
 
 def test_a_subclass_without_hooks_says_which_one_is_missing(fake):

@@ -12,7 +12,10 @@ if ! python -c "import pdoc" 2>/dev/null; then
 fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-python -m pdoc --no-search --no-show-source -o "$tmp/api" cupy_memstrat pytest_gpumem
+# the package, and the modules the guides send you to that the package does not import
+mods="cupy_memstrat cupy_memstrat.testing cupy_memstrat.options cupy_memstrat.registry pytest_gpumem"
+python -c "import cupy_memstrat.dask" 2>/dev/null && mods="$mods cupy_memstrat.dask"  # needs the dask extra
+python -m pdoc --no-search --no-show-source -o "$tmp/api" $mods
 rm -rf "$out"
 mkdir -p "$(dirname "$out")"
 mv "$tmp/api" "$out"

@@ -200,6 +200,8 @@ class AsyncPoolStrategy(Strategy):
             (``cudaDevAttrMemoryPoolsSupported`` = 0).
     """
 
+    own_hot_path = True  # no allocate/deallocate hooks (the strategy contract, docs/strategies.md)
+
     name = "async"
     aliases = ("malloc_async",)
     block_granule = 512

@@ -59,6 +59,7 @@ from .. import backend as _seam
 from .. import cuda as _cuda
 from ..options import Option, as_frames, as_output_file
 from .._userwarn import warn_at_user
+from ._contract import _ContractMixin
 from ._cupy_glue import _CupyMixin
 from ._lifetime import _LifetimeMixin
 from ._recovery import _RecoveryMixin
@@ -80,7 +81,7 @@ __all__ = ["Strategy", "check_size", "check_stream", "hot_path_status"]
 OOM_SNAPSHOT_ENV = "CUPY_MEMSTRAT_OOM_SNAPSHOT"
 
 
-class Strategy(_StreamsMixin, _RecoveryMixin, _StatisticsMixin, _CupyMixin, _LifetimeMixin):
+class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, _CupyMixin, _LifetimeMixin):
     """A named allocator policy that CuPy can use as its allocator.
 
     Create one with :func:`cupy_memstrat.use` / :func:`~cupy_memstrat.using`
@@ -411,79 +412,11 @@ class Strategy(_StreamsMixin, _RecoveryMixin, _StatisticsMixin, _CupyMixin, _Lif
                 c.n_frees += n - n_allocs
             return c
 
-    # -- the strategy contract: what a subclass provides (methods, or set in __init__: backend
-    # functions bound directly keep Python frames off the hot path, as device does); the hot path
-    # reads them once, when it is built (the first allocation)
-    def allocate(self, size: int) -> int:
-        """The subclass's hook: obtain ``size`` bytes (> 0) on the current
-        device and return the pointer (an int).
-
-        Called by the hot path only, after the size was checked; the base
-        class counts it. Raise the backend's ``Error`` (CUDA's
-        ``cudaErrorMemoryAllocation`` for out of memory): the base class
-        then recovers in CuPy's order (gives cached memory back, collects,
-        retries) or raises :class:`~cupy_memstrat.OutOfMemoryError`.
-        """
-        raise NotImplementedError(f"{type(self).__name__} defines no allocate(size) -> ptr")
-
-    def deallocate(self, ptr: int) -> None:
-        """The subclass's hook: give back a pointer :meth:`allocate` returned.
-        Called once per pointer, after the accounting; an exception is
-        turned into a ``RuntimeWarning`` (CuPy frees from finalisers)."""
-        raise NotImplementedError(f"{type(self).__name__} defines no deallocate(ptr)")
-
-    def record_reserved(self, device: int, delta: int) -> None:
-        """For caching strategies: ``delta`` bytes were taken from (> 0) or
-        given back to (< 0) CUDA on ``device`` (``bytes_reserved`` and its
-        peak). Off the hot path (pool growth and trims): it takes a lock."""
-        with self._fold_lock:
-            c = self._counters[device]
-            c.reserved += delta
-            if c.reserved > c.peak_reserved:
-                c.peak_reserved = c.reserved
-
-    # the contract's names before 0.2, kept one release
-    def _allocate(self, size: int) -> int:
-        """Deprecated: name the hook :meth:`allocate`."""
-        return self.allocate(size)
-
-    def _deallocate(self, ptr: int) -> None:
-        """Deprecated: name the hook :meth:`deallocate`."""
-        return self.deallocate(ptr)
-
-    def _record_reserved(self, device: int, delta: int) -> None:
-        """Deprecated: call :meth:`record_reserved`."""
-        warn_at_user(f"{type(self).__name__}._record_reserved is deprecated: call record_reserved (the same "
-                     "arguments); the old name goes in the next release", DeprecationWarning)
-        self.record_reserved(device, delta)
-
-    def _hooks(self):
-        """``(allocate, deallocate)`` as the hot path calls them: the public
-        hooks, or a subclass's (or instance's) ``_allocate`` / ``_deallocate``
-        of the contract before 0.2, with a ``DeprecationWarning``."""
-        hooks = []
-        for name in ("allocate", "deallocate"):
-            old = "_" + name
-            given = self.__dict__.get(old)
-            if given is None and getattr(type(self), old) is not getattr(Strategy, old):
-                given = getattr(self, old)
-            if given is not None:
-                if (type(self), old) not in _warned_hooks:
-                    _warned_hooks.add((type(self), old))
-                    warn_at_user(f"{type(self).__name__}.{old} is deprecated: name the hook {name} (the strategy "
-                                 "contract, docs/strategies.md); the old name goes in the next release",
-                                 DeprecationWarning)
-                hooks.append(given)
-            else:
-                hooks.append(getattr(self, name))
-        return tuple(hooks)
-
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
         return f"<{type(self).__name__} {self.name!r} ({opts}) on {self.backend.name}>"
 
 
-_warned_hooks: set = set()  # (class, old hook name) already warned about
 
 
 def _bind_public(cls) -> None:

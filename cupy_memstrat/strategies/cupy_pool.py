@@ -18,6 +18,7 @@ from .. import cuda as _cuda
 from .._userwarn import warn_at_user
 from ..options import Option
 from ._foreign_reserve import ForeignReserved
+from ._contract import ProvidedHooks
 from .base import Strategy
 from .stream_guard import shared_guard
 
@@ -61,7 +62,7 @@ def route_status(hot_path: str, cuda: bool = True) -> dict:
     return {"route": "direct", "reason": "CuPy gets its pool's own MemoryPointer"}
 
 
-class CuPyPoolStrategy(ForeignReserved, Strategy):
+class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
     """CuPy's default memory pool (``cupy.get_default_memory_pool()``), with
     per-allocation statistics and live-allocation tracking.
 
@@ -161,8 +162,7 @@ class CuPyPoolStrategy(ForeignReserved, Strategy):
         if not real:
             self._pool = None
             self.reserved_is_in_use = True  # nothing cached: the backend's malloc/free
-            self.allocate = guarded(self.backend.malloc)
-            self.deallocate = self.backend.free
+            self._provide_hooks(guarded(self.backend.malloc), self.backend.free)
             return
         from cupy.cuda.memory import OutOfMemoryError
 
@@ -182,8 +182,7 @@ class CuPyPoolStrategy(ForeignReserved, Strategy):
             blocks[ptr] = mp
             return ptr
 
-        self.allocate = guarded(take)
-        self.deallocate = blocks.pop  # dropping the MemoryPointer returns the block to the pool
+        self._provide_hooks(guarded(take), blocks.pop)  # dropping the MemoryPointer returns the block
 
     @property
     def route(self) -> str:

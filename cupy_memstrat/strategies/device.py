@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..options import Option, as_size
+from ._contract import ProvidedHooks
 from .base import Strategy
 
 __all__ = ["DeviceStrategy"]
@@ -18,7 +19,7 @@ def _as_granule(value, what: str) -> int:
     return n
 
 
-class DeviceStrategy(Strategy):
+class DeviceStrategy(ProvidedHooks, Strategy):
     """One ``cudaMalloc`` per allocation and one ``cudaFree`` per free.
 
     Nothing is cached, so the statistics are exact: ``bytes_reserved`` equals
@@ -69,7 +70,4 @@ class DeviceStrategy(Strategy):
         self.block_granule = self.config.get("granule", type(self).block_granule)  # (a subclass may drop the option)
         # cudaMalloc / cudaFree bound directly: no Python frame of our own
         # (unless a subclass defines its own hooks).
-        if type(self).allocate is Strategy.allocate and type(self)._allocate is Strategy._allocate:
-            self.allocate = self.backend.malloc
-        if type(self).deallocate is Strategy.deallocate and type(self)._deallocate is Strategy._deallocate:
-            self.deallocate = self.backend.free
+        self._provide_hooks(self.backend.malloc, self.backend.free)

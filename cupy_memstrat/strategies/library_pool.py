@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from .. import cuda as _cuda
 from ..errors import CuPyNotInstalledError, NoDeviceError
+from ._contract import ProvidedHooks
 from .base import Strategy
 from .stream_guard import DeadStreamGuard, shared_guard
 
 __all__ = ["LibraryPoolStrategy"]
 
 
-class LibraryPoolStrategy(Strategy):
+class LibraryPoolStrategy(ProvidedHooks, Strategy):
     """A strategy over another library's allocator.
 
     A subclass sets :attr:`~Strategy.requires` and implements:
@@ -69,7 +70,7 @@ class LibraryPoolStrategy(Strategy):
             before(s, d)
             return allocate_on(size, d, s)
 
-        self.allocate, self.deallocate = allocate, deallocate
+        self._provide_hooks(allocate, deallocate)
 
     @staticmethod
     def _import_library():

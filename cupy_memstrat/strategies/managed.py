@@ -216,6 +216,8 @@ class ManagedStrategy(Strategy):
             the host must not touch managed memory while a kernel runs.
     """
 
+    own_hot_path = True  # no allocate/deallocate hooks (the strategy contract, docs/strategies.md)
+
     name = "managed"
     aliases = ("malloc_managed",)
     block_granule = 512
