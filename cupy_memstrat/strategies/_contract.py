@@ -34,7 +34,7 @@ class _ContractMixin:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         hooks = [n for n in (*_OLD, *_OLD.values()) if n in vars(cls)]
-        if hooks and any(k.own_hot_path for k in cls.__mro__[1:] if isinstance(k, type) and "own_hot_path" in vars(k)):
+        if hooks and super(cls, cls).own_hot_path:  # (the value cls inherits)
             raise TypeError(f"{cls.__name__}: {', '.join(hooks)} would never be called: {cls.__mro__[1].__name__} "
                             "builds a hot path of its own; subclass cupy_memstrat.Strategy (or DeviceStrategy) to "
                             "provide hooks (docs/strategies.md)")
