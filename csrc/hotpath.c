@@ -436,18 +436,25 @@ table_item(PyObject *table, Py_ssize_t i, PyTypeObject *type, const char *name)
     return item;
 }
 
+/* The stream handle that r (a new reference, or NULL with an error set) holds as a
+ * Python int; r is released. -1 with an error set on failure. */
+static intptr_t
+handle_of(PyObject *r)
+{
+    if (r == NULL)
+        return -1;
+    intptr_t h = (intptr_t)PyLong_AsSsize_t(r);
+    Py_DECREF(r);
+    return h;
+}
+
 /* The handle of device d's current stream; -1 with an error set on failure. */
 static intptr_t
 stream_handle(Accounting *self, Py_ssize_t d, PyObject *device)
 {
     if (self->stream_fn != NULL)
         return self->stream_fn((int)d);  /* -1 with an error set on failure (Cython's except? -1) */
-    PyObject *r = PyObject_CallOneArg(self->stream_ptr, device);
-    if (r == NULL)
-        return -1;
-    intptr_t h = (intptr_t)PyLong_AsSsize_t(r);
-    Py_DECREF(r);
-    return h;
+    return handle_of(PyObject_CallOneArg(self->stream_ptr, device));
 }
 
 /* The stream key of the current stream (a new reference): its handle, or for the
@@ -729,12 +736,7 @@ static PyObject *S_ptr;  /* "ptr", interned */
 static intptr_t
 stream_obj_handle(PyObject *stream)
 {
-    PyObject *r = PyObject_GetAttr(stream, S_ptr);
-    if (r == NULL)
-        return -1;
-    intptr_t h = (intptr_t)PyLong_AsSsize_t(r);
-    Py_DECREF(r);
-    return h;
+    return handle_of(PyObject_GetAttr(stream, S_ptr));
 }
 
 /* pools[d], made on first use by ensure_pool(device): a new reference. */
@@ -2094,10 +2096,11 @@ held_dead(PoolDirect *self, PyObject *ptr, PoolToken **tok)
     return *tok == NULL ? NULL : mem;
 }
 
-/* reap(): the pointers in `held` whose memory object `held` alone refers to (its
- * arrays are gone) and whose free is not accounted yet. */
+/* The pointers in `held` (from a copy of its keys) for which pred(self, key) is 1;
+ * 0 skips one, -1 (error set) fails. A copy of the keys, not of the items: reap's
+ * test counts the references to the memory objects. */
 static PyObject *
-PoolDirect_reap(PoolDirect *self, PyObject *Py_UNUSED(ignored))
+held_select(PoolDirect *self, int (*pred)(PoolDirect *, PyObject *))
 {
     if (!PoolDirect_ready(self))
         return NULL;
@@ -2105,14 +2108,10 @@ PoolDirect_reap(PoolDirect *self, PyObject *Py_UNUSED(ignored))
     if (keys == NULL || out == NULL)
         goto fail;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
-        PoolToken *t = NULL;
         PyObject *key = PyList_GET_ITEM(keys, i);
-        if (held_dead(self, key, &t) != NULL) {
-            if (PyList_Append(out, key) < 0)
-                goto fail;
-        } else if (PyErr_Occurred()) {
+        int r = pred(self, key);
+        if (r < 0 || (r > 0 && PyList_Append(out, key) < 0))
             goto fail;
-        }
     }
     Py_DECREF(keys);
     return out;
@@ -2122,30 +2121,45 @@ fail:
     return NULL;
 }
 
+/* held_select's test of reap(): `held` alone refers to the memory object and its
+ * free is not accounted yet. */
+static int
+held_is_dead(PoolDirect *self, PyObject *key)
+{
+    PoolToken *t = NULL;
+    if (held_dead(self, key, &t) != NULL)
+        return 1;
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* held_select's test of stale(): the memory object's block is not the one counted
+ * at its pointer. */
+static int
+held_is_stale(PoolDirect *self, PyObject *key)
+{
+    PyObject *mem = PyDict_GetItemWithError(self->held, key);  /* borrowed */
+    if (mem == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (current_token(self, mem) != NULL)
+        return 0;
+    return PyErr_Occurred() ? -1 : 1;
+}
+
+/* reap(): the pointers in `held` whose memory object `held` alone refers to (its
+ * arrays are gone) and whose free is not accounted yet. */
+static PyObject *
+PoolDirect_reap(PoolDirect *self, PyObject *Py_UNUSED(ignored))
+{
+    return held_select(self, held_is_dead);
+}
+
 /* stale(): the pointers in `held` whose memory object's block is no longer the
  * one counted at its pointer (its free was seen another way: PooledMemory.free()
  * called by hand): nothing to keep it for. */
 static PyObject *
 PoolDirect_stale(PoolDirect *self, PyObject *Py_UNUSED(ignored))
 {
-    if (!PoolDirect_ready(self))
-        return NULL;
-    PyObject *items = PyDict_Items(self->held), *out = PyList_New(0);
-    if (items == NULL || out == NULL)
-        goto fail;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
-        PyObject *kv = PyList_GET_ITEM(items, i);
-        if (current_token(self, PyTuple_GET_ITEM(kv, 1)) == NULL) {
-            if (PyErr_Occurred() || PyList_Append(out, PyTuple_GET_ITEM(kv, 0)) < 0)
-                goto fail;
-        }
-    }
-    Py_DECREF(items);
-    return out;
-fail:
-    Py_XDECREF(items);
-    Py_XDECREF(out);
-    return NULL;
+    return held_select(self, held_is_stale);
 }
 
 /* free_early(ptr): account now the free of the block held at ptr, if `held`
