@@ -11,6 +11,9 @@ How this relates to CuPy's own switches:
 * Either way the strategy object stays alive as long as arrays it allocated
   do: an array is always freed by the strategy that allocated it, even after
   the allocator was switched.
+
+The package re-exports these; its ``__all__`` (cupy_memstrat/__init__.py) is the one list of
+public names.
 """
 
 from __future__ import annotations
@@ -28,22 +31,6 @@ from .options import parse_spec
 from .registry import get_registry
 from .stats import Allocation, Stats
 from .strategies.base import Strategy, check_stream
-
-__all__ = [
-    "create",
-    "validate",
-    "use",
-    "using",
-    "current",
-    "available",
-    "stats",
-    "reset_peak",
-    "live_allocations",
-    "trim",
-    "prefetch",
-    "advise",
-    "record_stream",
-]
 
 
 def _cupy_cuda():

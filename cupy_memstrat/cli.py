@@ -278,7 +278,7 @@ def _cmd_run(args) -> int:
     import runpy
 
     from .api import ENV_VAR, use
-    from .sizes import format_size
+    from .sizes import format_count, format_size
 
     spec = args.strategy if args.strategy is not None else os.environ.get(ENV_VAR, "")
     source = "--strategy" if args.strategy is not None else f"environment variable {ENV_VAR}"
@@ -348,7 +348,7 @@ def _cmd_run(args) -> int:
                 if st.n_allocs:
                     print(f"cupy_memstrat: {spec.strip()} on device {d}: peak in use "
                           f"{format_size(st.peak_bytes_in_use)}, peak reserved {format_size(st.peak_bytes_reserved)}, "
-                          f"{st.n_allocs} allocation{'' if st.n_allocs == 1 else 's'}, {st.n_live} live at exit",
+                          f"{format_count(st.n_allocs, 'allocation')}, {st.n_live} live at exit",
                           file=sys.stderr)
         del script_globals
     if code is None or isinstance(code, int):

@@ -107,6 +107,26 @@ def _import_runtime():
     return runtime
 
 
+# The seam's members that are CuPy's own runtime wrappers (cupy_backends.cuda.api.runtime), by the
+# name the backend protocols give them: the hot path (malloc, free, the device) and the stream-ordered
+# pools. RealBackend binds each to its instance.
+_CUPY_RUNTIME = {
+    "malloc": "malloc",
+    "free": "free",
+    "get_device": "getDevice",
+    "set_device": "setDevice",
+    "device_count": "getDeviceCount",
+    "malloc_from_pool_async": "mallocFromPoolAsync",
+    "free_async": "freeAsync",
+    "pool_destroy": "memPoolDestroy",
+    "pool_trim_to": "memPoolTrimTo",
+    "pool_get_attribute": "memPoolGetAttribute",
+    "pool_set_attribute": "memPoolSetAttribute",
+    "device_default_pool": "deviceGetDefaultMemPool",
+    "device_current_pool": "deviceGetMemPool",
+}
+
+
 class RealBackend:
     """CUDA through CuPy's runtime (hot path) and ``cuda.bindings``.
 
@@ -149,24 +169,12 @@ class RealBackend:
         # CuPy's check_status() calls cudaGetLastError before it raises, so a
         # failed cudaMalloc through these leaves no sticky error behind
         # (cupy_backends/cuda/api/runtime.pyx, v14.2.0).
-        self.malloc = runtime.malloc
-        self.free = runtime.free
-        self.get_device = runtime.getDevice
-        self.set_device = runtime.setDevice
-        self.device_count = runtime.getDeviceCount
-        # Stream-ordered pools: also CuPy's Cython wrappers on the hot path.
+        for name, wrapper in _CUPY_RUNTIME.items():
+            setattr(self, name, getattr(runtime, wrapper))
         from cupy.cuda.stream import get_current_stream
 
         self.current_stream = get_current_stream
         self._get_current_stream = get_current_stream
-        self.malloc_from_pool_async = runtime.mallocFromPoolAsync
-        self.free_async = runtime.freeAsync
-        self.pool_destroy = runtime.memPoolDestroy
-        self.pool_trim_to = runtime.memPoolTrimTo
-        self.pool_get_attribute = runtime.memPoolGetAttribute
-        self.pool_set_attribute = runtime.memPoolSetAttribute
-        self.device_default_pool = runtime.deviceGetDefaultMemPool
-        self.device_current_pool = runtime.deviceGetMemPool
         self._check_kernels = None
 
     # -- managed memory ----------------------------------------------------------

@@ -100,9 +100,13 @@ def out_of_memory_class():
                 self.reason = reason
                 self.snapshot = snapshot
 
-            def __reduce__(self):  # across processes (a Dask worker's error at the client): the same class
-                return (_rebuild_out_of_memory, (str(self), self.requested, self.device, self.stats, self.strategy,
-                                                 self.reason, self.snapshot))
+            # How a pickled error is made again (a Dask worker's error at the client): the same class.
+            # A subclass names its own maker; it is called with __reduce__'s arguments.
+            _rebuild = staticmethod(_rebuild_out_of_memory)
+
+            def __reduce__(self):
+                return (self._rebuild, (str(self), self.requested, self.device, self.stats, self.strategy,
+                                        self.reason, self.snapshot))
 
         OutOfMemoryError.__module__ = __name__
         OutOfMemoryError.__qualname__ = "OutOfMemoryError"

@@ -142,9 +142,7 @@ def _numba_oom_class():
             def __str__(self):
                 return str(self.args[0]) if self.args else ""
 
-            def __reduce__(self):
-                return (_rebuild_numba_oom, (str(self), self.requested, self.device, self.stats, self.strategy,
-                                             self.reason, self.snapshot))
+            _rebuild = staticmethod(_make_numba_oom)  # pickled: made again with numba's attributes too
 
         NumbaOutOfMemoryError.__module__ = __name__
         NumbaOutOfMemoryError.__qualname__ = "NumbaOutOfMemoryError"
@@ -158,10 +156,6 @@ def _make_numba_oom(message, requested, device, stats, strategy, reason, snapsho
     err.code = _oom_code()  # CudaAPIError's attributes (its __init__ is not called)
     err.msg = message
     return err
-
-
-def _rebuild_numba_oom(*args):
-    return _make_numba_oom(*args)
 
 
 def numba_out_of_memory_error(exc) -> Exception:

@@ -13,7 +13,7 @@ import math
 import operator
 import re
 
-__all__ = ["parse_size", "format_size"]
+__all__ = ["parse_size", "format_size", "format_count"]
 
 _UNITS = {
     "": 1,
@@ -130,3 +130,8 @@ def format_size(nbytes: int) -> str:
         if n < 1024 or unit == "EiB":
             return f"{sign}{n:.1f} {unit}"
     raise AssertionError("unreachable")
+
+
+def format_count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: ``1 allocation``, ``3 allocations``."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")

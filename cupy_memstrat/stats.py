@@ -7,16 +7,25 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 
-from .sizes import format_size
+from .sizes import format_count, format_size
 
-__all__ = ["Stats", "Allocation", "Origin", "capture_origin", "capture_stack", "origin_capture", "MAX_FRAMES"]
+__all__ = ["Stats", "Record", "Allocation", "Origin", "capture_origin", "capture_stack", "origin_capture", "MAX_FRAMES"]
 
 #: the most frames ``track_origins=N`` keeps per allocation
 MAX_FRAMES = 128
 
 
+class Record:
+    """What the package's dataclass records share (:class:`Stats`,
+    :class:`~cupy_memstrat.faults.FaultCounts`): :meth:`as_dict`."""
+
+    def as_dict(self) -> dict:
+        """The record's fields as a dict (nested records too): JSON-ready."""
+        return asdict(self)
+
+
 @dataclass(frozen=True)
-class Stats:
+class Stats(Record):
     """One strategy's memory statistics for one device. Sizes in bytes.
 
     Attributes:
@@ -56,16 +65,15 @@ class Stats:
     n_invalid_frees: int = 0
     n_oom_recoveries: int = 0
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
     def __str__(self) -> str:
+        """One line for a log: in use and reserved with their peaks, then the counts;
+        invalid frees and recoveries from out of memory only where there were any."""
         return (
             f"{self.strategy} on device {self.device}: "
             f"in use {format_size(self.bytes_in_use)} (peak {format_size(self.peak_bytes_in_use)}), "
             f"reserved {format_size(self.bytes_reserved)} (peak {format_size(self.peak_bytes_reserved)}), "
-            f"{self.n_live} live, {self.n_allocs} alloc{'' if self.n_allocs == 1 else 's'}, "
-            f"{self.n_frees} free{'' if self.n_frees == 1 else 's'}, "
+            f"{self.n_live} live, {format_count(self.n_allocs, 'alloc')}, "
+            f"{format_count(self.n_frees, 'free')}, "
             f"{self.n_failed} failed"
             + (f", {self.n_invalid_frees} invalid frees" if self.n_invalid_frees else "")
             + (f", {self.n_oom_recoveries} recovered from out of memory" if self.n_oom_recoveries else "")

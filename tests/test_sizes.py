@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from cupy_memstrat import format_size, parse_size
+from cupy_memstrat.sizes import format_count
 
 
 @pytest.mark.parametrize(
@@ -107,3 +108,8 @@ def test_a_numpy_array_or_a_float_is_named_as_a_bad_size():
         format_size(1.5)
     with pytest.raises(TypeError, match="nbytes: expected an int number of bytes, got NoneType None"):
         format_size(None)
+
+
+@pytest.mark.parametrize("n, text", [(0, "0 allocations"), (1, "1 allocation"), (2, "2 allocations")])
+def test_format_count_plural_unless_one(n, text):
+    assert format_count(n, "allocation") == text

@@ -3,6 +3,8 @@ the built-ins, and a third-party strategy once it is registered (docs/strategies
 "Writing your own strategy"). On the simulated GPU, each test once per hot path
 (the ``fake`` fixture, tests/conftest.py)."""
 
+import dataclasses
+import pickle
 import threading
 import warnings
 
@@ -93,6 +95,22 @@ def test_out_of_memory_is_our_error_counted_and_loses_nothing(s):
     s.raw_free(s.raw_malloc(1 << 20))  # the strategy goes on allocating
     s.raw_free(keep)
     assert s.stats().bytes_in_use == 0
+
+
+def test_out_of_memory_pickles_to_the_same_error(s):
+    """A worker process's error reaches the client pickled (Dask): the same class and attributes."""
+    with pytest.raises(cupy_memstrat.OutOfMemoryError) as info:
+        s.raw_malloc(1 << 40)
+    e = info.value
+    again = pickle.loads(pickle.dumps(e))
+    assert type(again) is type(e) and str(again) == str(e)
+    assert (again.requested, again.device, again.strategy, again.reason, again.snapshot, again.stats) == (
+        e.requested, e.device, e.strategy, e.reason, e.snapshot, e.stats)
+
+
+def test_stats_as_dict_is_every_field(s):
+    st = s.stats()
+    assert st.as_dict() == {f.name: getattr(st, f.name) for f in dataclasses.fields(st)}
 
 
 @pytest.mark.skipif(_support.c_hotpath is None, reason=_support.C_MISSING or "built")

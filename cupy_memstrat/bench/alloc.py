@@ -320,6 +320,13 @@ def _paired_device_vs_no_pool(cupy, say, target_s: float, pairs: int = PAIRED_RO
     return paired_ratios(cupy, ("device", create("device").cupy_allocator()), ("no-pool", None), say, target_s, pairs)
 
 
+def report_on_latency(benchmark: str, lat: dict, params: dict, **parts) -> dict:
+    """The JSON report of a bench group built on :func:`run`: its name, the machine (moved out of
+    ``lat``, :func:`run`'s report), ``params``, the latency report as ``"latency"``, then ``parts``
+    in the order given."""
+    return {"benchmark": benchmark, "machine": lat.pop("machine"), "params": params, "latency": lat, **parts}
+
+
 def paired_ratios(cupy, path, reference, say, target_s: float, pairs: int = PAIRED_ROUNDS) -> dict:
     """One path's alloc+free time against a reference path's, measured back
     to back: per size, ``pairs`` times one short measurement of each

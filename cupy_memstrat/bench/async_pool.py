@@ -239,17 +239,9 @@ def run(*, rounds: int = 7, target_s: float = 0.03, progress=None) -> dict:
         trim = _trim(cupy)
         say("max_size granularity")
         max_size = _max_size(cupy)
-    return {
-        "benchmark": "async",
-        "machine": lat.pop("machine"),
-        "params": {"rounds": rounds, "loop_bytes": LOOP_BYTES},
-        "latency": lat,
-        "raw_cuda_floor_us": raw,
-        "sync_loop": loop,
-        "growth": growth,
-        "trim": trim,
-        "max_size": max_size,
-    }
+    return _alloc.report_on_latency("async", lat, {"rounds": rounds, "loop_bytes": LOOP_BYTES},
+                                    raw_cuda_floor_us=raw, sync_loop=loop, growth=growth, trim=trim,
+                                    max_size=max_size)
 
 
 def format_table(report: dict) -> str:

@@ -262,15 +262,8 @@ def run(*, rounds: int = 3, target_s: float = 0.03, progress=None) -> dict:
         "first_pass_fraction_of_pinned_copy": best["fraction_of_pinned_copy"],
         "first_pass_gpu_faults_vs_no_hints": best.get("gpu_faults_vs_no_hints"),
     }
-    return {
-        "benchmark": "managed",
-        "machine": lat.pop("machine"),
-        "params": {"rounds": rounds, "first_pass_bytes": FIRST_PASS_BYTES},
-        "latency": lat,
-        "first_pass": first,
-        "read_mostly": rm,
-        "bars": bars,
-    }
+    return _alloc.report_on_latency("managed", lat, {"rounds": rounds, "first_pass_bytes": FIRST_PASS_BYTES},
+                                    first_pass=first, read_mostly=rm, bars=bars)
 
 
 def format_table(report: dict) -> str:

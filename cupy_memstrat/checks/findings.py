@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from .._userwarn import warn_at_user
 from ..errors import MemstratError
+from ..sizes import format_count
 from ..stats import Origin
 
 __all__ = ["KINDS", "Finding", "CheckError", "CheckWarning", "findings", "mark", "clear", "collect"]
@@ -37,7 +38,7 @@ class CheckError(MemstratError):
     def __init__(self, found):
         self.findings = list(found)
         n = len(self.findings)
-        head = f"cupy_memstrat.checks: {n} finding{'' if n == 1 else 's'}"
+        head = f"cupy_memstrat.checks: {format_count(n, 'finding')}"
         super().__init__(head + ":\n" + "\n".join(str(f) for f in self.findings))
 
     def __reduce__(self):

@@ -198,7 +198,7 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
                 device, size = unknown_free(ptr, stacklevel)
                 if size is None:
                     return
-            events[device].append(-size)
+            events[device].append(-size)  # after the pop (the accounting rule, strategies/_support.py)
             origin = origins.pop(ptr, None)
             padded, ent, tid, seq = meta.pop(ptr)
             # streams marked with record_stream(): the inner strategy holds the

@@ -14,7 +14,7 @@ import collections
 import threading
 import weakref
 
-from ..sizes import format_size
+from ..sizes import format_count, format_size
 from ..stats import capture_origin
 from .findings import Finding, live_layers, quiet_warn, thread_name
 
@@ -201,14 +201,14 @@ class QuarantineChecks:
         if check == "redzone":
             kind = "out-of-bounds write"
             msg = (
-                f"{n_bad} byte{'' if n_bad == 1 else 's'} of the red zone after a {format_size(size)} block "
+                f"{format_count(n_bad, 'byte')} of the red zone after a {format_size(size)} block "
                 f"0x{ptr:x} on device {device} changed, the first at offset {first} (byte {first - size + 1} "
                 "past the end): something wrote past the end of the array before it was freed"
             )
         else:
             kind = "write after free"
             msg = (
-                f"{n_bad} byte{'' if n_bad == 1 else 's'} of a freed {format_size(size)} block 0x{ptr:x} on "
+                f"{format_count(n_bad, 'byte')} of a freed {format_size(size)} block 0x{ptr:x} on "
                 f"device {device} changed while it was in quarantine, the first at offset {first}: something "
                 "wrote to the array's memory after it was freed"
             )

@@ -52,10 +52,11 @@ process-wide cache that opens the others once).
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..errors import FaultCountersUnavailable, MemstratError
 from ..sizes import format_size
+from ..stats import Record
 from . import _cupti, _sources
 from ._uvm import DriverCounters
 
@@ -88,7 +89,7 @@ def _n(value: int, what: str) -> str:
 
 
 @dataclass(frozen=True)
-class FaultCounts:
+class FaultCounts(Record):
     """Unified-memory activity over a counted span, for the whole process.
 
     Attributes:
@@ -108,9 +109,6 @@ class FaultCounts:
     bytes_dtoh: int
     source: str
     exact: bool
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
     def __str__(self) -> str:
         return (

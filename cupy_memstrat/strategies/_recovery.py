@@ -15,7 +15,7 @@ import gc
 from .. import cuda as _cuda
 from .._userwarn import warn_at_user
 from ..errors import InvalidFreeWarning, out_of_memory_class
-from ..sizes import format_size
+from ..sizes import format_count, format_size
 from ._cupy_glue import _cupy_pool_hint, _free_cupy_pool_blocks
 from ._lifetime import _pinned
 
@@ -133,7 +133,7 @@ class _RecoveryMixin:
         msg = (
             f"{self.name} strategy: out of memory allocating {format_size(size)} ({size:,} bytes) "
             f"on device {device}{detail}; {cuda_has}; this strategy holds "
-            f"{format_size(st.bytes_in_use)} in use in {st.n_live} allocation{'' if st.n_live == 1 else 's'} "
+            f"{format_size(st.bytes_in_use)} in use in {format_count(st.n_live, 'allocation')} "
             f"(reserved {format_size(st.bytes_reserved)}, peak in use {format_size(st.peak_bytes_in_use)})"
         )
         if isinstance(self.backend, _cuda.RealBackend):

@@ -68,6 +68,15 @@ class _StatisticsMixin:
             raise ValueError(f"device: expected 0 <= device < {n}, got {device}")
         return device
 
+    def _read_counters(self, device, read):
+        """``(device, read(counters))``: ``device`` checked (default: current),
+        the recorded events folded in, and ``read`` called on the device's
+        counters under the fold lock, so that what it reads is one moment's."""
+        device = self._device_or_current(device)
+        self._settle()
+        with self._fold_lock:
+            return device, read(self._fold(device))
+
     def stats(self, device: int | None = None) -> Stats:
         """This strategy's :class:`~cupy_memstrat.Stats` for ``device``
         (default: CuPy's current device).
@@ -75,23 +84,18 @@ class _StatisticsMixin:
         Raises:
             TypeError, ValueError: ``device`` is not a valid device ordinal.
         """
-        device = self._device_or_current(device)
-        self._settle()
-        with self._fold_lock:
-            c = self._fold(device)
-            n_live = c.n_allocs - c.n_frees
-            fields = dict(
-                bytes_in_use=c.in_use,
-                peak_bytes_in_use=c.peak_in_use,
-                bytes_reserved=c.reserved,
-                peak_bytes_reserved=c.peak_reserved,
-                n_allocs=c.n_allocs,
-                n_frees=c.n_frees,
-                n_live=n_live,
-                n_failed=c.n_failed,
-                n_invalid_frees=self._n_invalid_frees,
-                n_oom_recoveries=c.n_oom_recoveries,
-            )
+        device, fields = self._read_counters(device, lambda c: dict(
+            bytes_in_use=c.in_use,
+            peak_bytes_in_use=c.peak_in_use,
+            bytes_reserved=c.reserved,
+            peak_bytes_reserved=c.peak_reserved,
+            n_allocs=c.n_allocs,
+            n_frees=c.n_frees,
+            n_live=c.n_allocs - c.n_frees,
+            n_failed=c.n_failed,
+            n_invalid_frees=self._n_invalid_frees,
+            n_oom_recoveries=c.n_oom_recoveries,
+        ))
         if self.reserved_is_in_use:
             fields["bytes_reserved"] = fields["bytes_in_use"]
             fields["peak_bytes_reserved"] = fields["peak_bytes_in_use"]
@@ -106,11 +110,7 @@ class _StatisticsMixin:
         Raises:
             TypeError, ValueError: ``device`` is not a valid device ordinal.
         """
-        device = self._device_or_current(device)
-        self._settle()
-        with self._fold_lock:
-            c = self._fold(device)
-            return c.in_use, c.peak_in_use
+        return self._read_counters(device, lambda c: (c.in_use, c.peak_in_use))[1]
 
     def reset_peak(self, device: int | None = None, *, reserved: bool = True) -> None:
         """Set the peaks of ``device`` (default: current) to the present

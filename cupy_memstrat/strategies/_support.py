@@ -27,6 +27,21 @@ and frees, with many threads and no lock:
 
 Each inlined copy says so where it appends; this is the one place the rule
 is written.
+
+Why the copies are inlined, and where they are
+----------------------------------------------
+A Python function call per allocation and per free would cost more than the
+rule itself (the hot path is timed against CuPy's pool in docs/benchmarks.md),
+so each copy writes the rule out inside its own closures: the base class's
+Python hot path (``strategies/base.py``), ``async`` and ``managed``
+(``strategies/async_pool.py``, ``strategies/managed.py``), the checking layer
+(``checks/layer.py``), and the C hot path (``csrc/hotpath.c``), whose modes
+share its type slots and clean-up code. A duplicate finder lists these
+``malloc``/``free`` closures as repeats of each other: they are these copies,
+kept on purpose. A change to the rule changes every copy;
+``tests/test_strategy_contract.py`` runs the same tests on every strategy of
+``cupy_memstrat.available()``, and ``tests/test_checks.py`` checks the
+layer's counts.
 """
 
 from __future__ import annotations

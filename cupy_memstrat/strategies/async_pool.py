@@ -576,7 +576,7 @@ class AsyncPoolStrategy(Strategy):
                     return
             if track:
                 origins.pop(ptr, None)
-            events[device].append(-size)
+            events[device].append(-size)  # after the pop (the accounting rule, strategies/_support.py)
             if recorded and ptr in recorded:
                 defer(ptr, size, device)  # other streams use it: freed once they are done
             else:

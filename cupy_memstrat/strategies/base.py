@@ -362,7 +362,7 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
                     return
             if track:
                 origins.pop(ptr, None)
-            events[device].append(-size)
+            events[device].append(-size)  # after the pop (the accounting rule, strategies/_support.py)
             if recorded and ptr in recorded:
                 defer(ptr, size, device)  # other streams use it: given back once they are done
             else:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .. import cuda as _cuda
 from ..errors import ManagedMemoryWarning
 from ..options import Option, as_bool, as_size
-from ..sizes import format_size, parse_size
+from ..sizes import format_count, format_size, parse_size
 from ..stats import origin_capture
 from ._layout import block, segment
 from .._userwarn import warn_at_user
@@ -132,9 +132,9 @@ class ManagedStats:
         return (
             f"managed on device {self.device}: {self.n_chunks} chunks of {format_size(self.chunk_bytes)} "
             f"({format_size(self.reserved_bytes)} reserved, {format_size(self.cached_bytes)} cached), "
-            f"{self.n_guard_refusals} guard refusal{'' if self.n_guard_refusals == 1 else 's'}, "
-            f"{format_size(self.reclaimed_bytes)} reclaimed from destroyed streams in {self.n_reclaims} "
-            f"synchronisation{'' if self.n_reclaims == 1 else 's'}"
+            f"{format_count(self.n_guard_refusals, 'guard refusal')}, "
+            f"{format_size(self.reclaimed_bytes)} reclaimed from destroyed streams in "
+            f"{format_count(self.n_reclaims, 'synchronisation')}"
         )
 
 
@@ -877,7 +877,7 @@ class ManagedStrategy(Strategy):
                     return
             if track:
                 origins.pop(ptr, None)
-            events[device].append(-size)
+            events[device].append(-size)  # after the pop (the accounting rule, strategies/_support.py)
             if recorded and ptr in recorded:
                 defer(ptr, size, device)  # other streams use it: cached once they are done
             else:
