@@ -1,11 +1,12 @@
 """Finding out where GPU memory went, on the GPU: the export to PyTorch's
 memory viewer read by the image's own torch.cuda._memory_viz, its numbers
 against the strategy's, and the out-of-memory snapshot's live set against
-live_allocations(). With GPUMEM_VIZ_OUT=DIR the viewer's HTML pages are
-written there (docs/results/ keeps one)."""
+live_allocations(). With GPUMEM_VIZ_OUT=DIR each strategy's export is
+written there (docs/results/memory-viz-h200/ keeps two)."""
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -71,11 +72,9 @@ def test_torchs_memory_viz_reads_the_export_and_the_numbers_are_ours(cp, recorde
     pages = {"trace": mv.trace_plot(data), "segments": mv.segment_plot(data)}
     assert all("MemoryViz.js" in html for html in pages.values())
     out = os.environ.get("GPUMEM_VIZ_OUT")
-    if out:
+    if out:  # the export, for PyTorch's viewer (pytorch.org/memory_viz) or its trace_plot / segment_plot
         os.makedirs(out, exist_ok=True)
-        for kind, html in pages.items():
-            with open(os.path.join(out, f"memory-viz-{name}-{kind}.html"), "w") as f:
-                f.write(html)
+        shutil.copyfile(tmp_path / "s.pickle", os.path.join(out, f"memory-viz-{name}.pickle"))
     del keep
 
 
