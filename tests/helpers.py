@@ -1,5 +1,6 @@
 """Small helpers the tests share (tests/ is on sys.path: pytest puts it there for tests/conftest.py)."""
 
+import gc
 import threading
 
 
@@ -19,3 +20,18 @@ def assert_sole_live_origin(s, filename, size):
     outside CuPy and cupy_memstrat, so an allocation made here would be recorded as this file's."""
     (row,) = s.live_allocations()
     assert row.origin.filename == filename and row.size == size, (row.origin, row.size)
+
+
+def stream_on_handle(fake, handle, still_running=None):
+    """The next non-blocking stream of ``fake``, checked to have ``handle``, a destroyed stream's:
+    CUDA gives a destroyed stream's handle to the next new stream (the fake always does), the step
+    the dead-stream tests build on. Garbage is collected first, so that the old stream is gone; the
+    caller drops its own reference to it before (``del A``), which a helper cannot do for it. With
+    ``still_running``, also checks how many destroyed streams still have work running on the fake
+    (the old stream's kernel outlives its handle)."""
+    gc.collect()
+    stream = fake.stream(non_blocking=True)
+    assert stream.ptr == handle, (stream.ptr, handle)
+    if still_running is not None:
+        assert fake.busy_destroyed_streams() == still_running, (fake.busy_destroyed_streams(), still_running)
+    return stream

@@ -8,6 +8,7 @@ import cupy_memstrat
 from cupy_memstrat import CuPyPoolStrategy
 from cupy_memstrat.strategies import _support, base
 from cupy_memstrat.testing import FakeBackend
+from helpers import stream_on_handle
 
 MiB = 1 << 20
 
@@ -669,8 +670,6 @@ def _a_stream_dies_while_its_kernel_runs(fake, alloc, free):
     """A allocates, runs a long kernel, frees and dies; B (with A's handle) allocates.
     Returns the number of destroyed streams still busy once B's allocation returned, and B
     (alive: its death would make the next allocation wait again)."""
-    import gc
-
     A = fake.stream(non_blocking=True)
     with A:
         p = alloc()
@@ -679,9 +678,7 @@ def _a_stream_dies_while_its_kernel_runs(fake, alloc, free):
         free(p)
     a = A.ptr
     del A
-    gc.collect()
-    B = fake.stream(non_blocking=True)
-    assert B.ptr == a and fake.busy_destroyed_streams() == 1
+    B = stream_on_handle(fake, a, still_running=1)
     with B:
         q = alloc()
     busy = fake.busy_destroyed_streams()
@@ -890,17 +887,13 @@ def test_route_direct_does_not_cache_a_wrapper_of_a_stream_owned_elsewhere(monke
 def _b_at_a_dead_streams_handle(monkeypatch, route):
     """A allocates through the route (or raw_malloc), dies with its kernel running; B gets
     A's handle. Returns (fake, strategy, the allocation function, B)."""
-    import gc
-
     fake, s, d = _direct_with_capsule(monkeypatch)
     alloc = d if route == "direct" else s.raw_malloc
     A = fake.stream(non_blocking=True)
     h = A.ptr
     _dies_with_its_kernel_running(fake, alloc, A)
     del A
-    gc.collect()
-    B = fake.stream(non_blocking=True)
-    assert B.ptr == h
+    B = stream_on_handle(fake, h)
     return fake, s, alloc, B
 
 
@@ -1015,8 +1008,6 @@ def test_strategies_over_one_process_wide_cache_share_their_guard(name):
     """PyTorch's caching allocator and RMM's current resource are process-wide, like CuPy's
     pool: a stream watched through one strategy dies; the next strategy (use() again, a
     using() block) must not hand its block to a new stream on that handle."""
-    import gc
-
     fake = FakeBackend()
     s1 = cupy_memstrat.create(name, backend=fake)
     A = fake.stream(non_blocking=True)
@@ -1029,9 +1020,7 @@ def test_strategies_over_one_process_wide_cache_share_their_guard(name):
     s2 = cupy_memstrat.create(name, backend=fake)  # e.g. cupy_memstrat.use(name) again
     assert s2.guard is s1.guard
     del A
-    gc.collect()
-    B = fake.stream(non_blocking=True)
-    assert B.ptr == h and fake.busy_destroyed_streams() == 1
+    B = stream_on_handle(fake, h, still_running=1)
     with B:
         s2.raw_free(s2.raw_malloc(MiB))
     assert fake.busy_destroyed_streams() == 0

@@ -16,6 +16,7 @@ from cupy_memstrat import MemstratError
 from cupy_memstrat.strategies import RMMStrategy, TorchStrategy
 from cupy_memstrat.strategies.stream_guard import DeadStreamGuard
 from cupy_memstrat.testing import FakeBackend
+from helpers import stream_on_handle
 
 MiB = 1 << 20
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -130,9 +131,7 @@ def test_after_a_stream_that_allocated_dies_the_next_allocation_waits_for_its_wo
         s.raw_free(p)
     a = A.ptr
     del A
-    gc.collect()
-    B = fake.stream(non_blocking=True)
-    assert B.ptr == a and fake.busy_destroyed_streams() == 1
+    B = stream_on_handle(fake, a, still_running=1)
     with B:
         q = s.raw_malloc(MiB)
     assert fake.busy_destroyed_streams() == 0  # the allocation waited for A's kernel

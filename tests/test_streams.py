@@ -15,6 +15,7 @@ import pytest
 import cupy_memstrat
 from cupy_memstrat import cuda as C
 from cupy_memstrat.testing import FakeBackend
+from helpers import stream_on_handle
 
 MiB = 1 << 20
 POOLING = ["managed", "async", "pool"]
@@ -107,9 +108,7 @@ def test_managed_gives_a_new_stream_with_a_destroyed_streams_handle_none_of_its_
             s.raw_free(p)
         a = A.ptr
         del A
-        gc.collect()
-        B = fake.stream(non_blocking=True)
-        assert B.ptr == a and fake.busy_destroyed_streams() == 1
+        B = stream_on_handle(fake, a, still_running=1)
         q = _alloc_on(s, B, size)
         assert q != p or fake.busy_destroyed_streams() == 0  # A's block only once A's kernel is done
         fake.device_synchronize(0)
@@ -728,9 +727,7 @@ def test_fake_events_recorded_on_a_destroyed_stream_wait_for_its_own_work(fake):
         s.raw_free(p)
     b = B.ptr
     del B
-    gc.collect()
-    C = fake.stream(non_blocking=True)
-    assert C.ptr == b
+    C = stream_on_handle(fake, b)
     fake.launch(C)
     C.synchronize()
     assert _alloc_on(s, A, 4096) != p and fake.busy_destroyed_streams() == 1
