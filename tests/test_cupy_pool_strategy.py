@@ -344,6 +344,15 @@ def _direct_strategy(fake):
     return s, s._direct, pool
 
 
+def _direct_strategy_and_stream():
+    """``_direct_strategy`` over a new fake backend, and a non-blocking stream B on it: what the
+    tests of the held path below start from (they record blocks on B and run kernels there).
+    Returns (fake, s, d, pool, B)."""
+    fake = FakeBackend()
+    s, d, pool = _direct_strategy(fake)
+    return fake, s, d, pool, fake.stream(non_blocking=True)
+
+
 def test_route_says_which_route_cupys_arrays_take():
     fake = FakeBackend()
     assert cupy_memstrat.create("pool", route="direct", backend=fake).route == "wrap"  # the fake backend's fallback
@@ -377,9 +386,7 @@ def test_route_direct_keeps_a_recorded_block_from_the_pool_until_the_recorded_st
     still reads it. cupy_memstrat.record_stream holds the memory object; the
     control, Strategy.record_stream with the pointer alone, has the pool take
     the block back at once, while B still runs (its free then waits)."""
-    fake = FakeBackend()
-    s, d, pool = _direct_strategy(fake)
-    B = fake.stream(non_blocking=True)
+    fake, s, d, pool, B = _direct_strategy_and_stream()
     x = d(4096)
     ptr = x.ptr
     if through == "record_stream":
@@ -409,9 +416,7 @@ def test_route_direct_keeps_a_recorded_block_from_the_pool_until_the_recorded_st
 
 @needs_c
 def test_route_direct_held_block_whose_array_lives_stays_live_and_close_lets_it_go():
-    fake = FakeBackend()
-    s, d, pool = _direct_strategy(fake)
-    B = fake.stream(non_blocking=True)
+    fake, s, d, pool, B = _direct_strategy_and_stream()
     x = d(2048)
     assert cupy_memstrat.record_stream(x, B) is True
     fake.launch(B)
@@ -431,9 +436,7 @@ def test_route_direct_held_block_whose_array_lives_stays_live_and_close_lets_it_
 def test_route_direct_a_stale_reap_never_frees_the_newer_block_at_the_same_pointer():
     """Thread A lists P, thread B's allocation gets P back (its old block's wait
     done) and records it; A's free_early(P) then must count nothing."""
-    fake = FakeBackend()
-    s, d, pool = _direct_strategy(fake)
-    B = fake.stream(non_blocking=True)
+    fake, s, d, pool, B = _direct_strategy_and_stream()
     x = d(4096)
     P = x.ptr
     cupy_memstrat.record_stream(x, B)
@@ -458,9 +461,8 @@ def test_route_direct_a_stale_reap_never_frees_the_newer_block_at_the_same_point
 def test_route_direct_an_allocation_inside_the_reap_is_counted():
     """A finaliser allocating while the held blocks are reaped (here: at the
     event the deferral makes)."""
-    fake = FakeBackend()
-    s, d, pool = _direct_strategy(fake)
-    B, C = fake.stream(non_blocking=True), fake.stream(non_blocking=True)
+    fake, s, d, pool, B = _direct_strategy_and_stream()
+    C = fake.stream(non_blocking=True)
     x, w = d(4096), d(4096)
     Q = w.ptr
     cupy_memstrat.record_stream(x, B)
@@ -485,9 +487,7 @@ def test_route_direct_using_exit_and_use_of_another_let_go_of_held_blocks():
     """Nothing allocates through the strategy after using() or use() of
     another: a recorded array that dies later still gives its block back and
     lets the strategy go, as without record_stream."""
-    fake = FakeBackend()
-    s, d, pool = _direct_strategy(fake)
-    B = fake.stream(non_blocking=True)
+    fake, s, d, pool, B = _direct_strategy_and_stream()
     x = d(4096)
     P = x.ptr
     cupy_memstrat.record_stream(x, B)
@@ -504,9 +504,7 @@ def test_route_direct_using_exit_and_use_of_another_let_go_of_held_blocks():
 def test_route_direct_holds_only_its_own_memory_object():
     """record_stream through another memory object at the block's pointer (as
     cupy.cuda.UnownedMemory) holds nothing: the block's free then waits."""
-    fake = FakeBackend()
-    s, d, pool = _direct_strategy(fake)
-    B = fake.stream(non_blocking=True)
+    fake, s, d, pool, B = _direct_strategy_and_stream()
 
     class Unowned:
         def __init__(self, ptr, size):
@@ -528,9 +526,7 @@ def test_route_direct_holds_only_its_own_memory_object():
 
 @needs_c
 def test_route_direct_raw_malloc_reaps_first_so_the_peak_is_right():
-    fake = FakeBackend()
-    s, d, pool = _direct_strategy(fake)
-    B = fake.stream(non_blocking=True)
+    fake, s, d, pool, B = _direct_strategy_and_stream()
     s.reset_peak()
     x = d(1 << 20)
     cupy_memstrat.record_stream(x, B)
@@ -542,9 +538,7 @@ def test_route_direct_raw_malloc_reaps_first_so_the_peak_is_right():
 
 @needs_c
 def test_route_direct_use_of_another_strategy_lets_go_of_held_blocks():
-    fake = FakeBackend()
-    s, d, pool = _direct_strategy(fake)
-    B = fake.stream(non_blocking=True)
+    fake, s, d, pool, B = _direct_strategy_and_stream()
     x = d(4096)
     P = x.ptr
     assert cupy_memstrat.current() is s  # installed by _direct_strategy, as use(s) does on CUDA
@@ -562,9 +556,7 @@ def test_route_direct_letting_go_never_hands_a_waiting_block_to_the_pool_early()
     """A held block whose array died (its free counted, its stream still
     running) when the strategy stops being CuPy's allocator: it reaches the
     pool only after that stream's work, not when the strategy lets go."""
-    fake = FakeBackend()
-    s, d, pool = _direct_strategy(fake)
-    B = fake.stream(non_blocking=True)
+    fake, s, d, pool, B = _direct_strategy_and_stream()
     x = d(4096)
     P = x.ptr
     assert cupy_memstrat.current() is s  # installed by _direct_strategy, as use(s) does on CUDA
@@ -630,9 +622,7 @@ def test_route_direct_a_pointer_only_free_left_pending_never_gives_back_what_is_
 
 @needs_c
 def test_route_direct_record_stream_holds_only_while_the_route_is_cupys_allocator(restore_cupy_allocator):
-    fake = FakeBackend()
-    s, d, pool = _direct_strategy(fake)
-    B = fake.stream(non_blocking=True)
+    fake, s, d, pool, B = _direct_strategy_and_stream()
     x = d(4096)
     restore_cupy_allocator.cuda.set_allocator(None)  # another allocator (here CuPy's own, no pool)
     assert cupy_memstrat.record_stream(x, B) is True and s._held == {}  # recorded, not held
@@ -643,9 +633,7 @@ def test_route_direct_record_stream_holds_only_while_the_route_is_cupys_allocato
 
 @needs_c
 def test_route_direct_letting_go_never_raises_when_the_synchronisation_fails():
-    fake = FakeBackend()
-    s, d, pool = _direct_strategy(fake)
-    B = fake.stream(non_blocking=True)
+    fake, s, d, pool, B = _direct_strategy_and_stream()
     x = d(4096)
     cupy_memstrat.record_stream(x, B)
     fake.launch(B)
