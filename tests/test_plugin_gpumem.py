@@ -49,6 +49,14 @@ def _gpu_present():
         return False
 
 
+def _no_gpu_env(monkeypatch):
+    """Skip where a GPU is present; else no CUPY_MEMSTRAT_BACKEND, so that the inner sessions (subprocesses,
+    which inherit it) run on no backend at all: the plugin without a GPU."""
+    if _gpu_present():
+        pytest.skip("a GPU is present")
+    monkeypatch.delenv("CUPY_MEMSTRAT_BACKEND", raising=False)
+
+
 # -- options, ini keys, environment -------------------------------------------------------------
 
 
@@ -285,9 +293,7 @@ def test_b():
 
 
 def test_bad_markers_are_usage_errors_also_without_gpu(pytester, monkeypatch):
-    if _gpu_present():
-        pytest.skip("a GPU is present")
-    monkeypatch.delenv("CUPY_MEMSTRAT_BACKEND", raising=False)
+    _no_gpu_env(monkeypatch)
     pytester.makepyfile("import pytest\n@pytest.mark.limit_gpu_memory('lots')\ndef test_a():\n    pass\n")
     r = pytester.runpytest_subprocess()
     assert r.ret == pytest.ExitCode.USAGE_ERROR
@@ -451,9 +457,7 @@ def test_gpumem_faults_counts_every_test(pytester, fake_env):
 
 
 def test_page_fault_markers_without_a_gpu_skip_or_fail(pytester, monkeypatch):
-    if _gpu_present():
-        pytest.skip("a GPU is present")
-    monkeypatch.delenv("CUPY_MEMSTRAT_BACKEND", raising=False)
+    _no_gpu_env(monkeypatch)
     pytester.makepyfile("import pytest\n@pytest.mark.limit_page_faults(gpu=0)\ndef test_a():\n    pass\n"
                         "def test_b():\n    pass\n")
     r = pytester.runpytest_subprocess("-rs")
@@ -469,9 +473,7 @@ def test_page_fault_markers_without_a_gpu_skip_or_fail(pytester, monkeypatch):
 
 
 def test_without_gpu_the_session_runs_unmeasured_and_says_so_once(pytester, monkeypatch):
-    if _gpu_present():
-        pytest.skip("a GPU is present")
-    monkeypatch.delenv("CUPY_MEMSTRAT_BACKEND", raising=False)
+    _no_gpu_env(monkeypatch)
     pytester.makepyfile("import pytest\n@pytest.mark.limit_gpu_memory('1B')\ndef test_a():\n    pass\n"
                         "def test_b(gpumem):\n    pass\n")
     r = pytester.runpytest_subprocess("--gpumem-budget=1B", "--gpumem-leaks=fail", "-rs")
