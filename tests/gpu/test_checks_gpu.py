@@ -3,6 +3,7 @@ through without the check (the data is silently wrong, or nothing is said)
 and to be caught with it; the kernels themselves; no false findings on real
 CuPy work."""
 
+import contextlib
 import gc
 import textwrap
 
@@ -43,6 +44,18 @@ def _grid(n):
     return ((n + 255) // 256,), (256,)
 
 
+@contextlib.contextmanager
+def _streams_a_and_b(cp):
+    """Two non-blocking streams, A and B, for bugs 1 and 2; when the block ends, B then A is
+    synchronised, so that what the bug returns is final (B's long kernel done). An error raised
+    in the block (a check's finding) leaves both unsynchronised: the test synchronises. The
+    arrays stay in the bug's own frame, where the checks record their sites."""
+    A, B = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    yield A, B
+    B.synchronize()
+    A.synchronize()
+
+
 # -- bug 1: cross-stream reuse ------------------------------------------------------------------------
 
 
@@ -51,20 +64,18 @@ def _bug1(cp, k):
     no event ordering B before A; a new array of the same size on A gets the
     block and overwrites it while B still reads. Returns (x's pointer, z's
     pointer, what B read)."""
-    A, B = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
-    with A:
-        x = cp.full(N, 1.0, dtype=cp.float32)
-        A.synchronize()
-        xptr = x.data.ptr
-    with B:
-        y = cp.zeros(N, dtype=cp.float32)
-        B.synchronize()
-        k["slow_copy"]((1,), (256,), (x, y, np.int32(N), np.int64(SPIN)))
-    with A:
-        del x
-        z = cp.full(N, 7.0, dtype=cp.float32)
-    B.synchronize()
-    A.synchronize()
+    with _streams_a_and_b(cp) as (A, B):
+        with A:
+            x = cp.full(N, 1.0, dtype=cp.float32)
+            A.synchronize()
+            xptr = x.data.ptr
+        with B:
+            y = cp.zeros(N, dtype=cp.float32)
+            B.synchronize()
+            k["slow_copy"]((1,), (256,), (x, y, np.int32(N), np.int64(SPIN)))
+        with A:
+            del x
+            z = cp.full(N, 7.0, dtype=cp.float32)
     return xptr, z.data.ptr, cp.asnumpy(y)
 
 
@@ -94,18 +105,16 @@ def test_bug1_cross_stream_reuse_is_caught_by_the_streams_check(cp, k, installed
 def _bug2(cp, k):
     """A long kernel on stream B still writes x after x was released on A and
     its block handed to z. Returns (x's pointer, z's pointer, z)."""
-    A, B = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
-    with A:
-        x = cp.zeros(N, dtype=cp.float32)
-        A.synchronize()
-        xptr = x.data.ptr
-    with B:
-        k["slow_fill"]((1,), (256,), (x, np.int32(N), np.float32(5.0), np.int64(SPIN)))
-    with A:
-        del x
-        z = cp.full(N, 7.0, dtype=cp.float32)
-    B.synchronize()
-    A.synchronize()
+    with _streams_a_and_b(cp) as (A, B):
+        with A:
+            x = cp.zeros(N, dtype=cp.float32)
+            A.synchronize()
+            xptr = x.data.ptr
+        with B:
+            k["slow_fill"]((1,), (256,), (x, np.int32(N), np.float32(5.0), np.int64(SPIN)))
+        with A:
+            del x
+            z = cp.full(N, 7.0, dtype=cp.float32)
     return xptr, z.data.ptr, cp.asnumpy(z)
 
 
