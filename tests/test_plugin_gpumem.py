@@ -426,10 +426,16 @@ def test_unlimited():
 """
 
 
-def test_page_fault_budgets(pytester, fake_env):
+def _run_faults(pytester, *args):
+    """FAULTS run with ``args``: its two tests over their page-fault limits fail, the others pass."""
     pytester.makepyfile(FAULTS)
-    r = run(pytester, "--gpumem-json=out.json")
+    r = run(pytester, *args)
     r.assert_outcomes(failed=2, passed=2)
+    return r
+
+
+def test_page_fault_budgets(pytester, fake_env):
+    r = _run_faults(pytester, "--gpumem-json=out.json")
     r.stdout.fnmatch_lines([
         "*_ test_faulting _*",
         "64 GPU page faults > limit 0 (limit_page_faults marker; fake counters)",
@@ -446,9 +452,7 @@ def test_page_fault_budgets(pytester, fake_env):
 
 
 def test_gpumem_faults_counts_every_test(pytester, fake_env):
-    pytester.makepyfile(FAULTS)
-    r = run(pytester, "--gpumem-faults")
-    r.assert_outcomes(failed=2, passed=2)
+    r = _run_faults(pytester, "--gpumem-faults")
     r.stdout.fnmatch_lines([
         "gpumem: measuring every test * page faults: fake counters",
         "*peak*allocs*GPU faults*CPU faults*migrated*test",
