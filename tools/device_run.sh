@@ -120,10 +120,13 @@ run_subset() {  # results folder, tag, pytest options...: one timed run, appende
   echo "$tag: $(tail -2 $R/$tag.log | head -1) ($(tail -1 $R/times.jsonl))"
 }
 
+info_log() {  # FILTER...: cupy_memstrat info on the log, through FILTER (head -20, tail -6, ...)
+  python3 -m cupy_memstrat info | "$@"
+}
 info_json() {  # info, as JSON into $OUT and its first lines on the log
   step info
   python3 -m cupy_memstrat info --json > "$OUT/info.json"
-  python3 -m cupy_memstrat info | head -20
+  info_log head -20
 }
 gpu_tests() {  # tests/gpu, every test's outcome on the log, JUnit XML into $OUT
   step tests/gpu
@@ -157,9 +160,12 @@ reclaim_probe() {  # DIR [PREFIX...]: tools/probes/managed_reclaim.py (run behin
   step "probe: destroyed streams' chunks under managed"
   "$@" python3 tools/probes/managed_reclaim.py "$dir/managed-reclaim.json"
 }
-cost_probes() {  # where pool's direct route spends its time and the PythonFunctionAllocator floor, JSON into $J
+pool_direct_probe() {  # where pool's direct route spends its time, JSON into $J
   step "probe: where pool's direct route spends its time"
   python3 tools/probes/pool_direct_cost.py --json "$J/pool_direct_cost.json"
+}
+cost_probes() {  # where pool's direct route spends its time and the PythonFunctionAllocator floor, JSON into $J
+  pool_direct_probe
   step "probe: the floor of an allocator behind a PythonFunctionAllocator"
   python3 tools/probes/hot_path_floor.py --json "$J/hot_path_floor.json" device managed pool
 }
@@ -187,16 +193,76 @@ plugin_rounds() {  # HOW-MANY MODE...: with .cupy_tests, the plugin's cost on Cu
     done
   fi
 }
+torch_probe() {  # PyTorch allocating through a strategy (tools/probes/torch_pluggable.py), JSON into $J
+  step "probe: PyTorch allocating through a strategy (CUDAPluggableAllocator)"
+  timeout 300 python3 tools/probes/torch_pluggable.py --json "$J/torch_pluggable.json"
+}
+dask_probe() {  # SECONDS OPTION...: tools/probes/dask_gpu.py into $J (carry .whl), capped at SECONDS
+  local seconds=$1; shift
+  step "probe: Dask on the GPU (LocalCUDACluster)"
+  timeout "$seconds" python3 tools/probes/dask_gpu.py "$J" "$@"
+}
+managed_hot_path_probe() {  # DIR [PREFIX...]: tools/probes/managed_hot_path.py behind PREFIX, its JSON on the log + in DIR
+  local dir=$1; shift
+  step "probe: the managed hot path"
+  "$@" python3 tools/probes/managed_hot_path.py | tee "$dir/managed_hot_path.json"
+}
+origins_probe() {  # DIR: what track_origins costs (tools/probes/origins_cost.py), JSON into DIR
+  step "probe: what track_origins costs"
+  python3 tools/probes/origins_cost.py "$1/origins-cost.json"
+}
+workloads_rounds() {  # ROUNDS: bench workloads (every program, its default strategies), ROUNDS rounds, into $J
+  step "bench workloads --rounds $1"
+  python3 -m cupy_memstrat bench workloads --rounds "$1" --json "$J/bench-workloads.json"
+}
 
-step install
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
-nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+cupy_runs() {  # STRATEGY...: with .cupy_tests, CuPy's v14.2.0 subset once per allocator, in this order
+  # ("default" = CuPy's pool, else a strategy spec), then each strategy compared with the last "default" run
+  [ -d .cupy_tests/tests ] || return
+  # creation + manipulation with 8 workers; cuda_tests/test_memory.py alone, serially:
+  # its TestMemoryAsyncPool tests each take 70% of the GPU, so with 8 workers their
+  # outcome (and that of whatever runs beside them) depends on timing, not on the allocator.
+  R=/tmp/cupy_runs; mkdir -p $R
+  i=0; runs=()
+  for s in "$@"; do
+    i=$((i + 1)); tag="$i-${s%%:*}"; runs+=("$tag")
+    extra=""; [ "$s" != default ] && extra="--gpumem-strategy=$s"
+    step "CuPy v14.2.0 subset, run $tag ($s)"
+    t0=$(date +%s.%N)
+    ( cd .cupy_tests && timeout 300 python3 -m pytest tests/cupy_tests/creation_tests tests/cupy_tests/manipulation_tests \
+        ${CUPY_EXTRA_TESTS:-} \
+        -n 8 -q -p no:cacheprovider --timeout=120 --timeout-method=thread $extra \
+        --junitxml=$R/cm_$tag.xml > $R/cm_$tag.log 2>&1; echo "exit $?" >> $R/cm_$tag.log )
+    t1=$(date +%s.%N)
+    ( cd .cupy_tests && timeout 200 python3 -m pytest tests/cupy_tests/cuda_tests/test_memory.py \
+        -q -p no:cacheprovider --timeout=120 --timeout-method=thread $extra \
+        --junitxml=$R/mem_$tag.xml > $R/mem_$tag.log 2>&1; echo "exit $?" >> $R/mem_$tag.log )
+    t2=$(date +%s.%N)
+    python3 -c "import json, sys; t0, t1, t2 = map(float, sys.argv[3:]); print(json.dumps({'run': sys.argv[1], 'allocator': sys.argv[2], 'cm_seconds': round(t1 - t0, 2), 'mem_seconds': round(t2 - t1, 2)}))" \
+      "$tag" "$s" $t0 $t1 $t2 > $R/time_$tag.json
+    tail -2 $R/cm_$tag.log; tail -2 $R/mem_$tag.log; cat $R/time_$tag.json
+  done
+  base=""
+  for tag in "${runs[@]}"; do [ "${tag#*-}" = default ] && base=$tag; done
+  for tag in "${runs[@]}"; do
+    [ "$tag" = "$base" ] && continue
+    for part2 in cm mem; do
+      python3 tools/compare_junit.py $R/${part2}_$base.xml $R/${part2}_$tag.xml --json $R/compare_${part2}_$tag.json
+    done
+  done
+  python3 - "$R" "$base" "${runs[@]}" > "$OUT/cupy_compare.json" <<'EOF'
+import glob, json, sys
+r, base, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
+out = {"baseline": base, "times": [json.load(open(f"{r}/time_{t}.json")) for t in runs], "compare": {}}
+for f in sorted(glob.glob(f"{r}/compare_*.json")):
+    out["compare"][f.rsplit("/", 1)[1][8:-5]] = json.load(open(f))
+print(json.dumps(out, indent=2))
+EOF
+  tar -czf "$OUT/cupy_runs.tar.gz" -C /tmp cupy_runs
+}
 
-if [ "$part" = mainjob ]; then
+# The parts with steps of their own (the case below runs them)
+part_mainjob() {
   step info
   python3 -m cupy_memstrat info
   step tests/gpu
@@ -206,9 +272,8 @@ if [ "$part" = mainjob ]; then
   timeout "${BENCH_TIMEOUT:-420}" python3 -m cupy_memstrat bench --out "$OUT/memstrat-bench"
   echo "bench exit $? after $(( $(date +%s) - t0 )) s"
   tar czf "$OUT/mainjob.tgz" -C "$OUT" memstrat-bench && rm -rf "$OUT/memstrat-bench"
-fi
-
-if [ "$part" = main ]; then
+}
+part_main() {
   step info
   python3 -m cupy_memstrat info
   python3 -m cupy_memstrat info --json > "$OUT/info.json"
@@ -226,277 +291,8 @@ if [ "$part" = main ]; then
   for s in cupy-default device; do
     timeout 180 compute-sanitizer --tool memcheck --print-limit 2 python3 tools/oob_demo.py $s 2>&1 | grep -E "ERROR SUMMARY|Invalid __global__ write|kernel ran"
   done
-fi
-
-if [ "$part" = final2 ]; then
-  info_json
-  gpu_tests
-  benches streams async alloc workloads
-  set -- default async
-  part=cupy
-fi
-
-if [ "$part" = hotpath3 ]; then
-  info_json
-  gpu_tests
-  benches async alloc managed streams workloads
-fi
-
-if [ "$part" = reclaim ]; then
-  info_json
-  step "tests/gpu: streams and managed"
-  python3 -m pytest tests/gpu/test_streams_gpu.py tests/gpu/test_managed_gpu.py -v -p no:cacheprovider -rs \
-    --junitxml="$OUT/tests_gpu.xml"
-  reclaim_probe "$OUT"
-fi
-
-if [ "$part" = pending ]; then
-  info_json
-  mkdir -p /tmp/viz
-  GPUMEM_VIZ_OUT=/tmp/viz gpu_tests
-  cp /tmp/viz/memory-viz-managed-trace.html "$OUT/" 2>/dev/null
-  reclaim_probe "$OUT"
-  step "probe: what track_origins costs"
-  python3 tools/probes/origins_cost.py "$OUT/origins-cost.json"
-fi
-
-if [ "$part" = session ]; then
-  # pending + bench streams, managed, workloads + the async multi-stream probe; the JSON in one tgz
-  J=/tmp/session_json; mkdir -p $J /tmp/viz
-  python3 -m cupy_memstrat info --json > "$J/info.json"; python3 -m cupy_memstrat info | head -20
-  GPUMEM_VIZ_OUT=/tmp/viz gpu_tests
-  tar -czf "$OUT/viz.tgz" -C /tmp viz
-  reclaim_probe "$J"
-  step "probe: async on the multi-stream pipeline"
-  python3 tools/probes/async_multistream.py "$J/async-multistream.json"
-  step "probe: what track_origins costs"
-  python3 tools/probes/origins_cost.py "$J/origins-cost.json"
-  BENCH_DIR=$J benches streams managed workloads
-  pack_json
-fi
-
-if [ "$part" = call2 ]; then
-  # the dead-stream trace, tests/gpu, Dask on the GPU (wheels in .whl), the reclaim probe,
-  # bench streams and workloads; the JSON in one tgz
-  json_dir call2
-  python3 -m cupy_memstrat info | head -20
-  step "probe: the dead-stream pattern, round by round"
-  timeout 120 python3 tools/probes/dead_stream_trace.py "$J/dead-stream-trace.json" | tail -40
-  gpu_tests
-  step "probe: Dask on the GPU (LocalCUDACluster)"
-  timeout 200 python3 tools/probes/dask_gpu.py "$J" --rounds 5
-  reclaim_probe "$J" timeout 120
-  BENCH_DIR=$J benches streams workloads
-  pack_json
-fi
-
-if [ "$part" = call3 ]; then
-  # tests/gpu, Dask on the GPU (a larger workload, 9 rounds of the tracking cost), the reclaim
-  # probe, bench streams, workloads and managed; the JSON in one tgz
-  json_dir call3
-  python3 -m cupy_memstrat info | head -20
-  gpu_tests
-  step "probe: Dask on the GPU (LocalCUDACluster)"
-  timeout 240 python3 tools/probes/dask_gpu.py "$J" --n 24576 --rounds 9
-  reclaim_probe "$J" timeout 120
-  BENCH_DIR=$J benches streams workloads managed
-  pack_json
-fi
-
-if [ "$part" = call5 ]; then
-  # tests/gpu (with what the last session could not run: from_external, the growth gate, trim
-  # reset), the managed hot-path probe, bench streams, workloads (9 rounds: the ratio in rounds)
-  # and managed (the latency back to back), bench alloc; the JSON in one tgz
-  json_dir call5
-  python3 -m cupy_memstrat info | head -20
-  gpu_tests
-  step "probe: the managed hot path"
-  timeout 60 python3 tools/probes/managed_hot_path.py | tee "$J/managed_hot_path.json"
-  BENCH_DIR=$J benches streams
-  step "bench workloads --rounds 9"
-  python3 -m cupy_memstrat bench workloads --rounds 9 --json "$J/bench-workloads.json"
-  BENCH_DIR=$J benches managed alloc
-  pack_json
-fi
-
-if [ "$part" = call6 ]; then
-  # issue 20 (carry .whl: RMM): tests/gpu (the rmm and torch strategies, the Numba memory
-  # manager, the mixed CuPy + PyTorch + Numba probe's JSON), then bench alloc with their rows
-  json_dir call6
-  python3 -m cupy_memstrat info | head -30
-  GPUMEM_INTEROP_OUT=$J gpu_tests
-  BENCH_DIR=$J benches alloc
-  pack_json
-fi
-
-if [ "$part" = call7 ]; then
-  # issue 20 again after call6's findings (carry .whl and .cupy_tests): the interop, Numba and
-  # plugin GPU tests (the mixed probe's JSON), then CuPy's subset under CuPy's pool, rmm and torch
-  J=/tmp/call7_json; mkdir -p $J
-  step "tests/gpu: interop, numba, plugin"
-  GPUMEM_INTEROP_OUT=$J python3 -m pytest tests/gpu/test_interop_gpu.py tests/gpu/test_numba_gpu.py \
-    tests/gpu/test_plugin_gpu.py -v -p no:cacheprovider -rs --junitxml="$J/tests_gpu_interop.xml"
-  pack_json
-  set -- default rmm torch
-  part=cupy
-fi
-
-if [ "$part" = call8 ]; then
-  # after the mend and the review (carry .whl): tests/gpu in full, the Numba allocation probe,
-  # bench alloc (the rmm and torch rows)
-  json_dir call8
-  GPUMEM_INTEROP_OUT=$J gpu_tests
-  step "probe: a Numba allocation through cupy_memstrat.numba"
-  timeout 150 python3 tools/probes/numba_alloc_cost.py "$J/numba-alloc-cost.json"
-  BENCH_DIR=$J benches alloc
-  pack_json
-fi
-
-if [ "$part" = call9 ]; then
-  # pool:route=direct (added without a GPU): tests/gpu in full, bench alloc with the pool-direct
-  # row beside pool, bench streams with pool:route=direct among the safe allocators
-  json_dir call9
-  gpu_tests
-  BENCH_DIR=$J benches alloc streams
-  pack_json
-fi
-
-if [ "$part" = call10 ]; then
-  # pool's route "direct" the default (record_stream holds the block): tests/gpu in full, bench
-  # alloc (pool beside pool-wrap) and bench workloads --rounds 7 (pool beside pool:route=wrap)
-  json_dir call10
-  gpu_tests
-  BENCH_DIR=$J benches alloc
-  step "bench workloads --rounds 7"
-  python3 -m cupy_memstrat bench workloads --rounds 7 --json "$J/bench-workloads.json"
-  pack_json
-fi
-
-if [ "$part" = call11 ]; then
-  # after call10: its one failure's file again (the test expected the PythonFunctionAllocator's
-  # guard for pool), where the direct route's time goes (tools/probes/pool_direct_cost.py),
-  # bench managed, then CuPy's subset under CuPy's pool, pool (direct) and pool:route=wrap
-  json_dir call11
-  step "tests/gpu/test_hot_path_gpu.py"
-  python3 -m pytest tests/gpu/test_hot_path_gpu.py -v -p no:cacheprovider --junitxml="$J/tests_hot_path.xml"
-  step "probe: where pool's direct route spends its time"
-  python3 tools/probes/pool_direct_cost.py --json "$J/pool_direct_cost.json"
-  BENCH_DIR=$J benches managed
-  pack_json
-  set -- default pool pool:route=wrap
-  part=cupy
-fi
-
-if [ "$part" = call12 ]; then
-  # the final code: tests/gpu in full, bench alloc, then docs/debugging.md's worked examples
-  # (tools/debugging_walkthrough.sh: the OOM hunt, PyTorch's viewer, the plugin, the growth gate)
-  json_dir call12
-  gpu_tests
-  BENCH_DIR=$J benches alloc streams
-  step "docs/debugging.md, worked on the GPU"
-  timeout 240 bash tools/debugging_walkthrough.sh $J/debugging
-  pack_json
-fi
-
-if [ "$part" = call13 ]; then
-  # the last commits of the previous session (never run on a GPU): tests/gpu in full; then bench
-  # workloads with its A/A control and 0.25 s samples for the pooling strategies, managed-large
-  # apart (cold), and where async's cold time goes (tools/probes/async_cold.py)
-  json_dir call13
-  timed_gpu_tests 340
-  BENCH_DIR=$J benches alloc
-  warm_workloads "pool;async;managed;pool:route=wrap"
-  cold_workloads "pool;async"
-  step "probe: async's cold large allocation"
-  python3 tools/probes/async_cold.py --json "$J/async_cold.json"
-  pack_json
-fi
-
-if [ "$part" = call14 ]; then
-  # the allocation benches side by side in one run (bench alloc, async, managed), the two probes
-  # that say where the time goes (pool's direct route; PythonFunctionAllocator's floor and device
-  # against raw cudaMalloc), then tests/gpu in full, last so that a cut run still has the benches
-  json_dir call14
-  python3 -m cupy_memstrat info | tail -8
-  BENCH_DIR=$J benches alloc async managed
-  cost_probes
-  pack_json
-  timed_gpu_tests 420
-  pack_json
-fi
-
-if [ "$part" = call15 ]; then
-  # the final code (pool's dead-stream guard): tests/gpu in full first, then bench alloc, async and
-  # managed side by side in one run (issue 18), then the plugin's cost on CuPy's subset again
-  json_dir call15
-  python3 -m cupy_memstrat info | tail -6
-  timed_gpu_tests 380
-  pack_json
-  BENCH_DIR=$J benches ${CALL15_BENCHES:-alloc async managed}
-  pack_json
-  plugin_rounds two plain measure measure plain
-  pack_json
-fi
-
-if [ "$part" = call16 ]; then
-  # the hot path's counts in C (no event lists to fold): the allocation benches side by side, the
-  # two probes that say where the time goes, bench workloads for the pooling strategies, then
-  # tests/gpu in full, last so that a cut run still has the benches
-  json_dir call16
-  python3 -m cupy_memstrat info | tail -6
-  BENCH_DIR=$J benches alloc managed async
-  cost_probes
-  pack_json
-  warm_workloads "pool;async;managed"
-  pack_json
-  timed_gpu_tests ${GPU_TIMEOUT:-330}
-  pack_json
-fi
-
-if [ "$part" = call17 ]; then
-  # the final hot path: the allocation benches side by side, bench workloads for the pooling
-  # strategies and managed-large cold, then tests/gpu in full, last so that a cut run keeps the benches
-  json_dir call17
-  python3 -m cupy_memstrat info | tail -6
-  BENCH_DIR=$J benches alloc managed async
-  pack_json
-  warm_workloads "pool;async;managed"
-  cold_workloads "pool;async;managed"
-  pack_json
-  timed_gpu_tests ${GPU_TIMEOUT:-330}
-  pack_json
-fi
-
-if [ "$part" = call18 ]; then
-  # where pool's time goes now, the PythonFunctionAllocator floor, then the plugin's cost on
-  # CuPy's subset (issue 18): a warm-up, then plain and --gpumem in three rotated rounds
-  json_dir call18
-  cost_probes
-  step "probe: PyTorch allocating through a strategy (CUDAPluggableAllocator)"
-  timeout 300 python3 tools/probes/torch_pluggable.py --json "$J/torch_pluggable.json"
-  pack_json
-  plugin_rounds three plain measure measure plain plain measure
-  pack_json
-fi
-
-if [ "$part" = call19 ]; then
-  # the CUDAPluggableAllocator probe again, with the step each child reached (call18's
-  # pluggable-pool child died of SIGSEGV before its output could be kept)
-  json_dir call19
-  step "probe: PyTorch allocating through a strategy (CUDAPluggableAllocator)"
-  timeout 300 python3 tools/probes/torch_pluggable.py --json "$J/torch_pluggable.json"
-  pack_json
-fi
-
-if [ "$part" = call21 ]; then
-  # issue 17 (the architecture refactor, behaviour unchanged): tests/gpu in full (carry .whl for
-  # RMM and Dask)
-  json_dir call21
-  timed_gpu_tests ${GPU_TIMEOUT:-540}
-  pack_json
-fi
-
-if [ "$part" = call22 ]; then
+}
+part_call22() {
   # issue 17: bench alloc and bench managed on the refactored tree and on the tree before it
   # (carry .before: git archive b582c60 cupy_memstrat csrc setup.py pyproject.toml), alternating,
   # so that the two are compared in one machine start
@@ -522,58 +318,8 @@ if [ "$part" = call22 ]; then
       done
     done
   done
-fi
-
-if [ "$part" = call23 ]; then
-  # after the last two repeats were removed (pool's and torch's reserved bytes through one mixin, the
-  # benches' frame): bench async and bench managed, and the GPU tests of pool and torch
-  json_dir call23
-  BENCH_DIR=$J benches async managed
-  pack_json
-  step "tests/gpu: pool and torch"
-  timeout 150 python3 -m pytest tests/gpu/test_cupy_pool_gpu.py tests/gpu/test_interop_gpu.py -v -p no:cacheprovider \
-    -rs --junitxml="$J/tests_gpu_pool_torch.xml"
-  pack_json
-fi
-
-if [ "$part" = call20 ]; then
-  # issue 19's last GPU paths (carry .whl: dask, distributed, dask-cuda, RMM): next to dask-cuda's
-  # RMM plugin in both orders, two `dask cuda worker --preload` workers, record_history and the
-  # side-by-side plot (tools/probes/dask_gpu_more.py)
-  json_dir call20
-  step "probe: dask_gpu_more"
-  timeout 420 python3 tools/probes/dask_gpu_more.py "$J"
-  echo "probe exit $?"
-  pack_json
-fi
-
-if [ "$part" = call4 ]; then
-  # Dask on the GPU again (the per-task hook without CUDA reads; the Prometheus endpoint), then
-  # CuPy's v14.2.0 subset under CuPy's pool and managed (carry .whl and .cupy_tests)
-  json_dir call4
-  step "probe: Dask on the GPU (LocalCUDACluster)"
-  timeout 240 python3 tools/probes/dask_gpu.py "$J" --n 24576 --rounds 9
-  pack_json
-  set -- default managed
-  part=cupy
-fi
-
-if [ "$part" = safety ]; then
-  info_json
-  step "probe: are stream handles reused after a stream dies?"
-  python3 tools/probes/stream_handles.py
-  gpu_tests
-  benches streams managed workloads
-fi
-
-if [ "$part" = hotpath2 ]; then
-  step "probe: the managed hot path"
-  python3 tools/probes/managed_hot_path.py | tee "$OUT/managed_hot_path.json"
-  step "bench managed"
-  python3 -m cupy_memstrat bench managed --json "$OUT/bench-managed.json"
-fi
-
-if [ "$part" = managed ]; then
+}
+part_managed() {
   step info
   python3 -m cupy_memstrat info
   python3 -m cupy_memstrat info --json > "$OUT/info.json"
@@ -583,9 +329,8 @@ if [ "$part" = managed ]; then
 
   step bench managed
   python3 -m cupy_memstrat bench managed --json "$OUT/bench_managed.json"
-fi
-
-if [ "$part" = plugin ] && [ -d .cupy_tests/tests ]; then
+}
+part_plugin() {
   R=/tmp/plugin_runs; mkdir -p $R
   declare -A OPTS=(
     [plain]=""
@@ -611,9 +356,8 @@ print('Meter.open seconds per worker:', [round(r['timers'].get('Meter.open', {})
   cp $R/gpumem.json "$OUT/cupy_gpumem.json" 2>/dev/null
   cp $R/times.jsonl "$OUT/plugin_times.jsonl"
   tar -czf "$OUT/plugin_runs.tar.gz" -C /tmp plugin_runs
-fi
-
-if [ "$part" = checks_smoke ]; then
+}
+part_checks_smoke() {
   step "tests/gpu/test_checks_gpu.py"
   python3 -m pytest tests/gpu/test_checks_gpu.py -v -p no:cacheprovider -rs --junitxml="$OUT/tests_checks.xml"
   if [ -d .cupy_tests/tests ]; then
@@ -623,9 +367,8 @@ if [ "$part" = checks_smoke ]; then
     tail -15 $OUT/cupy_checks.log
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); f=[(t['nodeid'],x['kind'],x['message'][:160]) for t in d['tests'] for x in t.get('findings') or []]; print(len(f),'findings'); [print(*x) for x in f[:30]]" $OUT/cupy_checks.json
   fi
-fi
-
-if [ "$part" = checks ] && [ -d .cupy_tests/tests ]; then
+}
+part_checks() {
   step info
   python3 -m cupy_memstrat info --json > "$OUT/info.json"
   quiet_gpu_tests 25
@@ -652,9 +395,8 @@ if [ "$part" = checks ] && [ -d .cupy_tests/tests ]; then
   cp $R/checks.json "$OUT/cupy_checks.json"
   cp $R/times.jsonl "$OUT/check_times.jsonl"
   tar -czf "$OUT/check_runs.tar.gz" -C /tmp check_runs
-fi
-
-if [ "$part" = final ] && [ -d .cupy_tests/tests ]; then
+}
+part_final() {
   # one call: tests/gpu, then CuPy's subset: a warm-up, plain / unchecked / streams / all (the last
   # one writing its findings as JSON), then compute-sanitizer memcheck for ${SAN_TIMEOUT:-240} s at most
   step info
@@ -695,9 +437,8 @@ PY
   cp $R/checks.json "$OUT/cupy_checks.json"
   cp $R/times.jsonl "$OUT/final_times.jsonl"
   tar -czf "$OUT/final_runs.tar.gz" -C /tmp final_runs
-fi
-
-if [ "$part" = sanitizer ] && [ -d .cupy_tests/tests ]; then
+}
+part_sanitizer() {
   # The same subset, plain (CuPy's own pool) and under compute-sanitizer memcheck, which
   # follows the pytest-xdist workers (--target-processes all). ${SAN_TIMEOUT:-420} s at most.
   R=/tmp/san_runs; mkdir -p $R
@@ -717,13 +458,8 @@ if [ "$part" = sanitizer ] && [ -d .cupy_tests/tests ]; then
   python3 -c "import json, sys; t0, t1, t2 = map(float, sys.argv[1:]); print(json.dumps({'plain_seconds': round(t1 - t0, 2), 'memcheck_seconds': round(t2 - t1, 2)}))" \
     $t0 $t1 $t2 | tee "$OUT/sanitizer_times.json"
   tar -czf "$OUT/san_runs.tar.gz" -C /tmp san_runs
-fi
-
-if [ "$part" = gpu ]; then
-  quiet_gpu_tests 15
-fi
-
-if [ "$part" = hotpath ]; then
+}
+part_hotpath() {
   step info
   python3 -m cupy_memstrat info | tail -7
   python3 -m cupy_memstrat info --json > "$OUT/info.json"
@@ -734,9 +470,8 @@ if [ "$part" = hotpath ]; then
   python3 -m cupy_memstrat bench alloc --quiet --json "$OUT/bench_alloc.json" | tail -14
   step "bench managed"
   python3 -m cupy_memstrat bench managed --quiet --json "$OUT/bench_managed.json" | tail -30
-fi
-
-if [ "$part" = probes ]; then
+}
+part_probes() {
   step info
   python3 -m cupy_memstrat info --json > "$OUT/info.json"
   step toolchain
@@ -778,48 +513,199 @@ print(json.dumps({"workers": rows, "totals": tot,
                   "session_seconds": sum(r["session_seconds"] for r in rows)}, indent=1))
 PY
   fi
-fi
+}
 
-if [ "$part" = cupy ] && [ -d .cupy_tests/tests ]; then
-  # creation + manipulation with 8 workers; cuda_tests/test_memory.py alone, serially:
-  # its TestMemoryAsyncPool tests each take 70% of the GPU, so with 8 workers their
-  # outcome (and that of whatever runs beside them) depends on timing, not on the allocator.
-  R=/tmp/cupy_runs; mkdir -p $R
-  i=0; runs=()
-  for s in "$@"; do
-    i=$((i + 1)); tag="$i-${s%%:*}"; runs+=("$tag")
-    extra=""; [ "$s" != default ] && extra="--gpumem-strategy=$s"
-    step "CuPy v14.2.0 subset, run $tag ($s)"
-    t0=$(date +%s.%N)
-    ( cd .cupy_tests && timeout 300 python3 -m pytest tests/cupy_tests/creation_tests tests/cupy_tests/manipulation_tests \
-        ${CUPY_EXTRA_TESTS:-} \
-        -n 8 -q -p no:cacheprovider --timeout=120 --timeout-method=thread $extra \
-        --junitxml=$R/cm_$tag.xml > $R/cm_$tag.log 2>&1; echo "exit $?" >> $R/cm_$tag.log )
-    t1=$(date +%s.%N)
-    ( cd .cupy_tests && timeout 200 python3 -m pytest tests/cupy_tests/cuda_tests/test_memory.py \
-        -q -p no:cacheprovider --timeout=120 --timeout-method=thread $extra \
-        --junitxml=$R/mem_$tag.xml > $R/mem_$tag.log 2>&1; echo "exit $?" >> $R/mem_$tag.log )
-    t2=$(date +%s.%N)
-    python3 -c "import json, sys; t0, t1, t2 = map(float, sys.argv[3:]); print(json.dumps({'run': sys.argv[1], 'allocator': sys.argv[2], 'cm_seconds': round(t1 - t0, 2), 'mem_seconds': round(t2 - t1, 2)}))" \
-      "$tag" "$s" $t0 $t1 $t2 > $R/time_$tag.json
-    tail -2 $R/cm_$tag.log; tail -2 $R/mem_$tag.log; cat $R/time_$tag.json
-  done
-  base=""
-  for tag in "${runs[@]}"; do [ "${tag#*-}" = default ] && base=$tag; done
-  for tag in "${runs[@]}"; do
-    [ "$tag" = "$base" ] && continue
-    for part2 in cm mem; do
-      python3 tools/compare_junit.py $R/${part2}_$base.xml $R/${part2}_$tag.xml --json $R/compare_${part2}_$tag.json
-    done
-  done
-  python3 - "$R" "$base" "${runs[@]}" > "$OUT/cupy_compare.json" <<'EOF'
-import glob, json, sys
-r, base, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
-out = {"baseline": base, "times": [json.load(open(f"{r}/time_{t}.json")) for t in runs], "compare": {}}
-for f in sorted(glob.glob(f"{r}/compare_*.json")):
-    out["compare"][f.rsplit("/", 1)[1][8:-5]] = json.load(open(f))
-print(json.dumps(out, indent=2))
-EOF
-  tar -czf "$OUT/cupy_runs.tar.gz" -C /tmp cupy_runs
+step install
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
 fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+
+# The parts: each a recipe of the steps above, under the comment that says what its call ran
+case $part in
+  mainjob) part_mainjob ;;
+  main) part_main ;;
+  final2) info_json; gpu_tests; benches streams async alloc workloads; cupy_runs default async ;;
+  hotpath3) info_json; gpu_tests; benches async alloc managed streams workloads ;;
+  reclaim)
+    info_json
+    step "tests/gpu: streams and managed"
+    python3 -m pytest tests/gpu/test_streams_gpu.py tests/gpu/test_managed_gpu.py -v -p no:cacheprovider -rs \
+      --junitxml="$OUT/tests_gpu.xml"
+    reclaim_probe "$OUT" ;;
+  pending)
+    info_json; mkdir -p /tmp/viz; GPUMEM_VIZ_OUT=/tmp/viz gpu_tests
+    cp /tmp/viz/memory-viz-managed-trace.html "$OUT/" 2>/dev/null
+    reclaim_probe "$OUT"; origins_probe "$OUT" ;;
+
+  # pending + bench streams, managed, workloads + the async multi-stream probe; the JSON in one tgz
+  session)
+    J=/tmp/session_json; mkdir -p $J /tmp/viz
+    python3 -m cupy_memstrat info --json > "$J/info.json"; info_log head -20
+    GPUMEM_VIZ_OUT=/tmp/viz gpu_tests; tar -czf "$OUT/viz.tgz" -C /tmp viz
+    reclaim_probe "$J"
+    step "probe: async on the multi-stream pipeline"
+    python3 tools/probes/async_multistream.py "$J/async-multistream.json"
+    origins_probe "$J"; BENCH_DIR=$J benches streams managed workloads; pack_json ;;
+
+  # the dead-stream trace, tests/gpu, Dask on the GPU (wheels in .whl), the reclaim probe,
+  # bench streams and workloads; the JSON in one tgz
+  call2)
+    json_dir call2; info_log head -20
+    step "probe: the dead-stream pattern, round by round"
+    timeout 120 python3 tools/probes/dead_stream_trace.py "$J/dead-stream-trace.json" | tail -40
+    gpu_tests; dask_probe 200 --rounds 5; reclaim_probe "$J" timeout 120
+    BENCH_DIR=$J benches streams workloads; pack_json ;;
+
+  # tests/gpu, Dask on the GPU (a larger workload, 9 rounds of the tracking cost), the reclaim
+  # probe, bench streams, workloads and managed; the JSON in one tgz
+  call3) json_dir call3; info_log head -20; gpu_tests; dask_probe 240 --n 24576 --rounds 9
+    reclaim_probe "$J" timeout 120; BENCH_DIR=$J benches streams workloads managed; pack_json ;;
+
+  # tests/gpu (with what the last session could not run: from_external, the growth gate, trim
+  # reset), the managed hot-path probe, bench streams, workloads (9 rounds: the ratio in rounds)
+  # and managed (the latency back to back), bench alloc; the JSON in one tgz
+  call5) json_dir call5; info_log head -20; gpu_tests; managed_hot_path_probe "$J" timeout 60
+    BENCH_DIR=$J benches streams; workloads_rounds 9; BENCH_DIR=$J benches managed alloc; pack_json ;;
+
+  # issue 20 (carry .whl: RMM): tests/gpu (the rmm and torch strategies, the Numba memory
+  # manager, the mixed CuPy + PyTorch + Numba probe's JSON), then bench alloc with their rows
+  call6) json_dir call6; info_log head -30; GPUMEM_INTEROP_OUT=$J gpu_tests; BENCH_DIR=$J benches alloc; pack_json ;;
+
+  # issue 20 again after call6's findings (carry .whl and .cupy_tests): the interop, Numba and
+  # plugin GPU tests (the mixed probe's JSON), then CuPy's subset under CuPy's pool, rmm and torch
+  call7)
+    J=/tmp/call7_json; mkdir -p $J
+    step "tests/gpu: interop, numba, plugin"
+    GPUMEM_INTEROP_OUT=$J python3 -m pytest tests/gpu/test_interop_gpu.py tests/gpu/test_numba_gpu.py \
+      tests/gpu/test_plugin_gpu.py -v -p no:cacheprovider -rs --junitxml="$J/tests_gpu_interop.xml"
+    pack_json; cupy_runs default rmm torch ;;
+
+  # after the mend and the review (carry .whl): tests/gpu in full, the Numba allocation probe,
+  # bench alloc (the rmm and torch rows)
+  call8)
+    json_dir call8; GPUMEM_INTEROP_OUT=$J gpu_tests
+    step "probe: a Numba allocation through cupy_memstrat.numba"
+    timeout 150 python3 tools/probes/numba_alloc_cost.py "$J/numba-alloc-cost.json"
+    BENCH_DIR=$J benches alloc; pack_json ;;
+
+  # pool:route=direct (added without a GPU): tests/gpu in full, bench alloc with the pool-direct
+  # row beside pool, bench streams with pool:route=direct among the safe allocators
+  call9) json_dir call9; gpu_tests; BENCH_DIR=$J benches alloc streams; pack_json ;;
+
+  # pool's route "direct" the default (record_stream holds the block): tests/gpu in full, bench
+  # alloc (pool beside pool-wrap) and bench workloads --rounds 7 (pool beside pool:route=wrap)
+  call10) json_dir call10; gpu_tests; BENCH_DIR=$J benches alloc; workloads_rounds 7; pack_json ;;
+
+  # after call10: its one failure's file again (the test expected the PythonFunctionAllocator's
+  # guard for pool), where the direct route's time goes (tools/probes/pool_direct_cost.py),
+  # bench managed, then CuPy's subset under CuPy's pool, pool (direct) and pool:route=wrap
+  call11)
+    json_dir call11
+    step "tests/gpu/test_hot_path_gpu.py"
+    python3 -m pytest tests/gpu/test_hot_path_gpu.py -v -p no:cacheprovider --junitxml="$J/tests_hot_path.xml"
+    pool_direct_probe; BENCH_DIR=$J benches managed; pack_json; cupy_runs default pool pool:route=wrap ;;
+
+  # the final code: tests/gpu in full, bench alloc, then docs/debugging.md's worked examples
+  # (tools/debugging_walkthrough.sh: the OOM hunt, PyTorch's viewer, the plugin, the growth gate)
+  call12)
+    json_dir call12; gpu_tests; BENCH_DIR=$J benches alloc streams
+    step "docs/debugging.md, worked on the GPU"
+    timeout 240 bash tools/debugging_walkthrough.sh $J/debugging
+    pack_json ;;
+
+  # the last commits of the previous session (never run on a GPU): tests/gpu in full; then bench
+  # workloads with its A/A control and 0.25 s samples for the pooling strategies, managed-large
+  # apart (cold), and where async's cold time goes (tools/probes/async_cold.py)
+  call13)
+    json_dir call13; timed_gpu_tests 340; BENCH_DIR=$J benches alloc
+    warm_workloads "pool;async;managed;pool:route=wrap"; cold_workloads "pool;async"
+    step "probe: async's cold large allocation"
+    python3 tools/probes/async_cold.py --json "$J/async_cold.json"
+    pack_json ;;
+
+  # the allocation benches side by side in one run (bench alloc, async, managed), the two probes
+  # that say where the time goes (pool's direct route; PythonFunctionAllocator's floor and device
+  # against raw cudaMalloc), then tests/gpu in full, last so that a cut run still has the benches
+  call14) json_dir call14; info_log tail -8; BENCH_DIR=$J benches alloc async managed; cost_probes; pack_json
+    timed_gpu_tests 420; pack_json ;;
+
+  # the final code (pool's dead-stream guard): tests/gpu in full first, then bench alloc, async and
+  # managed side by side in one run (issue 18), then the plugin's cost on CuPy's subset again
+  call15) json_dir call15; info_log tail -6; timed_gpu_tests 380; pack_json
+    BENCH_DIR=$J benches ${CALL15_BENCHES:-alloc async managed}; pack_json
+    plugin_rounds two plain measure measure plain; pack_json ;;
+
+  # the hot path's counts in C (no event lists to fold): the allocation benches side by side, the
+  # two probes that say where the time goes, bench workloads for the pooling strategies, then
+  # tests/gpu in full, last so that a cut run still has the benches
+  call16) json_dir call16; info_log tail -6; BENCH_DIR=$J benches alloc managed async; cost_probes; pack_json
+    warm_workloads "pool;async;managed"; pack_json; timed_gpu_tests ${GPU_TIMEOUT:-330}; pack_json ;;
+
+  # the final hot path: the allocation benches side by side, bench workloads for the pooling
+  # strategies and managed-large cold, then tests/gpu in full, last so that a cut run keeps the benches
+  call17) json_dir call17; info_log tail -6; BENCH_DIR=$J benches alloc managed async; pack_json
+    warm_workloads "pool;async;managed"; cold_workloads "pool;async;managed"; pack_json
+    timed_gpu_tests ${GPU_TIMEOUT:-330}; pack_json ;;
+
+  # where pool's time goes now, the PythonFunctionAllocator floor, then the plugin's cost on
+  # CuPy's subset (issue 18): a warm-up, then plain and --gpumem in three rotated rounds
+  call18) json_dir call18; cost_probes; torch_probe; pack_json
+    plugin_rounds three plain measure measure plain plain measure; pack_json ;;
+
+  # the CUDAPluggableAllocator probe again, with the step each child reached (call18's
+  # pluggable-pool child died of SIGSEGV before its output could be kept)
+  call19) json_dir call19; torch_probe; pack_json ;;
+
+  # issue 17 (the architecture refactor, behaviour unchanged): tests/gpu in full (carry .whl for
+  # RMM and Dask)
+  call21) json_dir call21; timed_gpu_tests ${GPU_TIMEOUT:-540}; pack_json ;;
+
+  call22) part_call22 ;;
+
+  # after the last two repeats were removed (pool's and torch's reserved bytes through one mixin, the
+  # benches' frame): bench async and bench managed, and the GPU tests of pool and torch
+  call23)
+    json_dir call23; BENCH_DIR=$J benches async managed; pack_json
+    step "tests/gpu: pool and torch"
+    timeout 150 python3 -m pytest tests/gpu/test_cupy_pool_gpu.py tests/gpu/test_interop_gpu.py -v -p no:cacheprovider \
+      -rs --junitxml="$J/tests_gpu_pool_torch.xml"
+    pack_json ;;
+
+  # issue 19's last GPU paths (carry .whl: dask, distributed, dask-cuda, RMM): next to dask-cuda's
+  # RMM plugin in both orders, two `dask cuda worker --preload` workers, record_history and the
+  # side-by-side plot (tools/probes/dask_gpu_more.py)
+  call20)
+    json_dir call20
+    step "probe: dask_gpu_more"
+    timeout 420 python3 tools/probes/dask_gpu_more.py "$J"
+    echo "probe exit $?"
+    pack_json ;;
+
+  # Dask on the GPU again (the per-task hook without CUDA reads; the Prometheus endpoint), then
+  # CuPy's v14.2.0 subset under CuPy's pool and managed (carry .whl and .cupy_tests)
+  call4) json_dir call4; dask_probe 240 --n 24576 --rounds 9; pack_json; cupy_runs default managed ;;
+
+  safety)
+    info_json
+    step "probe: are stream handles reused after a stream dies?"
+    python3 tools/probes/stream_handles.py
+    gpu_tests; benches streams managed workloads ;;
+  hotpath2)
+    managed_hot_path_probe "$OUT"
+    step "bench managed"
+    python3 -m cupy_memstrat bench managed --json "$OUT/bench-managed.json" ;;
+  managed) part_managed ;;
+  plugin) [ -d .cupy_tests/tests ] && part_plugin ;;
+  checks_smoke) part_checks_smoke ;;
+  checks) [ -d .cupy_tests/tests ] && part_checks ;;
+  final) [ -d .cupy_tests/tests ] && part_final ;;
+  sanitizer) [ -d .cupy_tests/tests ] && part_sanitizer ;;
+  gpu) quiet_gpu_tests 15 ;;
+  hotpath) part_hotpath ;;
+  probes) part_probes ;;
+  cupy) cupy_runs "$@" ;;
+esac
 step done
