@@ -261,6 +261,46 @@ EOF
   tar -czf "$OUT/cupy_runs.tar.gz" -C /tmp cupy_runs
 }
 
+# The steps of the parts below that run CuPy's subset ($R: its results folder)
+rotated_rounds() {  # ORDER...: round N runs the modes of the Nth ORDER in turn, each with its options ${OPTS[MODE]}
+  local round=0 order mode
+  for order in "$@"; do
+    round=$((round + 1))
+    for mode in $order; do
+      step "round $round: $mode"
+      run_subset "$R" "${mode}_$round" ${OPTS[$mode]}
+    done
+  done
+}
+checks_start() {  # info as JSON into $OUT, tests/gpu (its last 25 lines), then $R made, M (the options of
+  # "unchecked": --gpumem, a budget, leaks=fail) and the subset's warm-up under --gpumem
+  step info
+  python3 -m cupy_memstrat info --json > "$OUT/info.json"
+  quiet_gpu_tests 25
+  mkdir -p "$R"
+  M="--gpumem --gpumem-budget=64GiB --gpumem-leaks=fail"
+  step "warm-up (compiles the kernels)"
+  run_subset "$R" warmup --gpumem
+}
+memcheck_subset() {  # SECONDS: the subset under compute-sanitizer memcheck, which follows the pytest-xdist
+  # workers (--target-processes all), capped at SECONDS; its log in $R/memcheck.log, each process's in $R/memcheck.PID.log
+  ( cd .cupy_tests && timeout $1 compute-sanitizer --tool memcheck --target-processes all \
+      --print-limit 10 --log-file "$R/memcheck.%p.log" python3 -m pytest $CM_ARGS --timeout=400 > "$R/memcheck.log" 2>&1; \
+      echo "exit $?" >> "$R/memcheck.log" )
+}
+runs_back() {  # NAME: $R/times.jsonl as $OUT/NAME_times.jsonl, /tmp/NAME_runs as $OUT/NAME_runs.tar.gz
+  cp "$R/times.jsonl" "$OUT/$1_times.jsonl"
+  tar -czf "$OUT/$1_runs.tar.gz" -C /tmp "$1_runs"
+}
+info_and_tests() {  # PYTEST-OPTION...: info on the log and as JSON into $OUT, then tests (all), JUnit XML into $OUT
+  step info
+  python3 -m cupy_memstrat info
+  python3 -m cupy_memstrat info --json > "$OUT/info.json"
+
+  step tests
+  python3 -m pytest tests -v -p no:cacheprovider "$@" --junitxml="$OUT/tests.xml"
+}
+
 # The parts with steps of their own (the case below runs them)
 part_mainjob() {
   step info
@@ -274,12 +314,7 @@ part_mainjob() {
   tar czf "$OUT/mainjob.tgz" -C "$OUT" memstrat-bench && rm -rf "$OUT/memstrat-bench"
 }
 part_main() {
-  step info
-  python3 -m cupy_memstrat info
-  python3 -m cupy_memstrat info --json > "$OUT/info.json"
-
-  step tests
-  python3 -m pytest tests -v -p no:cacheprovider --junitxml="$OUT/tests.xml"
+  info_and_tests
 
   step bench alloc
   python3 -m cupy_memstrat bench alloc --json "$OUT/bench_alloc.json"
@@ -320,12 +355,7 @@ part_call22() {
   done
 }
 part_managed() {
-  step info
-  python3 -m cupy_memstrat info
-  python3 -m cupy_memstrat info --json > "$OUT/info.json"
-
-  step tests
-  python3 -m pytest tests -v -p no:cacheprovider -rs --junitxml="$OUT/tests.xml"
+  info_and_tests -rs
 
   step bench managed
   python3 -m cupy_memstrat bench managed --json "$OUT/bench_managed.json"
@@ -340,13 +370,7 @@ part_plugin() {
   step "warm-up (compiles the kernels)"
   run_subset $R warmup
   # three rounds, the order rotated each round so that drift in the machine does not favour one setting
-  orders=("plain measure faults" "measure faults plain" "faults plain measure")
-  for round in 1 2 3; do
-    for mode in ${orders[$((round - 1))]}; do
-      step "round $round: $mode"
-      run_subset $R "${mode}_$round" ${OPTS[$mode]}
-    done
-  done
+  rotated_rounds "plain measure faults" "measure faults plain" "faults plain measure"
   step "report run: --gpumem --gpumem-leaks=warn --gpumem-json (and tools/probes/plugin_cost.py)"
   PLUGIN_COST_DIR=$R/plugin_cost PYTHONPATH=$PWD/tools/probes:${PYTHONPATH:-} \
     run_subset $R report --gpumem --gpumem-leaks=warn --gpumem-top=15 --gpumem-json=$R/gpumem.json -p plugin_cost
@@ -354,8 +378,7 @@ part_plugin() {
 print('Meter.open seconds per worker:', [round(r['timers'].get('Meter.open', {}).get('seconds', 0), 3) for r in rows])" $R/plugin_cost
   grep -A25 -i "gpumem" $R/report.log | tail -40
   cp $R/gpumem.json "$OUT/cupy_gpumem.json" 2>/dev/null
-  cp $R/times.jsonl "$OUT/plugin_times.jsonl"
-  tar -czf "$OUT/plugin_runs.tar.gz" -C /tmp plugin_runs
+  runs_back plugin
 }
 part_checks_smoke() {
   step "tests/gpu/test_checks_gpu.py"
@@ -369,43 +392,26 @@ part_checks_smoke() {
   fi
 }
 part_checks() {
-  step info
-  python3 -m cupy_memstrat info --json > "$OUT/info.json"
-  quiet_gpu_tests 25
-  R=/tmp/check_runs; mkdir -p $R
-  M="--gpumem --gpumem-budget=64GiB --gpumem-leaks=fail"
-  declare -A COPTS=(
+  R=/tmp/check_runs
+  checks_start
+  declare -A OPTS=(
     [plain]=""
     [unchecked]="$M"
     [streams]="$M --gpumem-check=streams"
     [all]="$M --gpumem-check=streams,poison,redzone"
   )
-  step "warm-up (compiles the kernels)"
-  run_subset $R warmup --gpumem
-  orders=("plain unchecked streams all" "all streams unchecked plain")
-  for round in 1 2; do
-    for mode in ${orders[$((round - 1))]}; do
-      step "round $round: $mode"
-      run_subset $R "${mode}_$round" ${COPTS[$mode]}
-    done
-  done
+  rotated_rounds "plain unchecked streams all" "all streams unchecked plain"
   step "report run: --gpumem-check=all --gpumem-json"
   run_subset $R report --gpumem --gpumem-check=all --gpumem-top=5 --gpumem-json=$R/checks.json
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); f=[(t['nodeid'],x['kind']) for t in d['tests'] for x in t.get('findings') or []]; print(len(f),'findings'); [print(*x) for x in f[:30]]" $R/checks.json
   cp $R/checks.json "$OUT/cupy_checks.json"
-  cp $R/times.jsonl "$OUT/check_times.jsonl"
-  tar -czf "$OUT/check_runs.tar.gz" -C /tmp check_runs
+  runs_back check
 }
 part_final() {
   # one call: tests/gpu, then CuPy's subset: a warm-up, plain / unchecked / streams / all (the last
   # one writing its findings as JSON), then compute-sanitizer memcheck for ${SAN_TIMEOUT:-240} s at most
-  step info
-  python3 -m cupy_memstrat info --json > "$OUT/info.json"
-  quiet_gpu_tests 25
-  R=/tmp/final_runs; mkdir -p $R
-  M="--gpumem --gpumem-budget=64GiB --gpumem-leaks=fail"
-  step "warm-up (compiles the kernels)"
-  run_subset $R warmup --gpumem
+  R=/tmp/final_runs
+  checks_start
   for mode in plain unchecked streams all; do
     step "$mode"
     case $mode in
@@ -419,9 +425,7 @@ part_final() {
   step "compute-sanitizer --tool memcheck (at most ${SAN_TIMEOUT:-240} s)"
   compute-sanitizer --version | tail -1
   t0=$(date +%s.%N)
-  ( cd .cupy_tests && timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool memcheck --target-processes all \
-      --print-limit 10 --log-file $R/memcheck.%p.log python3 -m pytest $CM_ARGS --timeout=400 > $R/memcheck.log 2>&1; \
-      echo "exit $?" >> $R/memcheck.log )
+  memcheck_subset "${SAN_TIMEOUT:-240}"
   t1=$(date +%s.%N)
   tail -4 $R/memcheck.log
   grep -h "ERROR SUMMARY" $R/memcheck.*.log 2>/dev/null | sort | uniq -c | head
@@ -435,8 +439,7 @@ print(json.dumps({"run": "memcheck", "seconds": round(float(sys.argv[3]) - float
                   "finished": "passed" in text.splitlines()[-2] if len(text.splitlines()) > 1 else False}))
 PY
   cp $R/checks.json "$OUT/cupy_checks.json"
-  cp $R/times.jsonl "$OUT/final_times.jsonl"
-  tar -czf "$OUT/final_runs.tar.gz" -C /tmp final_runs
+  runs_back final
 }
 part_sanitizer() {
   # The same subset, plain (CuPy's own pool) and under compute-sanitizer memcheck, which
@@ -449,9 +452,7 @@ part_sanitizer() {
   tail -2 $R/plain.log
   step "compute-sanitizer --tool memcheck"
   compute-sanitizer --version | tail -1
-  ( cd .cupy_tests && timeout ${SAN_TIMEOUT:-420} compute-sanitizer --tool memcheck --target-processes all \
-      --print-limit 10 --log-file $R/memcheck.%p.log python3 -m pytest $CM_ARGS --timeout=400 > $R/memcheck.log 2>&1; \
-      echo "exit $?" >> $R/memcheck.log )
+  memcheck_subset "${SAN_TIMEOUT:-420}"
   t2=$(date +%s.%N)
   tail -3 $R/memcheck.log
   grep -h "ERROR SUMMARY" $R/memcheck.*.log | sort | uniq -c | head
