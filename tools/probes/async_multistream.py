@@ -10,13 +10,14 @@ the path given (default: stdout).
 
 import dataclasses
 import json
-import sys
 
 import cupy
 
 from cupy_memstrat.bench import streams as S
 from cupy_memstrat.bench import workloads as W
 from cupy_memstrat.info import collect
+
+from _probe_report import write_report
 
 SPECS = ["async", "async:cache=0", "async:cache=512MiB", "pool"]
 out = {"machine": collect()}
@@ -36,9 +37,4 @@ for spec in SPECS[:3]:
         S.release(cupy, s)
 out["async_pool_after_20_runs"] = after
 print(json.dumps(after, indent=1, default=str), flush=True)
-text = json.dumps(out, indent=1, default=str)
-if len(sys.argv) > 1:
-    with open(sys.argv[1], "w") as f:
-        f.write(text)
-else:
-    print(text)
+write_report(out)

@@ -13,13 +13,14 @@ Writes one JSON object to the path given (default: stdout).
 """
 
 import json
-import sys
 
 import cupy
 
 from cupy_memstrat.bench import streams as S
 from cupy_memstrat.bench import workloads as W
 from cupy_memstrat.info import collect
+
+from _probe_report import write_report
 
 out = {"machine": collect()}
 
@@ -63,9 +64,4 @@ for spec in S.ALLOCATORS:
 out["dead_stream_reclaimed"] = cells
 print(json.dumps(cells), flush=True)
 
-text = json.dumps(out, indent=1, default=str)
-if len(sys.argv) > 1:
-    with open(sys.argv[1], "w") as f:
-        f.write(text)
-else:
-    print(text)
+write_report(out)
