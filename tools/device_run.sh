@@ -94,6 +94,8 @@
 #   tools/device_run.sh call22            (carry .before) bench alloc and managed, after and before the refactor,
 #                                         alternating, two rounds (call22_json.tgz)
 #   tools/device_run.sh call23            bench async and managed, tests/gpu of pool and torch (call23_json.tgz)
+#   tools/device_run.sh call24            (carry .whl) tests/gpu (memory-viz exports in viz/), then bench alloc,
+#                                         managed and async, after the last repeats were removed (call24_json.tgz)
 #   tools/device_run.sh call20            (carry .whl) tools/probes/dask_gpu_more.py: RMM's plugin in both
 #                                         orders, dask cuda worker --preload, record_history + plot (call20_json.tgz)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
@@ -674,6 +676,12 @@ case $part in
     timeout 150 python3 -m pytest tests/gpu/test_cupy_pool_gpu.py tests/gpu/test_interop_gpu.py -v -p no:cacheprovider \
       -rs --junitxml="$J/tests_gpu_pool_torch.xml"
     pack_json ;;
+
+  # issue 17's last repeats removed (the C hot path's held_select, the library's, the tests'): tests/gpu
+  # in full, its memory-viz test writing the exports into $J/viz, then bench alloc, managed and async
+  # (carry .whl)
+  call24) json_dir call24; GPUMEM_VIZ_OUT=$J/viz timed_gpu_tests ${GPU_TIMEOUT:-330}; pack_json
+    BENCH_DIR=$J benches alloc managed; pack_json; BENCH_DIR=$J benches async; pack_json ;;
 
   # issue 19's last GPU paths (carry .whl: dask, distributed, dask-cuda, RMM): next to dask-cuda's
   # RMM plugin in both orders, two `dask cuda worker --preload` workers, record_history and the
