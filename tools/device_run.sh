@@ -96,6 +96,11 @@
 #   tools/device_run.sh call23            bench async and managed, tests/gpu of pool and torch (call23_json.tgz)
 #   tools/device_run.sh call24            (carry .whl) tests/gpu (memory-viz exports in viz/), then bench alloc,
 #                                         managed and async, after the last repeats were removed (call24_json.tgz)
+#   tools/device_run.sh x2a               (two GPUs; carry .whl) tests/gpu in full (x2a_json.tgz)
+#   tools/device_run.sh x2b               (two GPUs; carry .whl, .cupy_tests) tools/probes/cross_device_copy.py,
+#                                         CuPy's multi-GPU copy tests under default, device, async, event,
+#                                         managed and cupy-async, tools/probes/dask_gpu.py --devices 0,1
+#                                         (x2b_json.tgz)
 #   tools/device_run.sh call20            (carry .whl) tools/probes/dask_gpu_more.py: RMM's plugin in both
 #                                         orders, dask cuda worker --preload, record_history + plot (call20_json.tgz)
 #   tools/device_run.sh cupy S1 S2 ...    CuPy's v14.2.0 test subset once per allocator, in this
@@ -261,6 +266,25 @@ for f in sorted(glob.glob(f"{r}/compare_*.json")):
 print(json.dumps(out, indent=2))
 EOF
   tar -czf "$OUT/cupy_runs.tar.gz" -C /tmp cupy_runs
+}
+
+multigpu_copy_tests() {  # HOW...: with .cupy_tests, CuPy's three multi-GPU copy tests once per allocator: default
+  # (CuPy's pool), cupy-async (CuPy's MemoryAsyncPool), event (async behind tools/probes/cross_device_order.py),
+  # else a strategy spec; JUnit XML into $J when it is set
+  [ -d .cupy_tests/tests ] || return
+  local K="test_copy_multigpu or test_copyto_multigpu" how extra
+  local F="tests/cupy_tests/creation_tests/test_from_data.py tests/cupy_tests/manipulation_tests/test_basic.py"
+  for how in "$@"; do
+    step "CuPy's multi-GPU copy tests: $how"
+    case $how in
+      default) extra="" ;;
+      cupy-async) extra="-p cupy_async_alloc" ;;
+      event) extra="-p cross_device_order" ;;
+      *) extra="--gpumem-strategy=$how" ;;
+    esac
+    ( cd .cupy_tests && PYTHONPATH=$OLDPWD/tools/probes:${PYTHONPATH:-} timeout 200 python3 -m pytest $F -k "$K" -q \
+        -p no:cacheprovider $extra ${J:+--junitxml=$J/multigpu_$how.xml} 2>&1 | tail -3 )
+  done
 }
 
 # The steps of the parts below that run CuPy's subset ($R: its results folder)
@@ -487,18 +511,7 @@ part_probes() {
   step "GC-cleared PythonFunctionAllocatorMemory"
   timeout 120 python3 tools/probes/pfa_gc_clear.py
   if [ -d .cupy_tests/tests ]; then
-    K="test_copy_multigpu or test_copyto_multigpu"
-    F="tests/cupy_tests/creation_tests/test_from_data.py tests/cupy_tests/manipulation_tests/test_basic.py"
-    for how in default async cupy-async; do
-      step "CuPy's multi-GPU copy tests: $how"
-      case $how in
-        default) extra="" ;;
-        async) extra="--gpumem-strategy=async" ;;
-        cupy-async) extra="-p cupy_async_alloc" ;;
-      esac
-      ( cd .cupy_tests && PYTHONPATH=$OLDPWD/tools/probes:${PYTHONPATH:-} timeout 200 python3 -m pytest $F -k "$K" -q \
-          -p no:cacheprovider $extra 2>&1 | tail -3 )
-    done
+    multigpu_copy_tests default async cupy-async
     step "where the plugin's per-test time goes (CuPy's subset, --gpumem --gpumem-budget --gpumem-leaks=fail)"
     export PLUGIN_COST_DIR=/tmp/plugin_cost
     ( cd .cupy_tests && PYTHONPATH=$OLDPWD/tools/probes:${PYTHONPATH:-} timeout 300 python3 -m pytest $CM_ARGS \
@@ -682,6 +695,16 @@ case $part in
   # (carry .whl)
   call24) json_dir call24; GPUMEM_VIZ_OUT=$J/viz timed_gpu_tests ${GPU_TIMEOUT:-330}; pack_json
     BENCH_DIR=$J benches alloc managed; pack_json; BENCH_DIR=$J benches async; pack_json ;;
+
+  # issue 22, on two GPUs (kind nvidia-h200-x2): x2a is tests/gpu in full, whose two-GPU tests skip on one;
+  # x2b (carry .whl and .cupy_tests) the cross-device copy probe (each kind of memory, and the event an
+  # allocator can record at allocation), CuPy's three multi-GPU copy tests under six allocators, and
+  # Dask's LocalCUDACluster with one worker per GPU
+  x2a) json_dir x2a; timed_gpu_tests ${GPU_TIMEOUT:-540}; pack_json ;;
+  x2b) json_dir x2b; step "probe: cross-device copies"
+    timeout 150 python3 tools/probes/cross_device_copy.py "$J/cross_device_copy.json"; pack_json
+    multigpu_copy_tests default device async event managed cupy-async; pack_json
+    dask_probe 300 --devices 0,1 --rounds 5; pack_json ;;
 
   # issue 19's last GPU paths (carry .whl: dask, distributed, dask-cuda, RMM): next to dask-cuda's
   # RMM plugin in both orders, two `dask cuda worker --preload` workers, record_history and the

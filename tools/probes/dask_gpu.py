@@ -10,7 +10,7 @@ track_tasks=True and False in interleaved rounds, median seconds and ratio.
 Then an out-of-memory task on the worker, and a normal one after it. Each
 worker's Prometheus endpoint (/metrics) is read after each strategy's run.
 
-Usage: python tools/probes/dask_gpu.py OUT_DIR [--n 16384] [--chunk 4096] [--rounds 7]
+Usage: python tools/probes/dask_gpu.py OUT_DIR [--n 16384] [--chunk 4096] [--rounds 7] [--devices 0]
 Writes OUT_DIR/dask-gpu.json and OUT_DIR/dask-task-peaks.png.
 """
 
@@ -41,6 +41,7 @@ def main():
     p.add_argument("--n", type=int, default=16384)
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--devices", default="0", help="the cluster's CUDA_VISIBLE_DEVICES: one worker per GPU (0,1: two)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -59,8 +60,10 @@ def main():
 
     report["machine"]["packages"].update(dask=dask.__version__, distributed=distributed.__version__,
                                          dask_cuda=dask_cuda.__version__)
-    with LocalCUDACluster(CUDA_VISIBLE_DEVICES="0", threads_per_worker=1, dashboard_address=":0",
+    with LocalCUDACluster(CUDA_VISIBLE_DEVICES=args.devices, threads_per_worker=1, dashboard_address=":0",
                           silence_logs=40) as cluster, Client(cluster) as client:
+        report["workers"] = client.run(lambda: {"device": cupy.cuda.runtime.getDevice(),
+                                                "pci_bus_id": cupy.cuda.Device().pci_bus_id})
         t0 = time.perf_counter()
         ref = cupy.asnumpy(workload(client, args.n, args.chunk))
         report["reference"] = {"allocator": "CuPy's pool, no plugin", "seconds": time.perf_counter() - t0,
@@ -151,7 +154,9 @@ def main():
         ax.barh([r["prefix"][:28] for r in rows], [r["peak_bytes"] / 2**20 for r in rows])
         ax.set_title(f"MemstratPlugin({spec!r}): peak per task, by key prefix")
         ax.set_xlabel("MiB (highest task of the prefix)")
-    fig.suptitle(f"dask.array on LocalCUDACluster, one H200: sum((X @ X.T) / n), n={args.n}, chunks {args.chunk}")
+    gpus = len(args.devices.split(","))
+    fig.suptitle(f"dask.array on LocalCUDACluster, {gpus} GPU{'s' if gpus > 1 else ''}: sum((X @ X.T) / n), "
+                 f"n={args.n}, chunks {args.chunk}")
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "dask-task-peaks.png"), dpi=110)
 
