@@ -422,3 +422,40 @@ def test_block_sizes_are_reported_as_cupys_pool_reports_them(cp, spec):
         S.release(cp, s)
     cp.cuda.set_allocator(cp.get_default_memory_pool().malloc)
     assert cp.empty(1000, dtype=cp.uint8).data.mem.size == 1024  # CuPy's own pool
+
+
+# -- across devices (two GPUs; issue 22) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", SAFE)
+def test_the_patterns_hold_with_the_second_device_current(cp, spec, n_devices):
+    """The stream-ordering patterns above, all on device 1: each strategy's pools and caches are
+    per device, and a block freed there waits for device 1's streams as on device 0."""
+    if n_devices < 2:
+        pytest.skip("needs two GPUs")
+    with cp.cuda.Device(1):
+        k = S.Kernels(cp)
+        for name, pattern in PATTERNS.items():
+            if name == "dead-stream" and spec == "cupy-default":
+                continue  # CuPy's pool keys its arenas by handle (the test above)
+            assert _run(cp, spec, lambda: pattern(cp, k)) == 0, name
+
+
+@pytest.mark.parametrize("spec", ["managed", "async", "pool"])
+def test_record_stream_with_another_devices_stream_is_refused_and_changes_nothing(cp, spec, n_devices):
+    if n_devices < 2:
+        pytest.skip("needs two GPUs")
+    s = S.install(cp, spec)
+    try:
+        x = cp.arange(1000, dtype=cp.float32)
+        with cp.cuda.Device(1):
+            other = cp.cuda.Stream(non_blocking=True)
+        before = s.stats(0)
+        with pytest.raises(ValueError, match="is on device 1, but the array's memory is on device 0"):
+            cupy_memstrat.record_stream(x, other)
+        assert s.stats(0) == before and float(x[-1]) == 999.0
+        del x
+        cp.cuda.Device().synchronize()
+        assert s.stats(0).n_live == 0  # freed as if never recorded
+    finally:
+        S.release(cp, s)
