@@ -26,9 +26,9 @@ import statistics
 import time
 
 import cupy
-import numpy as np
 
 import cupy_memstrat
+from cupy_memstrat.bench.streams import Kernels
 from cupy_memstrat.info import collect
 
 from _probe_report import write_report
@@ -36,15 +36,6 @@ from cross_device_order import OrderAfterOtherDevices
 
 TRIALS = 5
 N = 1 << 16
-SPIN = 50_000_000  # clock64 cycles of the fill kernel: tens of milliseconds on an H200
-_SLOW_FILL = r"""
-extern "C" __global__ void slow_fill(float* x, int n, float v, long long cycles) {
-    long long t0 = clock64();
-    while (clock64() - t0 < cycles) {}
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] = v;
-}
-"""
 
 
 def _allocators():
@@ -62,10 +53,11 @@ def _allocators():
 
 
 def _fill(kernels):
+    """A buffer on device 0, filled with 7.0 by a long kernel on its legacy stream (queued, not done)."""
     with cupy.cuda.Device(0):
         src = cupy.zeros(N, cupy.float32)
         cupy.cuda.Device().synchronize()
-        kernels[0]((N // 256,), (256,), (src, np.int32(N), np.float32(7.0), np.int64(SPIN)))
+        kernels[0].fill(src, 7.0)
     return src
 
 
@@ -105,7 +97,7 @@ def _pair_us(malloc, rounds=7, n=2000):
 
 
 def main():
-    out = {"probe": "cross_device_copy", "machine": collect(), "trials": TRIALS, "n_floats": N, "spin_cycles": SPIN}
+    out = {"probe": "cross_device_copy", "machine": collect(), "trials": TRIALS, "n_floats": N}
     n = cupy.cuda.runtime.getDeviceCount()
     out["n_devices"] = n
     if n < 2:
@@ -114,10 +106,9 @@ def main():
         return write_report(out)
     out["peer_access"] = {"0->1": bool(cupy.cuda.runtime.deviceCanAccessPeer(0, 1)),
                           "1->0": bool(cupy.cuda.runtime.deviceCanAccessPeer(1, 0))}
-    kernels = {}
-    for d in (0, 1):
-        with cupy.cuda.Device(d):
-            kernels[d] = cupy.RawKernel(_SLOW_FILL, "slow_fill")
+    with cupy.cuda.Device(0):
+        kernels = {0: Kernels(cupy)}  # the long kernels of bench streams (cupy_memstrat.bench.streams)
+    out["spin_cycles"] = int(kernels[0].cycles)
     prev = cupy.cuda.memory.get_allocator()
     keep = _allocators()
     rows = {}
