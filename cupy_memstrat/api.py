@@ -448,7 +448,7 @@ def prefetch(x, to="device", *, nbytes: int | None = None, stream=None, backend=
         to: ``"device"`` (CuPy's current device, default), ``"host"``, or a
             device ordinal.
         nbytes: bytes from the pointer (raw pointers and MemoryPointers only).
-        stream: a ``cupy.cuda.Stream`` (or anything with ``.ptr``) or a raw
+        stream: a ``cupy.cuda.Stream`` (or ``ExternalStream``) or a raw
             handle; default: CuPy's current stream.
         backend: the CUDA seam (default: the real one; tests pass a fake).
 
@@ -465,10 +465,8 @@ def prefetch(x, to="device", *, nbytes: int | None = None, stream=None, backend=
             raise ValueError(f"stream: a raw handle is a cudaStream_t from 0 (the default stream) to 2**64 - 1, "
                              f"got {stream}")
         handle = stream
-    elif isinstance(stream, (bool, float, str, bytes)) or not hasattr(stream, "ptr"):
-        raise TypeError(f"stream: expected a cupy.cuda.Stream, a raw handle or None, got {stream!r}")
     else:
-        check_stream(stream)  # its .ptr an int handle in range
+        check_stream(stream)  # a CuPy stream, its .ptr an int handle in range
         handle = stream.ptr
     ptr, size = _managed_range(x, nbytes, backend, "prefetch")
     loc = _location(to, "prefetch: to", backend)

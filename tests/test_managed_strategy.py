@@ -488,8 +488,9 @@ def test_prefetch_and_advise_refuse_memory_that_is_not_managed(fake):
         (dict(stream="fast"), TypeError, "stream: expected"),
         (dict(stream=-1), ValueError, "stream: a raw handle is a cudaStream_t from 0"),
         (dict(stream=2**64), ValueError, "stream: a raw handle is a cudaStream_t from 0"),
-        (dict(stream=type("S", (), {"ptr": -1})()), ValueError, "which is no cudaStream_t"),
-        (dict(stream=type("Q", (), {"ptr": "x"})()), TypeError, "whose .ptr is an int handle"),
+        (dict(stream=type("S", (), {"ptr": -1, "simulated_stream": True})()), ValueError, "which is no cudaStream_t"),
+        (dict(stream=type("Q", (), {"ptr": "x", "simulated_stream": True})()), TypeError, "whose .ptr is an int"),
+        (dict(stream=type("D", (), {"ptr": 5})()), TypeError, r"expected a cupy.cuda.Stream \(or Ext.*got "),
         (dict(stream=1.5), TypeError, "stream: expected"),
     ],
 )

@@ -620,15 +620,22 @@ def test_strategy_record_stream_refuses_a_bad_pointer(fake, bad, err):
     assert s._recorded == {}
 
 
-class _Handle:
+class _Duck:
+    """Has a stream's attributes, is no stream (as a MemoryPointer has .ptr and .device_id)."""
+
     def __init__(self, ptr, device_id=0):
         self.ptr, self.device_id = ptr, device_id
+
+
+class _Handle(_Duck):
+    simulated_stream = True  # a stream of the simulated GPU, with a bad handle
 
 
 @pytest.mark.parametrize("stream, err, match", [
     (None, TypeError, "expected a cupy.cuda.Stream"),
     (7, TypeError, "expected a cupy.cuda.Stream"),
     ("B", TypeError, "expected a cupy.cuda.Stream"),
+    (_Duck(5), TypeError, r"expected a cupy.cuda.Stream \(or ExternalStream\), got test_streams._Duck$"),
     (_Handle(True), TypeError, r"whose \.ptr is an int handle"),
     (_Handle(-7), ValueError, "which is no cudaStream_t"),
     (_Handle(1 << 70), ValueError, "which is no cudaStream_t"),
@@ -642,6 +649,23 @@ def test_both_record_streams_refuse_a_bad_stream(restore_cupy_allocator, fake, s
     with pytest.raises(err, match=match):
         s.record_stream(x.data.mem.ptr, stream)
     assert s._recorded == {}
+
+
+@pytest.mark.parametrize("name", ["managed", "async", "device"])
+def test_an_arrays_memory_is_refused_as_a_stream(restore_cupy_allocator, fake, name):
+    """A MemoryPointer has .ptr and .device_id as a stream has: recorded as a stream, its device
+    pointer was used as a cudaStream_t and crashed the process at the free (pool and async on an
+    H200; tests/gpu/test_streams_gpu.py)."""
+    cupy = restore_cupy_allocator
+    s = cupy_memstrat.use(name, backend=fake)
+    x, y = cupy.empty(1000, dtype=cupy.float32), cupy.empty(1000, dtype=cupy.float32)
+    for not_a_stream in (y.data, y, y.data.mem):
+        what = f"got {type(not_a_stream).__module__}.{type(not_a_stream).__qualname__}$"
+        with pytest.raises(TypeError, match="stream: expected a cupy.cuda.Stream .*" + what):
+            cupy_memstrat.record_stream(x, not_a_stream)
+        with pytest.raises(TypeError, match="stream: expected a cupy.cuda.Stream .*" + what):
+            s.record_stream(x.data.mem.ptr, not_a_stream)
+    assert s._recorded == {} and s.stats().n_live == 2
 
 
 def test_strategy_record_stream_refuses_another_devices_or_a_destroyed_stream(fake2):

@@ -11,6 +11,7 @@ as ``cupy_memstrat.strategies.base.check_stream``.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 from .. import cuda as _cuda
@@ -20,16 +21,24 @@ __all__ = ["check_stream"]
 
 
 def check_stream(stream) -> None:
-    """A stream object: ``.ptr`` an int handle (``cudaStream_t``) from 0 to 2**64 - 1.
+    """A stream object: a ``cupy.cuda.Stream`` or ``ExternalStream`` (CuPy's ``BaseStream``), or a
+    stream of the simulated GPU, whose ``.ptr`` is an int handle (``cudaStream_t``) from 0 to
+    2**64 - 1.
 
     Raises:
-        TypeError: not a stream object (a raw handle, None, a str...).
+        TypeError: not a stream object (a raw handle, None, a str, an array or a
+            ``MemoryPointer``, whose ``.ptr`` is memory: recorded as a stream, a device pointer
+            crashed the process at the free under ``pool`` and ``async`` on an H200).
         ValueError: a handle outside that range.
     """
-    if isinstance(stream, (bool, int, float, str, bytes)) or stream is None:
-        raise TypeError(
-            f"stream: expected a cupy.cuda.Stream (or ExternalStream), got {type(stream).__name__} {stream!r}"
-        )
+    cupy_stream = getattr(sys.modules.get("cupy.cuda.stream"), "BaseStream", None)
+    if not (cupy_stream is not None and isinstance(stream, cupy_stream)
+            or getattr(type(stream), "simulated_stream", False) is True):
+        # the value itself only where its repr is short and safe (an array's would copy it to the host)
+        shown = f" {stream!r}" if stream is None or isinstance(stream, (bool, int, float, str, bytes)) else ""
+        kind = type(stream)
+        name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        raise TypeError(f"stream: expected a cupy.cuda.Stream (or ExternalStream), got {name}{shown}")
     handle = getattr(stream, "ptr", None)
     if isinstance(handle, bool) or not isinstance(handle, int):
         raise TypeError(f"stream: expected a stream object whose .ptr is an int handle, got {stream!r} "
@@ -49,8 +58,8 @@ class _StreamsMixin:
         (``_get_stream_identifier`` in cupy/cuda/memory.pyx, cupy#5069).
 
         A strategy that caches freed blocks keys its cache by it: remember
-        the key at ``_allocate``, put the block back under that key at
-        ``_deallocate``, and hand it out again only to an allocation under
+        the key at ``allocate``, put the block back under that key at
+        ``deallocate``, and hand it out again only to an allocation under
         the same key (docs/streams.md); the built-in ``managed`` does so.
         """
         d = self.backend.get_device() if device is None else self._device_or_current(device)
@@ -70,9 +79,8 @@ class _StreamsMixin:
 
         Args:
             ptr: the allocation's pointer (``array.data.mem.ptr``).
-            stream: a ``cupy.cuda.Stream`` (or ``ExternalStream``; anything
-                with ``.ptr`` and ``.device_id``); it is kept alive until the
-                block is freed.
+            stream: a ``cupy.cuda.Stream`` (or ``ExternalStream``); it is
+                kept alive until the block is freed.
 
         Returns:
             bool: True if recorded; False if this strategy's frees already
@@ -219,7 +227,7 @@ class _StreamsMixin:
 
     def _give_back_block(self, ptr: int, size: int, device: int) -> None:
         """What a free does after the accounting: give the block to the
-        strategy's cache or back to CUDA (here: ``_deallocate``). Caching
+        strategy's cache or back to CUDA (here: ``deallocate``). Caching
         strategies override it. Must not raise."""
         try:
             self._hooks()[1](ptr)

@@ -19,6 +19,7 @@ class FakeStream:
     its device in this thread; destroyed by :meth:`destroy` or when it dies."""
 
     owns_handle = True  # destroys its handle when it dies (cupy.cuda.Stream)
+    simulated_stream = True  # what check_stream takes in place of CuPy's BaseStream
 
     def __init__(self, backend: "FakeBackend", device: int, ptr: int, non_blocking: bool = False):
         self._backend = backend

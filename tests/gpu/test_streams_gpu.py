@@ -10,6 +10,8 @@ cupy_memstrat.bench.streams (``python -m cupy_memstrat bench streams`` makes
 the table of docs/streams.md from them)."""
 
 import gc
+import subprocess
+import sys
 import threading
 import time
 
@@ -459,3 +461,60 @@ def test_record_stream_with_another_devices_stream_is_refused_and_changes_nothin
         assert s.stats(0).n_live == 0  # freed as if never recorded
     finally:
         S.release(cp, s)
+
+
+# -- an array's memory passed as the stream --------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["device", "managed", "async", "pool"])
+def test_an_arrays_memory_is_refused_as_a_stream(cp, spec):
+    """A MemoryPointer has .ptr and .device_id as a stream has; record_stream refuses it (and the
+    array) by type, before anything is recorded."""
+    s = S.install(cp, spec)
+    try:
+        x, y = cp.ones(1 << 20, dtype=cp.float32), cp.ones(1 << 20, dtype=cp.float32)
+        before = s.stats()
+        for bad in (y.data, y):
+            with pytest.raises(TypeError, match=r"stream: expected a cupy.cuda.Stream \(or ExternalStream\), got "):
+                cupy_memstrat.record_stream(x, bad)
+        assert s.stats() == before
+        del x
+        cp.cuda.Device().synchronize()
+        z = cp.ones(1 << 20, dtype=cp.float32)
+        assert float(z.sum()) == 1 << 20
+        del y, z
+    finally:
+        S.release(cp, s)
+
+
+_OLD_CHECK = """
+import sys, cupy as cp, cupy_memstrat as m
+from cupy_memstrat import api
+from cupy_memstrat.strategies import _streams
+
+def old_check(stream):  # the check before: any object whose .ptr is an int in range
+    h = getattr(stream, "ptr", None)
+    if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < 1 << 64:
+        raise TypeError(stream)
+
+api.check_stream = _streams.check_stream = old_check
+m.use(sys.argv[1])
+x, y = cp.ones(1 << 20, dtype=cp.float32), cp.ones(1 << 20, dtype=cp.float32)
+print("recorded:", m.record_stream(x, y.data), flush=True)
+del x
+cp.cuda.Device().synchronize()
+z = cp.ones(1 << 20, dtype=cp.float32)
+cp.cuda.Device().synchronize()
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.parametrize("spec", ["pool", "async"])
+def test_control_without_the_type_check_a_memory_pointer_recorded_as_a_stream_kills_the_process(spec):
+    """The control of the test above, in a child process: with the duck-typed check of before, the
+    device pointer is recorded as a cudaStream_t and the process dies at the free (measured on an
+    H200 under pool and async: SIGSEGV)."""
+    r = subprocess.run([sys.executable, "-c", _OLD_CHECK, spec], capture_output=True, text=True, timeout=120)
+    print(f"{spec}: exit {r.returncode}; {r.stdout.strip()!r}")
+    assert "recorded: True" in r.stdout, r.stderr[-2000:]
+    assert r.returncode != 0 and "survived" not in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
