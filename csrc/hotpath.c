@@ -2043,26 +2043,34 @@ PoolDirect_generations(PoolDirect *self, void *Py_UNUSED(closure))
 }
 
 /* The token of this PoolDirect in memory object mem's __dict__, if it is the one
- * of the block the live table counts at its pointer now (borrowed; NULL with no
- * error set if not; NULL with an error only on failure). */
+ * of the block the live table counts at its pointer now: a new reference; NULL
+ * with no error set if not; NULL with an error only on failure. The lookup can run
+ * Python code (a key of the __dict__ with the token name's hash), which may drop
+ * the last other reference to mem: mem and the token are held while it runs. */
 static PoolToken *
 current_token(PoolDirect *self, PyObject *mem)
 {
+    Py_INCREF(mem);
     PyObject *dict = PyObject_GenericGetDict(mem, NULL);
     if (dict == NULL) {
-        if (PyErr_ExceptionMatches(PyExc_AttributeError) || PyErr_ExceptionMatches(PyExc_TypeError)) {
+        Py_DECREF(mem);
+        if (PyErr_ExceptionMatches(PyExc_AttributeError) || PyErr_ExceptionMatches(PyExc_TypeError))
             PyErr_Clear();  /* no __dict__: not a memory object of the direct route */
-            return NULL;
-        }
         return NULL;
     }
     PyObject *tok = PyDict_CheckExact(dict) ? PyDict_GetItemWithError(dict, S_token) : NULL;  /* borrowed */
-    Py_DECREF(dict);  /* mem keeps its __dict__, and the __dict__ its token */
-    if (tok == NULL || !Py_IS_TYPE(tok, &PoolTokenType) || ((PoolToken *)tok)->owner != self)
+    Py_XINCREF(tok);
+    Py_DECREF(dict);
+    Py_DECREF(mem);
+    if (tok == NULL)
         return NULL;
     PoolToken *t = (PoolToken *)tok;
     long long g;
-    return gen_get(&self->generations, t->p, &g) && g == t->generation ? t : NULL;
+    if (Py_IS_TYPE(tok, &PoolTokenType) && t->owner == self && gen_get(&self->generations, t->p, &g) &&
+            g == t->generation)
+        return t;
+    Py_DECREF(tok);
+    return NULL;
 }
 
 /* hold(mem): keep CuPy's memory object mem in `held` if it is one this route
@@ -2079,21 +2087,27 @@ PoolDirect_hold(PoolDirect *self, PyObject *mem)
         Py_RETURN_FALSE;
     }
     PyObject *kept = PyDict_SetDefault(self->held, t->ptr, mem);  /* borrowed */
+    Py_DECREF(t);
     if (kept == NULL)
         return NULL;
     return PyBool_FromLong(kept == mem);
 }
 
-/* The memory object held at ptr if `held` alone refers to it and its token is
- * the one counted at ptr now (borrowed), else NULL (an error set only on failure). */
-static PyObject *
+/* 1 if `held` alone refers to the memory object held at ptr and its token is the
+ * one counted at ptr now (*tok: a new reference to it), 0 if not, -1 (error set)
+ * on failure. */
+static int
 held_dead(PoolDirect *self, PyObject *ptr, PoolToken **tok)
 {
     PyObject *mem = PyDict_GetItemWithError(self->held, ptr);  /* borrowed */
-    if (mem == NULL || Py_REFCNT(mem) != 1)
-        return NULL;
+    if (mem == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (Py_REFCNT(mem) != 1)
+        return 0;
     *tok = current_token(self, mem);
-    return *tok == NULL ? NULL : mem;
+    if (*tok == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    return 1;
 }
 
 /* The pointers in `held` (from a copy of its keys) for which pred(self, key) is 1;
@@ -2127,9 +2141,10 @@ static int
 held_is_dead(PoolDirect *self, PyObject *key)
 {
     PoolToken *t = NULL;
-    if (held_dead(self, key, &t) != NULL)
-        return 1;
-    return PyErr_Occurred() ? -1 : 0;
+    int r = held_dead(self, key, &t);
+    if (r > 0)
+        Py_DECREF(t);
+    return r;
 }
 
 /* held_select's test of stale(): the memory object's block is not the one counted
@@ -2140,8 +2155,11 @@ held_is_stale(PoolDirect *self, PyObject *key)
     PyObject *mem = PyDict_GetItemWithError(self->held, key);  /* borrowed */
     if (mem == NULL)
         return PyErr_Occurred() ? -1 : 0;
-    if (current_token(self, mem) != NULL)
+    PoolToken *t = current_token(self, mem);
+    if (t != NULL) {
+        Py_DECREF(t);
         return 0;
+    }
     return PyErr_Occurred() ? -1 : 1;
 }
 
@@ -2176,12 +2194,11 @@ PoolDirect_free_early(PoolDirect *self, PyObject *ptr)
         return NULL;
     }
     PoolToken *t = NULL;
-    if (held_dead(self, ptr, &t) == NULL) {
-        if (PyErr_Occurred())
-            return NULL;
+    int dead = held_dead(self, ptr, &t);  /* t: a new reference (direct_free runs Python code) */
+    if (dead < 0)
+        return NULL;
+    if (dead == 0)
         Py_RETURN_FALSE;
-    }
-    Py_INCREF(t);  /* direct_free runs Python code (recorded_freed) */
     int rc = direct_free(self, t->ptr, t->p, t->d, t->generation, 1);
     Py_DECREF(t);
     if (rc < 0)

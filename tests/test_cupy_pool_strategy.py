@@ -136,7 +136,7 @@ class _MP:
 def _direct(pool_malloc=None, failed=None, recorded_freed=None):
     s = cupy_memstrat.create("pool", backend=FakeBackend())
     s.raw_free(s.raw_malloc(512))  # builds the hot path (hooks mode)
-    acc = s._malloc.__self__
+    acc = s._hot_malloc.__self__
     pool = _StandInPool()
     calls = []
 
@@ -264,7 +264,7 @@ def test_route_direct_is_refused_over_anything_but_a_hooks_mode_accounting():
     m = cupy_memstrat.create("managed", backend=FakeBackend())
     m.raw_free(m.raw_malloc(512))
     with pytest.raises(TypeError, match="hooks mode"):
-        _support.c_hotpath.PoolDirect(m._malloc.__self__, print, _PoolOOM, print, print, {})
+        _support.c_hotpath.PoolDirect(m._hot_malloc.__self__, print, _PoolOOM, print, print, {})
     s, d, pool, _ = _direct()
     with pytest.raises(TypeError, match="expected"):
         _support.c_hotpath.PoolDirect(d.__self__, print, 3, print, print, {})
@@ -280,6 +280,7 @@ def test_route_direct_is_refused_over_anything_but_a_hooks_mode_accounting():
 
 
 def test_route_is_an_option_checked_by_name():
+    pytest.importorskip("cupy", reason="CuPy is not installed")  # malloc returns a CuPy MemoryPointer
     s = cupy_memstrat.create("pool", route="direct", backend=FakeBackend())
     assert s.config["route"] == "direct"
     mp = s.malloc(100)  # without CUDA, the default route runs
@@ -335,9 +336,9 @@ def _direct_strategy(fake):
     pool = _StandInPool()
     pool.total_bytes = lambda: 0
     s._pool, s._blocks, s._OutOfMemoryError = pool, {}, _PoolOOM
-    s._direct = s._pool_direct(s._malloc.__self__, pool.malloc, _PoolOOM)
+    s._direct = s._pool_direct(s._hot_malloc.__self__, pool.malloc, _PoolOOM)
     # installed as use() installs it on CUDA (cupy_allocator() is the route's PoolDirect there)
-    acc = s._malloc.__self__
+    acc = s._hot_malloc.__self__
     s._cupy_malloc, s._pfa = s._direct, acc
     base._pfa_owners[id(acc)] = weakref.ref(s)
     pytest.importorskip("cupy", reason="CuPy is not installed").cuda.set_allocator(s._direct)
@@ -602,7 +603,7 @@ def test_route_direct_a_pointer_only_free_left_pending_never_gives_back_what_is_
 
     s._pool, s._blocks, s._OutOfMemoryError, s.allocate, s.deallocate = pool, blocks, _PoolOOM, allocate, blocks.pop
     s.raw_free(s.raw_malloc(512))
-    d = s._direct = _support.c_hotpath.PoolDirect(s._malloc.__self__, pool.malloc, _PoolOOM, s._direct_failed,
+    d = s._direct = _support.c_hotpath.PoolDirect(s._hot_malloc.__self__, pool.malloc, _PoolOOM, s._direct_failed,
                                                s._recorded_freed, s._held)
     B = fake.stream(non_blocking=True)
     x = d(4096)
@@ -716,7 +717,7 @@ def test_route_direct_waits_for_a_dead_streams_work_before_cupy_gets_its_block(m
     calls = []
     before = s.guard.before_allocation
     monkeypatch.setattr(s.guard, "before_allocation", lambda st, dev: calls.append(st.ptr) or before(st, dev))
-    s._direct = d = s._pool_direct(s._malloc.__self__, pool.malloc, _PoolOOM)  # with the counting guard
+    s._direct = d = s._pool_direct(s._hot_malloc.__self__, pool.malloc, _PoolOOM)  # with the counting guard
     held = []
     busy, B = _a_stream_dies_while_its_kernel_runs(fake, lambda: held.append(d(MiB)) or held[-1].ptr,
                                                    lambda p: held.clear())
@@ -737,7 +738,7 @@ def test_route_direct_waits_for_a_dead_streams_work_before_cupy_gets_its_block(m
     # the control: no guard
     fake2 = FakeBackend()
     s2, _d2, pool2 = _direct_strategy(fake2)
-    bare = _support.c_hotpath.PoolDirect(s2._malloc.__self__, pool2.malloc, _PoolOOM, s2._direct_failed,
+    bare = _support.c_hotpath.PoolDirect(s2._hot_malloc.__self__, pool2.malloc, _PoolOOM, s2._direct_failed,
                                       s2._recorded_freed, s2._held)
     held2 = []
     assert _a_stream_dies_while_its_kernel_runs(fake2, lambda: held2.append(bare(MiB)) or held2[-1].ptr,
@@ -747,7 +748,7 @@ def test_route_direct_waits_for_a_dead_streams_work_before_cupy_gets_its_block(m
 @needs_c
 def test_route_direct_refuses_a_guard_without_its_flags_and_a_bad_capsule():
     s, _d, pool = _direct_strategy(FakeBackend())
-    args = (s._malloc.__self__, pool.malloc, _PoolOOM, s._direct_failed, s._recorded_freed, s._held)
+    args = (s._hot_malloc.__self__, pool.malloc, _PoolOOM, s._direct_failed, s._recorded_freed, s._held)
     with pytest.raises(TypeError, match="expected guard\\(device\\) and the guard's lists of deaths and waits"):
         _support.c_hotpath.PoolDirect(*args, lambda device: None, None, [0])
     with pytest.raises(TypeError, match="capsule must hold a C function intptr_t \\(int\\)"):
@@ -824,7 +825,7 @@ def test_route_direct_switches_between_a_few_watched_streams_without_asking_the_
     calls = []
     before = s.guard.before_allocation
     monkeypatch.setattr(s.guard, "before_allocation", lambda st, dev: calls.append(st.ptr) or before(st, dev))
-    s._direct = d = s._pool_direct(s._malloc.__self__, s._pool.malloc, _PoolOOM)  # with the counting guard
+    s._direct = d = s._pool_direct(s._hot_malloc.__self__, s._pool.malloc, _PoolOOM)  # with the counting guard
     streams = [fake.stream(non_blocking=True) for _ in range(4)]
     keep = []
     for _ in range(5):
@@ -1026,3 +1027,48 @@ def test_a_simulated_backends_guards_go_with_it():
     del s, fake
     gc.collect()
     assert ref() is None
+
+
+@needs_c
+@pytest.mark.parametrize("method", ["stale", "reap", "free_early"])
+def test_route_direct_python_code_in_the_token_lookup_that_drops_the_memory_object(method):
+    """A key in the memory object's __dict__ with the token name's hash runs Python code during the
+    token's lookup; here it drops the held table's reference, the memory object's last. The lookup
+    holds the object and the token meanwhile (before, it read the freed token: valgrind showed
+    invalid reads on all three paths), and the block is counted freed once."""
+    import gc
+
+    fake, s, d, pool, B = _direct_strategy_and_stream()
+    n = s.stats().n_allocs
+    x = d(4096)
+    P = x.ptr
+    assert cupy_memstrat.record_stream(x, B) is True
+    fake.launch(B)
+    mem, held = x.mem, s._held
+    (name,) = [k for k, v in vars(mem).items() if type(v).__name__ == "PoolToken"]
+
+    class Drops:
+        armed = False
+
+        def __hash__(self):
+            return hash(name)
+
+        def __eq__(self, other):
+            if Drops.armed:
+                Drops.armed = False
+                held.clear()
+            return False
+
+    tok = vars(mem).pop(name)
+    vars(mem)[Drops()] = 1  # probed before the token
+    vars(mem)[name] = tok
+    del tok, mem, x
+    gc.collect()
+    Drops.armed = True
+    if method == "free_early":
+        d.free_early(P)
+    else:
+        getattr(d, method)()
+    fake.finish(B)
+    st = s.stats()
+    assert (st.bytes_in_use, st.n_live, st.n_allocs, st.n_frees) == (0, 0, n + 1, n + 1)
