@@ -100,13 +100,10 @@ def out_of_memory_class():
                 self.reason = reason
                 self.snapshot = snapshot
 
-            # How a pickled error is made again (a Dask worker's error at the client): the same class.
-            # A subclass names its own maker; it is called with __reduce__'s arguments.
-            _rebuild = staticmethod(_rebuild_out_of_memory)
-
             def __reduce__(self):
-                return (self._rebuild, (str(self), self.requested, self.device, self.stats, self.strategy,
-                                        self.reason, self.snapshot))
+                # pickled (a Dask worker's error at the client) or copied: the same class, a subclass
+                # too, with every attribute (notes included) restored from __dict__, no __init__ called
+                return (_rebuild_out_of_memory, (type(self), str(self)), self.__dict__)
 
         OutOfMemoryError.__module__ = __name__
         OutOfMemoryError.__qualname__ = "OutOfMemoryError"
@@ -114,9 +111,10 @@ def out_of_memory_class():
     return _oom_class
 
 
-def _rebuild_out_of_memory(message, requested, device, stats, strategy, reason, snapshot):
-    return out_of_memory_class()(message, requested=requested, device=device, stats=stats, strategy=strategy,
-                                  reason=reason, snapshot=snapshot)
+def _rebuild_out_of_memory(cls, message):
+    """An ``OutOfMemoryError`` of class ``cls`` (or a subclass) with ``message``; pickle then sets its
+    attributes."""
+    return cls.__new__(cls, message)
 
 
 def __getattr__(name):

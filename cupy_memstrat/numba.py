@@ -142,12 +142,16 @@ def _numba_oom_class():
             def __str__(self):
                 return str(self.args[0]) if self.args else ""
 
-            _rebuild = staticmethod(_make_numba_oom)  # pickled: made again with numba's attributes too
-
         NumbaOutOfMemoryError.__module__ = __name__
         NumbaOutOfMemoryError.__qualname__ = "NumbaOutOfMemoryError"
         _oom_class = NumbaOutOfMemoryError
     return _oom_class
+
+
+def __getattr__(name):
+    if name == "NumbaOutOfMemoryError":  # made on first use (pickle finds the class here)
+        return _numba_oom_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _make_numba_oom(message, requested, device, stats, strategy, reason, snapshot):

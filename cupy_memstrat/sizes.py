@@ -133,5 +133,14 @@ def format_size(nbytes: int) -> str:
 
 
 def format_count(n: int, noun: str) -> str:
-    """``n`` and ``noun``, plural unless ``n`` is 1: ``1 allocation``, ``3 allocations``."""
+    """``n`` and ``noun``, plural unless ``n`` is 1: ``1 allocation``, ``3 allocations``.
+
+    Raises:
+        TypeError: ``n`` is not an int (``bool`` included) or ``noun`` not a str.
+    """
+    if isinstance(n, bool) or not hasattr(n, "__index__"):
+        raise TypeError(f"n: expected an int count, got {type(n).__name__} {n!r}")
+    if not isinstance(noun, str):
+        raise TypeError(f"noun: expected a str, got {type(noun).__name__} {noun!r}")
+    n = operator.index(n)
     return f"{n} {noun}" + ("" if n == 1 else "s")

@@ -16,8 +16,9 @@ MAX_FRAMES = 128
 
 
 class Record:
-    """What the package's dataclass records share (:class:`Stats`,
-    :class:`~cupy_memstrat.faults.FaultCounts`): :meth:`as_dict`."""
+    """What the package's dataclass records share (:class:`Stats`, :class:`Allocation`,
+    :class:`Origin`, ``PoolStats``, ``ManagedStats``, :class:`~cupy_memstrat.faults.FaultCounts`):
+    :meth:`as_dict`."""
 
     def as_dict(self) -> dict:
         """The record's fields as a dict (nested records too): JSON-ready."""
@@ -81,7 +82,7 @@ class Stats(Record):
 
 
 @dataclass(frozen=True)
-class Origin:
+class Origin(Record):
     """Where an allocation was requested: the first Python frame outside CuPy
     and cupy_memstrat (``filename``, ``lineno``, ``function``), and with
     ``track_origins=N`` (N > 1) the stack: up to N such frames, innermost
@@ -103,7 +104,7 @@ class Origin:
 
 
 @dataclass(frozen=True)
-class Allocation:
+class Allocation(Record):
     """One live allocation. ``size`` in bytes; ``origin`` is ``None`` unless the
     strategy was created with ``track_origins=True``."""
 

@@ -162,3 +162,11 @@ def test_the_seam_imports_nothing_of_the_fake():
         assert not any("testing" in x for x in names), path
     cuda_src = open(C.__file__, encoding="utf-8").read()
     assert "testing import" not in cuda_src and "import testing" not in cuda_src
+
+
+def test_every_cupy_wrapper_the_real_backend_binds_exists_in_cupys_runtime():
+    """The stub runtime above answers any name; CuPy's own module (importable without a GPU) does not."""
+    runtime = pytest.importorskip("cupy_backends.cuda.api.runtime", reason="CuPy is not installed")
+    missing = [w for w in C._CUPY_RUNTIME.values() if not callable(getattr(runtime, w, None))]
+    assert missing == [], f"cupy_backends.cuda.api.runtime has no {missing}"
+    assert set(C._CUPY_RUNTIME) | {"current_stream", "Error"} == set(inspect.get_annotations(C.RealBackend))

@@ -113,3 +113,9 @@ def test_a_numpy_array_or_a_float_is_named_as_a_bad_size():
 @pytest.mark.parametrize("n, text", [(0, "0 allocations"), (1, "1 allocation"), (2, "2 allocations")])
 def test_format_count_plural_unless_one(n, text):
     assert format_count(n, "allocation") == text
+
+
+@pytest.mark.parametrize("n, noun", [(True, "x"), (1.0, "x"), ("1", "x"), (None, "x"), (3, None)])
+def test_format_count_refuses_what_is_no_count_or_noun(n, noun):
+    with pytest.raises(TypeError, match="expected an int count|expected a str"):
+        format_count(n, noun)

@@ -75,6 +75,102 @@ def test_eight_threads_keep_exact_counts_and_distinct_pointers(s):
     assert st.bytes_in_use == 0 and st.n_live == 0 and st.n_invalid_frees == 0 and st.peak_bytes_in_use > 0
 
 
+# -- a cache must be drop-in (docs/strategies.md, "Writing your own strategy") ------------------------
+# Each check is a function, run on every strategy and, as the control, on a cache that breaks it.
+
+MiB = 1 << 20
+
+
+def check_a_busy_streams_block_reaches_no_other_stream(s, fake):
+    """A block freed on stream A while A's work still uses it goes to no allocation on stream B
+    until that work is done (docs/streams.md)."""
+    A, B = fake.stream(non_blocking=True), fake.stream(non_blocking=True)
+    with A:
+        p = s.raw_malloc(MiB)
+    fake.launch(A)  # a kernel on A still reads p
+    with A:
+        s.raw_free(p)
+    with B:
+        q = s.raw_malloc(MiB)
+    assert q != p or not fake.stream_busy(A.ptr), "a block went to stream B while stream A still used it"
+    fake.finish()
+    with B:
+        s.raw_free(q)
+
+
+def check_the_cache_goes_back_before_out_of_memory(s, fake):
+    """Memory the strategy caches is given back before it raises OutOfMemoryError, as CuPy's pool
+    does: a request that fits once the cache is empty succeeds."""
+    for p in [s.raw_malloc(256 * MiB) for _ in range(3)]:
+        s.raw_free(p)
+    big = s.raw_malloc(900 * MiB)  # of the simulated 1 GiB
+    s.raw_free(big)
+
+
+def check_trim_gives_the_cache_back(s, fake):
+    for p in [s.raw_malloc(n) for n in (4096, MiB, 64 * MiB)]:
+        s.raw_free(p)
+    s.trim()
+    st = s.stats()
+    assert st.bytes_in_use == 0 and st.bytes_reserved == 0, st
+
+
+CACHE_CHECKS = [check_a_busy_streams_block_reaches_no_other_stream, check_the_cache_goes_back_before_out_of_memory,
+                check_trim_gives_the_cache_back]
+
+
+@pytest.mark.parametrize("check", CACHE_CHECKS, ids=lambda f: f.__name__[6:])
+def test_a_cache_is_drop_in(s, fake, check):
+    check(s, fake)
+
+
+class _NaiveCache(cupy_memstrat.Strategy):
+    """The control: one free list per size for every stream, and no trim."""
+
+    name = "naive-cache"
+    reserved_is_in_use = False
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.cached, self.sizes = {}, {}
+
+    def allocate(self, size):
+        lst = self.cached.get(size)
+        ptr = lst.pop() if lst else None
+        if ptr is None:
+            ptr = self.backend.malloc(size)
+            self.record_reserved(self.backend.get_device(), size)
+        self.sizes[ptr] = size
+        return ptr
+
+    def deallocate(self, ptr):
+        self.cached.setdefault(self.sizes.pop(ptr), []).append(ptr)
+
+
+@pytest.mark.parametrize("check, error", [(CACHE_CHECKS[0], AssertionError),
+                                          (CACHE_CHECKS[1], cupy_memstrat.OutOfMemoryError),
+                                          (CACHE_CHECKS[2], AssertionError)], ids=lambda v: getattr(v, "__name__", ""))
+def test_the_cache_checks_fail_on_a_cache_that_is_not_drop_in(fake, check, error):
+    with pytest.raises(error):
+        check(_NaiveCache(backend=fake), fake)
+
+
+def test_a_subclass_may_keep_its_free_lists_in_self_free(fake):
+    """The names a cache reaches for first are not the base class's (its hot path was
+    self._malloc / self._free, and a subclass's self._free = {} broke its first allocation)."""
+
+    class Mine(_NaiveCache):
+        name = "mine"
+
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self._free, self._malloc = {}, {}
+
+    s = Mine(backend=fake)
+    s.raw_free(s.raw_malloc(4096))
+    assert s.raw_malloc(4096) and s._free == {} and s.stats().n_allocs == 2
+
+
 @pytest.mark.parametrize("bad, error", [(-1, ValueError), ("10", TypeError), (1 << 64, ValueError), (2.0, TypeError),
                                         (True, TypeError), (None, TypeError)])
 def test_a_bad_size_is_refused_by_name_before_anything_is_allocated(s, bad, error):
@@ -106,6 +202,22 @@ def test_out_of_memory_pickles_to_the_same_error(s):
     assert type(again) is type(e) and str(again) == str(e)
     assert (again.requested, again.device, again.strategy, again.reason, again.snapshot, again.stats) == (
         e.requested, e.device, e.strategy, e.reason, e.snapshot, e.stats)
+
+
+class _TaskOOM(cupy_memstrat.OutOfMemoryError):
+    """A user's subclass, with an attribute of its own."""
+
+
+@pytest.mark.parametrize("how", ["pickle", "copy", "deepcopy"])
+def test_a_subclass_of_out_of_memory_keeps_its_class_attributes_and_notes(how):
+    import copy
+
+    e = _TaskOOM("boom", requested=1, device=0, stats=None, strategy="device")
+    e.task = "t1"
+    e.add_note("while running t1")
+    again = {"pickle": lambda x: pickle.loads(pickle.dumps(x)), "copy": copy.copy, "deepcopy": copy.deepcopy}[how](e)
+    assert type(again) is _TaskOOM and str(again) == "boom" and again.task == "t1"
+    assert again.__notes__ == ["while running t1"] and (again.requested, again.strategy) == (1, "device")
 
 
 def test_stats_as_dict_is_every_field(s):

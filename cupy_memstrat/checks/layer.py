@@ -220,7 +220,7 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
             if watch[0] is not None and not live[device]:
                 watch[0]()
 
-        self._malloc, self._free, self.hot_path = malloc, free, "python"
+        self._hot_malloc, self._hot_free, self.hot_path = malloc, free, "python"
         return malloc, free
 
     def _out_of_memory(self, size: int, padded: int, device: int, exc: BaseException) -> int:
@@ -230,7 +230,7 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
         if self._quarantine:
             self._drain(device)
             try:
-                return self.inner._malloc(padded, device)
+                return self.inner._hot_malloc(padded, device)
             except (MemoryError, OverflowError) as again:
                 exc = again
         with self._fold_lock:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from .. import cuda as _cuda
 from ..options import Option, as_bool, as_size
 from ..sizes import format_size, parse_size
-from ..stats import Stats, origin_capture
+from ..stats import Record, Stats, origin_capture
 from .._userwarn import warn_at_user
 from ._support import FOLD_AT, c_accounting
 from .base import Strategy
@@ -47,7 +47,7 @@ def _as_max_size(value, what: str):
 
 
 @dataclass(frozen=True)
-class PoolStats:
+class PoolStats(Record):
     """What the CUDA pool behind an ``async`` strategy reports for one device
     (``cudaMemPoolGetAttribute``), plus the strategy's own pool events.
 
@@ -447,7 +447,7 @@ class AsyncPoolStrategy(Strategy):
                 reap=self._reap,
             )
             self._give_back_fn = acc.give_back
-            self._malloc, self._free, self.hot_path = acc.malloc, acc.free, "c"
+            self._hot_malloc, self._hot_free, self.hot_path = acc.malloc, acc.free, "c"
             return acc.malloc, acc.free
         current_stream, pool_malloc, free_async = b.current_stream, b.malloc_from_pool_async, b.free_async
         get_device, Error = b.get_device, self._Error
@@ -585,7 +585,7 @@ class AsyncPoolStrategy(Strategy):
                 watch[0]()
 
         self._give_back_fn = give_back
-        self._malloc, self._free, self.hot_path = malloc, free, "python"
+        self._hot_malloc, self._hot_free, self.hot_path = malloc, free, "python"
         return malloc, free
 
     def _give_back_block(self, ptr: int, size: int, device: int) -> None:

@@ -177,7 +177,7 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
         self._drains: list = []  # drain(device) of each C hot path's counts (_new_accounting)
         self._fold_lock = threading.RLock()
         self._cupy_malloc = self._pfa = None
-        self._malloc = self._free = None  # the hot path, built on first use (_hot_path)
+        self._hot_malloc = self._hot_free = None  # the hot path, built on first use (_hot_path)
         self._build_lock = threading.RLock()  # one build, whichever threads allocate first
         #: "c" or "python": the hot path built on first use (None before).
         self.hot_path: str | None = None
@@ -269,7 +269,7 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
             return 0
         if not self._pinned:
             self._pin()
-        return (self._malloc or self._hot_path()[0])(size, current)
+        return (self._hot_malloc or self._hot_path()[0])(size, current)
 
     def raw_free(self, ptr: int, device: int | None = None) -> None:
         """Free a pointer from :meth:`raw_malloc`.
@@ -292,23 +292,23 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
             ptr = operator.index(ptr)
         if device is not None and (type(device) is not int or not 0 <= device < len(self._live)):
             device = None  # a bad hint: the block is found by its pointer
-        (self._free or self._hot_path()[1])(ptr, device, 2)
+        (self._hot_free or self._hot_path()[1])(ptr, device, 2)
 
     def _hot_path(self):
         """``(malloc, free)``, built by :meth:`_build_hot_path` once: threads
         making a strategy's first allocations at the same time get the same
         two functions (two C hot paths would each keep counts of their own, and
         the peak drained from them one after the other would not be the peak)."""
-        if self._malloc is None:
+        if self._hot_malloc is None:
             with self._build_lock:
-                if self._malloc is None:
+                if self._hot_malloc is None:
                     self._build_hot_path()
-        return self._malloc, self._free
+        return self._hot_malloc, self._hot_free
 
     def _build_hot_path(self):
         """Build ``malloc(size, device) -> ptr`` and ``free(ptr, device)``,
         the two functions CuPy's ``PythonFunctionAllocator`` calls, and keep
-        them as ``self._malloc`` / ``self._free``.
+        them as ``self._hot_malloc`` / ``self._hot_free``.
 
         They are closures over the strategy's tables (no attribute lookups)
         and take no lock (see the module docstring). ``malloc`` gets a size_t
@@ -332,7 +332,7 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
                 allocate=allocate, deallocate=deallocate, dealloc_failed=self._deallocation_failed,
                 recorded=recorded, defer=defer, pending=pending, poll=poll, watch=watch,
             )
-            self._malloc, self._free, self.hot_path = acc.malloc, acc.free, "c"
+            self._hot_malloc, self._hot_free, self.hot_path = acc.malloc, acc.free, "c"
             return acc.malloc, acc.free
 
         def malloc(size, device):
@@ -375,7 +375,7 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
             if watch[0] is not None and not live[device]:
                 watch[0]()
 
-        self._malloc, self._free, self.hot_path = malloc, free, "python"
+        self._hot_malloc, self._hot_free, self.hot_path = malloc, free, "python"
         return malloc, free
 
     # -- accounting off the hot path -------------------------------------------

@@ -14,7 +14,7 @@ from .. import cuda as _cuda
 from ..errors import ManagedMemoryWarning
 from ..options import Option, as_bool, as_size
 from ..sizes import format_count, format_size, parse_size
-from ..stats import origin_capture
+from ..stats import Record, origin_capture
 from ._layout import block, segment
 from .._userwarn import warn_at_user
 from ._support import FOLD_AT, SIZE_T_LIMIT, c_accounting
@@ -103,7 +103,7 @@ def _as_prefetch(value, what: str):
 
 
 @dataclass(frozen=True)
-class ManagedStats:
+class ManagedStats(Record):
     """The chunks behind a ``managed`` strategy on one device (sizes in bytes).
 
     Attributes:
@@ -654,7 +654,7 @@ class ManagedStrategy(Strategy):
 
     def _forget_last_owner(self) -> None:
         # the C hot path caches the last chunk's owner and the last stream's arena
-        forget = getattr(self._free, "__self__", None)
+        forget = getattr(self._hot_free, "__self__", None)
         if forget is not None and hasattr(forget, "forget"):
             forget.forget()
 
@@ -826,7 +826,7 @@ class ManagedStrategy(Strategy):
                 large_hit=self._large_hit if prefetch_to is not None else None,
                 recorded=recorded, defer=defer, pending=pending, poll=poll, watch=watch,
             )
-            self._malloc, self._free, self.hot_path = acc.malloc, acc.free, "c"
+            self._hot_malloc, self._hot_free, self.hot_path = acc.malloc, acc.free, "c"
             return acc.malloc, acc.free
         get_ident = threading.get_ident
 
@@ -890,7 +890,7 @@ class ManagedStrategy(Strategy):
             if watch[0] is not None and not live[device]:
                 watch[0]()
 
-        self._malloc, self._free, self.hot_path = malloc, free, "python"
+        self._hot_malloc, self._hot_free, self.hot_path = malloc, free, "python"
         return malloc, free
 
     def _give_back_block(self, ptr: int, size: int, device: int) -> None:

@@ -54,7 +54,7 @@ def raw_loop(pool):
 
 
 def direct(strategy):
-    malloc, free = strategy._malloc, strategy._free  # built by strategy() under its own setting
+    malloc, free = strategy._hot_malloc, strategy._hot_free  # built by strategy() under its own setting
 
     def run(n):
         for _ in range(n):

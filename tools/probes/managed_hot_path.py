@@ -37,7 +37,7 @@ def pairs(fn, n=100_000, rounds=7):
 
 
 def direct(s):
-    m, f = s._malloc, s._free
+    m, f = s._hot_malloc, s._hot_free
 
     def one():
         f(m(512, 0), 0)
