@@ -96,6 +96,7 @@
 #   tools/device_run.sh call23            bench async and managed, tests/gpu of pool and torch (call23_json.tgz)
 #   tools/device_run.sh call24            (carry .whl) tests/gpu (memory-viz exports in viz/), then bench alloc,
 #                                         managed and async, after the last repeats were removed (call24_json.tgz)
+#   tools/device_run.sh call25            (carry .whl) tests/gpu, bench alloc and managed, after the trials' fixes
 #   tools/device_run.sh x2a               (two GPUs; carry .whl) tests/gpu in full (x2a_json.tgz)
 #   tools/device_run.sh x2b               (two GPUs; carry .whl, .cupy_tests) tools/probes/cross_device_copy.py,
 #                                         CuPy's multi-GPU copy tests under default, device, async, event,
@@ -695,6 +696,11 @@ case $part in
   # (carry .whl)
   call24) json_dir call24; GPUMEM_VIZ_OUT=$J/viz timed_gpu_tests ${GPU_TIMEOUT:-330}; pack_json
     BENCH_DIR=$J benches alloc managed; pack_json; BENCH_DIR=$J benches async; pack_json ;;
+
+  # after the trials' fixes (record_stream takes CuPy streams only; current_token holds what it reads;
+  # the hot path's attributes renamed): tests/gpu in full, then bench alloc and managed (carry .whl)
+  call25) json_dir call25; timed_gpu_tests ${GPU_TIMEOUT:-420}; pack_json
+    BENCH_DIR=$J benches alloc managed; pack_json ;;
 
   # issue 22, on two GPUs (kind nvidia-h200-x2): x2a is tests/gpu in full, whose two-GPU tests skip on one;
   # x2b (carry .whl and .cupy_tests) the cross-device copy probe (each kind of memory, and the event an
