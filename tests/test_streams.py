@@ -757,3 +757,14 @@ def test_fake_events_recorded_on_a_destroyed_stream_wait_for_its_own_work(fake):
     assert _alloc_on(s, A, 4096) != p and fake.busy_destroyed_streams() == 1
     fake.device_synchronize(0)
     assert _alloc_on(s, A, 4096) == p
+
+
+def test_cupys_own_stream_objects_are_streams():
+    """CuPy's Stream and ExternalStream (importable without a GPU: Stream.null, an ExternalStream of
+    handle 0 made without CUDA) pass the type check; its first version asked for a class CuPy 14 does
+    not have, and refused every real stream on an H200."""
+    cs = pytest.importorskip("cupy.cuda.stream", reason="CuPy is not installed")
+    from cupy_memstrat.strategies.base import check_stream
+
+    check_stream(cs.Stream.null)
+    check_stream(cs.ExternalStream(0))

@@ -21,7 +21,7 @@ __all__ = ["check_stream"]
 
 
 def check_stream(stream) -> None:
-    """A stream object: a ``cupy.cuda.Stream`` or ``ExternalStream`` (CuPy's ``BaseStream``), or a
+    """A stream object: a ``cupy.cuda.Stream`` or ``ExternalStream``, or a
     stream of the simulated GPU, whose ``.ptr`` is an int handle (``cudaStream_t``) from 0 to
     2**64 - 1.
 
@@ -31,8 +31,10 @@ def check_stream(stream) -> None:
             crashed the process at the free under ``pool`` and ``async`` on an H200).
         ValueError: a handle outside that range.
     """
-    cupy_stream = getattr(sys.modules.get("cupy.cuda.stream"), "BaseStream", None)
-    if not (cupy_stream is not None and isinstance(stream, cupy_stream)
+    cs = sys.modules.get("cupy.cuda.stream")  # CuPy 14: Stream and ExternalStream derive from _BaseStream
+    cupy_streams = tuple(c for c in (getattr(cs, n, None) for n in ("Stream", "ExternalStream", "_BaseStream",
+                                                                   "BaseStream")) if isinstance(c, type))
+    if not (cupy_streams and isinstance(stream, cupy_streams)
             or getattr(type(stream), "simulated_stream", False) is True):
         # the value itself only where its repr is short and safe (an array's would copy it to the host)
         shown = f" {stream!r}" if stream is None or isinstance(stream, (bool, int, float, str, bytes)) else ""
