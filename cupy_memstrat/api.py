@@ -466,7 +466,10 @@ def prefetch(x, to="device", *, nbytes: int | None = None, stream=None, backend=
                              f"got {stream}")
         handle = stream
     else:
-        check_stream(stream)  # a CuPy stream, its .ptr an int handle in range
+        try:
+            check_stream(stream)  # a CuPy stream, its .ptr an int handle in range
+        except TypeError as exc:  # prefetch also takes a raw handle or None: say so
+            raise TypeError(f"{exc}; or a raw handle (int) or None") from None
         handle = stream.ptr
     ptr, size = _managed_range(x, nbytes, backend, "prefetch")
     loc = _location(to, "prefetch: to", backend)
