@@ -9,6 +9,7 @@ patterns corrupting real data without the fixes, and not with them.
 
 import gc
 import threading
+import warnings
 
 import pytest
 
@@ -767,4 +768,7 @@ def test_cupys_own_stream_objects_are_streams():
     from cupy_memstrat.strategies.base import check_stream
 
     check_stream(cs.Stream.null)
-    check_stream(cs.ExternalStream(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # CuPy 14: use Stream.from_external
+        ext = cs.ExternalStream(0)
+    check_stream(ext)
