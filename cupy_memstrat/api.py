@@ -430,6 +430,13 @@ def _cuda_call(what: str, ptr: int, size: int, backend, fn, *args, stream=None, 
         raise ValueError(f"{what}: {why} ({name})") from exc
 
 
+def _default_backend():
+    """The CUDA seam of the strategy CuPy allocates with in this thread (a strategy made with
+    ``backend=`` keeps it), else the process's."""
+    s = current()
+    return s.backend if s is not None else _cuda.get_backend()
+
+
 def prefetch(x, to="device", *, nbytes: int | None = None, stream=None, backend=None) -> None:
     """Move managed memory to a device or to the host ahead of use
     (``cudaMemPrefetchAsync``): the pages migrate in one transfer per 2 MiB
@@ -450,14 +457,15 @@ def prefetch(x, to="device", *, nbytes: int | None = None, stream=None, backend=
         nbytes: bytes from the pointer (raw pointers and MemoryPointers only).
         stream: a ``cupy.cuda.Stream`` (or ``ExternalStream``) or a raw
             handle; default: CuPy's current stream.
-        backend: the CUDA seam (default: the real one; tests pass a fake).
+        backend: the CUDA seam (default: that of the strategy CuPy
+            allocates with in this thread, else the real one).
 
     Raises:
         ValueError: the memory is not managed memory (e.g. from ``cudaMalloc``
             or CuPy's pool), CUDA refused the range, or a bad ``to``.
         TypeError: ``x`` or ``nbytes`` of the wrong type.
     """
-    backend = backend or _cuda.get_backend()
+    backend = backend or _default_backend()
     if stream is None:
         handle = None
     elif isinstance(stream, int) and not isinstance(stream, bool):
@@ -514,7 +522,7 @@ def advise(
         ValueError: not managed memory, CUDA refused the range, or a bad location.
         TypeError: ``x``, ``nbytes`` or ``read_mostly`` of the wrong type.
     """
-    backend = backend or _cuda.get_backend()
+    backend = backend or _default_backend()
     ptr, size = _managed_range(x, nbytes, backend, "advise")
     calls = []
     if isinstance(preferred_location, str) and preferred_location.strip().lower() in ("", "none", "off", "no"):

@@ -247,3 +247,27 @@ def test_in_use_and_a_reset_of_the_peak_in_use_alone(fake, name):
     s.raw_free(b)
     with pytest.raises(ValueError, match="device: expected 0 <= device < 1, got 3"):
         s.in_use(3)
+
+
+@pytest.mark.parametrize("spec", ["device", "managed", "async", "pool", "async:check=all"])
+def test_a_strategy_refuses_pickle_and_copy_saying_what_to_send_instead(fake, spec):
+    import copy
+    import pickle
+
+    s = cupy_memstrat.create(spec, backend=fake)
+    for attempt in (pickle.dumps, copy.copy, copy.deepcopy):
+        with pytest.raises(TypeError, match="cannot be pickled or copied: it holds CUDA memory.*spec string"):
+            attempt(s)
+    s.close()
+
+
+def test_prefetch_and_advise_use_the_backend_of_the_strategy_in_use(fake):
+    """A strategy made with backend= keeps it: prefetch() and advise() without backend= act on that
+    one (they asked the process's real backend, which raised NoDeviceError without a GPU)."""
+    cupy_memstrat.use("managed", backend=fake)
+    x = cupy.empty(4 << 20, dtype=cupy.uint8)
+    cupy_memstrat.advise(x, preferred_location="device")
+    before = fake.n_prefetch_calls
+    cupy_memstrat.prefetch(x, to="host")
+    cupy_memstrat.prefetch(x)
+    assert fake.n_prefetch_calls == before + 2

@@ -571,7 +571,9 @@ def test_route_direct_letting_go_never_hands_a_waiting_block_to_the_pool_early()
     assert busy == [False] and P in pool.free and s._held == {} and not s._pending
 
 
-def test_trim_on_the_fake_backend_counts_the_blocks_that_waited_for_recorded_streams():
+def test_on_the_fake_backend_blocks_that_wait_for_recorded_streams_are_reserved_and_trimmed():
+    """Nothing is cached there, but a block freed while its recorded stream still works stays
+    allocated: reserved, not in use (it read 0 B reserved), until trim gives it back."""
     fake = FakeBackend()
     s = cupy_memstrat.create("pool", backend=fake)
     B = fake.stream(non_blocking=True)
@@ -579,9 +581,14 @@ def test_trim_on_the_fake_backend_counts_the_blocks_that_waited_for_recorded_str
     assert s.record_stream(p, B) is True
     fake.launch(B)
     s.raw_free(p)
+    st = s.stats()
+    assert (st.bytes_in_use, st.bytes_reserved, st.peak_bytes_reserved) == (0, 1 << 20, 1 << 20)
     assert len(s._pending) == 1
     assert s.trim() == 1 << 20 and not s._pending
     assert s.trim() == 0
+    assert (s.stats().bytes_in_use, s.stats().bytes_reserved) == (0, 0)
+    s.reset_peak()
+    assert s.stats().peak_bytes_reserved == 0
 
 
 @needs_c
@@ -1072,3 +1079,4 @@ def test_route_direct_python_code_in_the_token_lookup_that_drops_the_memory_obje
     fake.finish(B)
     st = s.stats()
     assert (st.bytes_in_use, st.n_live, st.n_allocs, st.n_frees) == (0, 0, n + 1, n + 1)
+

@@ -97,8 +97,16 @@ class _StatisticsMixin:
             n_oom_recoveries=c.n_oom_recoveries,
         ))
         if self.reserved_is_in_use:
-            fields["bytes_reserved"] = fields["bytes_in_use"]
-            fields["peak_bytes_reserved"] = fields["peak_bytes_in_use"]
+            # nothing cached, but a block freed while a recorded stream still used it is CUDA's
+            # memory until that stream's work is done (record_stream): reserved, not in use
+            held = sum(p[2] for p in list(self._pending) if p[3] == device)
+            reserved = fields["bytes_in_use"] + held
+            with self._fold_lock:
+                c = self._counters[device]
+                c.peak_reserved = max(c.peak_reserved, reserved)  # the highest seen at reads (reset_peak)
+                peak = c.peak_reserved
+            fields["bytes_reserved"] = reserved
+            fields["peak_bytes_reserved"] = max(fields["peak_bytes_in_use"], peak)
         return Stats(device=device, strategy=self.name, **fields)
 
     def in_use(self, device: int | None = None) -> tuple[int, int]:

@@ -416,6 +416,18 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
         opts = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
         return f"<{type(self).__name__} {self.name!r} ({opts}) on {self.backend.name}>"
 
+    def __reduce_ex__(self, protocol):
+        """Strategies are not pickled or copied: one holds CUDA memory and this process's state.
+
+        Raises:
+            TypeError: always, saying what to send instead.
+        """
+        raise TypeError(
+            f"a cupy_memstrat strategy ({type(self).__name__} {self.name!r}) cannot be pickled or copied: it "
+            "holds CUDA memory and state of this process; send its spec string and create it where it runs "
+            "(cupy_memstrat.use(spec)), or send what it reports (stats().as_dict(), cupy_memstrat.snapshot())"
+        )
+
 
 
 
