@@ -323,6 +323,9 @@ def _cmd_run(args) -> int:
     except (MemstratError, RuntimeError) as exc:
         print(f"run: {exc}", file=sys.stderr)
         return 2
+    from . import checks
+
+    check_mark = checks.mark()
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     script_globals = None  # held until the summary: "live at exit" counts what the script kept
     try:
@@ -342,19 +345,54 @@ def _cmd_run(args) -> int:
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+        found = _findings_at_exit(checks, check_mark)
         if not args.quiet:
-            for d in range(strategy.backend.device_count()):
-                st = strategy.stats(d)
-                if st.n_allocs:
-                    print(f"cupy_memstrat: {spec.strip()} on device {d}: peak in use "
-                          f"{format_size(st.peak_bytes_in_use)}, peak reserved {format_size(st.peak_bytes_reserved)}, "
-                          f"{format_count(st.n_allocs, 'allocation')}, {st.n_live} live at exit",
-                          file=sys.stderr)
+            _run_summary(spec.strip(), strategy, format_size, format_count)
         del script_globals
+    if found:
+        print(f"cupy_memstrat: the checks found {format_count(len(found), 'problem')} during the run:\n"
+              + "\n".join(str(f) for f in found[:20])
+              + (f"\n... and {len(found) - 20} more" if len(found) > 20 else ""), file=sys.stderr)
+        if code is None or code == 0:
+            code = 1
     if code is None or isinstance(code, int):
         return code or 0
     print(code, file=sys.stderr)  # sys.exit("message"), as Python itself does
     return 1
+
+
+def _findings_at_exit(checks, since: int) -> list:
+    """Every finding of the checks since ``since`` (a ``checks.mark()``), after finishing the
+    pending ones (quarantined blocks, queued kernels), whatever each strategy's ``on_finding``:
+    a finding of the script's last frees is not lost at exit."""
+    try:
+        checks.collect()
+    except checks.CheckError:
+        pass  # on_finding="raise": recorded all the same, listed below
+    except Exception as exc:  # noqa: BLE001 - the GPU may be unusable after the script's error
+        print(f"cupy_memstrat: the checks' last findings could not be collected: {exc}", file=sys.stderr)
+    return checks.findings(since=since)
+
+
+def _run_summary(spec: str, strategy, format_size, format_count) -> None:
+    """``run``'s summary of the strategy it installed, and of the one CuPy allocates with at exit
+    where the script installed another."""
+    from .api import current
+
+    now = current()
+    shown = [(strategy, spec + (" (replaced by the script)" if now is not strategy else ""))]
+    if now is not None and now is not strategy:
+        shown.append((now, f"{now.name} (installed by the script)"))
+    for s, label in shown:
+        for d in range(s.backend.device_count()):
+            st = s.stats(d)
+            if st.n_allocs:
+                print(f"cupy_memstrat: {label} on device {d}: peak in use "
+                      f"{format_size(st.peak_bytes_in_use)}, peak reserved {format_size(st.peak_bytes_reserved)}, "
+                      f"{format_count(st.n_allocs, 'allocation')}, {st.n_live} live at exit", file=sys.stderr)
+    if now is None:
+        print("cupy_memstrat: the script replaced CuPy's allocator with one that is not a cupy_memstrat "
+              "strategy; what it allocated after that is not counted above", file=sys.stderr)
 
 
 _BENCH_MODULES = {"alloc": "alloc", "async": "async_pool", "managed": "managed", "workloads": "workloads",

@@ -353,3 +353,42 @@ def test_bench_with_no_group_refuses_an_out_folder_it_cannot_fill_before_running
     err = capsys.readouterr().err
     assert "cannot write" in err and "bench-workloads.json" in err and not ran
     assert sorted(p.name for p in (tmp_path / "res").iterdir()) == ["bench-workloads.json"]
+
+
+LAST_FREE_OVERRUNS = """
+import numpy as np, cupy, cupy_memstrat
+x = cupy.ndarray((1000,), dtype=np.uint8)
+cupy_memstrat.current().backend.write(x.data.ptr + 1000, b"\\0")   # a kernel writing past the end
+del x                                                              # the script's last act
+"""
+
+
+@pytest.mark.parametrize("spec", ["async:check=all", "device:check=redzone,on_finding=record",
+                                  "pool:check=redzone,on_finding=warn"])
+def test_run_reports_the_findings_of_the_last_free_and_exits_1(tmp_path, spec):
+    (tmp_path / "job.py").write_text(LAST_FREE_OVERRUNS)
+    r = _run_fake(tmp_path, "run", "-s", spec, "job.py")
+    assert r.returncode == 1, r.stderr
+    assert "cupy_memstrat: the checks found 1 problem during the run:" in r.stderr
+    assert "[out-of-bounds write]" in r.stderr and "job.py:5" in r.stderr  # the free's line
+    r = _run_fake(tmp_path, "run", "-s", spec.split(":")[0], "job.py")  # the control: no checks, nothing said
+    assert r.returncode == 0 and "problem" not in r.stderr
+
+
+def test_run_keeps_the_scripts_own_failure_status_with_findings(tmp_path):
+    (tmp_path / "job.py").write_text(LAST_FREE_OVERRUNS + "raise SystemExit(3)\n")
+    r = _run_fake(tmp_path, "run", "-s", "async:check=redzone", "job.py")
+    assert r.returncode == 3 and "the checks found 1 problem" in r.stderr
+
+
+def test_run_reports_the_strategy_the_script_installed_too(tmp_path):
+    (tmp_path / "job.py").write_text("""
+import cupy, cupy_memstrat
+x = cupy.empty(1 << 20, dtype=cupy.uint8)
+cupy_memstrat.use("device")
+y = cupy.empty(151 << 20, dtype=cupy.uint8)
+""")
+    r = _run_fake(tmp_path, "run", "-s", "pool", "job.py")
+    assert r.returncode == 0, r.stderr
+    assert "cupy_memstrat: pool (replaced by the script) on device 0: peak in use 1.0 MiB" in r.stderr
+    assert "cupy_memstrat: device (installed by the script) on device 0: peak in use 151.0 MiB" in r.stderr
