@@ -37,6 +37,7 @@ __all__ = [
     "OFF_WORDS",
     "Case",
     "GpuMemLeakWarning",
+    "GpuMemUncheckedWarning",
     "Limit",
     "Problem",
     "limits_json",
@@ -53,6 +54,11 @@ OFF_WORDS = ("off", "none", "no", "false")
 
 class GpuMemLeakWarning(pytest.PytestWarning):
     """A test left GPU memory allocated (``--gpumem-leaks=warn``)."""
+
+
+class GpuMemUncheckedWarning(pytest.PytestWarning):
+    """Checks were asked for the session, and a test ran under a strategy of its own that the
+    checks do not wrap (``cupy_memstrat.using()`` in the test or a fixture of the user's)."""
 
 
 def warn_at_test(item, warning: Warning) -> None:
@@ -143,7 +149,7 @@ def _count(value, what: str):
 class Case:
     """What a unit judges: one measured test, after its teardown.
 
-    ``state`` is the plugin's session state (``checking``,
+    ``state`` is the plugin's session state (``checks``,
     ``findings_since(window)``, ``baseline``, ``growth``, ``settings``);
     ``rec`` the test's record (JSON), which the units fill in; ``passed``
     whether the test passed so far (no failed report, not xfailed).
@@ -338,18 +344,52 @@ class Leaks(Limit):
 
 
 class Findings(Limit):
-    """The checking layer's findings (``--gpumem-check``, or a strategy with
-    ``check=``): any finding during the test fails it."""
+    """The checking layer's findings: any finding during the test fails it.
+
+    Judged for every test that ran under checks (``--gpumem-check``, a
+    strategy spec with ``check=`` however given, the ``gpumem_strategy``
+    fixture under either, a test's own checked strategy). A test whose own
+    strategy the session's checks do not wrap gets ``"checked": false`` and
+    a :class:`GpuMemUncheckedWarning`, never ``n_findings: 0``. Findings a
+    test's own strategy with ``on_finding="raise"`` has not raised yet fail
+    the test in any case."""
 
     kind = "checks"
 
     def judge(self, case):
-        state, rec, call = case.state, case.rec, case.call
-        if not state.checking:
-            return None
-        found = state.findings_since(case.window)
-        rec["findings"] = [f.as_dict() for f in found[:20]]
-        rec["n_findings"] = len(found)
+        state, rec, call, w = case.state, case.rec, case.call, case.window
+        found, pending = state.findings_since(w)
+        checked = w.checked
+        if checked is None and not pending:
+            return None  # no check asked, none pending: nothing to say
+        if not checked:
+            found = pending  # findings of the test's own checked strategy, not delivered to it
+        elif w.allocator_change is not None:  # checked until the test installed another allocator
+            checked = False
+            rec["unchecked"] = ("the test changed CuPy's allocator during its call: what it allocated after "
+                                "that was not checked")
+        rec["checked"] = bool(checked)
+        if w.checked or found:
+            rec["n_findings"] = len(found)
+            rec["findings"] = [f.as_dict() for f in found[:20]]
+        if w.checked is False and w.allocator_change is None:
+            if w.strategy_name is not None:
+                why = (f"ran under strategy {w.strategy_name!r} of its own (cupy_memstrat.using() in the test or "
+                       "a fixture), which the session's checks do not wrap: its memory was not checked (run it "
+                       "under the gpumem_strategy fixture, which takes the session's checks, or give it check=...)")
+            else:
+                why = (f"ran under strategy {case.meter.strategy.name!r}, which a test or fixture installed and the "
+                       "session's checks could not wrap: its memory was not checked")
+            rec["unchecked"] = why
+            try:
+                warn_at_test(case.item, GpuMemUncheckedWarning(f"{case.item.nodeid} {why}"))
+            except Warning:  # -W error: the warning is an error: fail the test
+                if not found:
+                    return Problem(self.kind, [f"{why} (GpuMemUncheckedWarning, an error under -W)"])
+        if w.check_error is not None:
+            rec["check_error"] = w.check_error
+            if call is not None:
+                call.sections.append(("gpumem checks", w.check_error))
         if not found:
             return None
         k = len(found)

@@ -66,6 +66,8 @@ class Window:
     history_error: str | None = None  # why the call could not be recorded
     strategy_name: str | None = None  # set when measured through another strategy than the session's
     allocator_change: tuple | None = None  # (message, as an error) when the test replaced CuPy's allocator
+    checked: bool | None = None  # whether the call ran under the checks (None: no check asked anywhere)
+    check_error: str | None = None  # why the checks' pending work could not be finished after the call
 
 
 class Meter:

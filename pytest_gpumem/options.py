@@ -10,6 +10,7 @@ from, e.g. ``environment variable GPUMEM_BUDGET='lots': cannot parse ...``.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -150,6 +151,7 @@ class Setting:
     flag: bool = False
     metavar: str | None = None
     env_fallback: str | None = None  # a second variable, read after env (CUPY_MEMSTRAT for the strategy)
+    ini_type: str = "string"  # pytest's ini type: TOML's native [tool.pytest] table takes values of this type
 
     @property
     def dest(self) -> str:
@@ -158,7 +160,8 @@ class Setting:
 
 SETTINGS = (
     Setting("measure", "--gpumem", "GPUMEM", "gpumem", parse_bool, False,
-            "measure every test's GPU memory (peak, leaks where checked) and report it", flag=True),
+            "measure every test's GPU memory (peak, leaks where checked) and report it", flag=True,
+            ini_type="bool"),
     Setting("budget", "--gpumem-budget", "GPUMEM_BUDGET", "gpumem_budget", parse_budget, None,
             "fail a test whose peak GPU memory (on top of what was in use when its call began) exceeds "
             "SIZE: '512MiB', '2GB', '10%%' of the device's memory; 'off' for none", metavar="SIZE"),
@@ -171,13 +174,14 @@ SETTINGS = (
             metavar="NAME[:KEY=VALUE,...]", env_fallback="CUPY_MEMSTRAT"),
     Setting("faults", "--gpumem-faults", "GPUMEM_FAULTS", "gpumem_faults", parse_bool, False,
             "count unified-memory page faults and migrations per test (driver counters, CUPTI fallback)",
-            flag=True),
+            flag=True, ini_type="bool"),
     Setting("faults_missing", "--gpumem-faults-missing", "GPUMEM_FAULTS_MISSING", "gpumem_faults_missing",
             _choice("skip", "fail"), "skip",
             "a test with limit_page_faults where no page-fault counter exists: skip (default) or fail",
             metavar="skip|fail"),
     Setting("top", "--gpumem-top", "GPUMEM_TOP", "gpumem_top", parse_top, 10,
-            "show the N measured tests with the highest peak at the end (0: no table; default 10)", metavar="N"),
+            "show the N measured tests with the highest peak at the end (0: no table; default 10)", metavar="N",
+            ini_type="int"),
     Setting("check", "--gpumem-check", "GPUMEM_CHECK", "gpumem_check", parse_check, frozenset(),
             "run every test under cupy_memstrat's checking layer and fail a test in which a check finds a "
             f"problem: any of {', '.join(cupy_memstrat.checks.CHECKS)} (comma-separated), all, or off "
@@ -191,7 +195,7 @@ SETTINGS = (
     Setting("history", "--gpumem-history", "GPUMEM_HISTORY", "gpumem_history", parse_bool, False,
             "record each measured test's allocations and frees (cupy_memstrat.record_history) and put the "
             "timeline of every test that fails into --gpumem-json (draw one with python -m cupy_memstrat plot)",
-            flag=True),
+            flag=True, ini_type="bool"),
     Setting("json", "--gpumem-json", "GPUMEM_JSON", "gpumem_json", parse_json_path, None,
             "write every measured test's numbers, with machine and versions, to PATH as JSON", metavar="PATH"),
     Setting("compare", "--gpumem-compare", "GPUMEM_COMPARE", "gpumem_compare", parse_compare, None,
@@ -214,7 +218,17 @@ def add_options(parser) -> None:
                             help=f"switch {s.option} off (over the environment and the ini file)")
         else:
             group.addoption(s.option, default=None, dest=s.dest, metavar=s.metavar, help=s.help + env)
-        parser.addini(s.ini, f"{s.help} (as {s.option})".replace("%%", "%"), default="")
+        # typed, so that pytest 9's native [tool.pytest] table takes `gpumem = true` and `gpumem_top = 5`
+        # (the ini file's text and [tool.pytest.ini_options] are converted to the type); unset: None
+        parser.addini(s.ini, f"{s.help} (as {s.option})".replace("%%", "%"), type=_ini_type(s.ini_type),
+                      default=None)
+
+
+def _ini_type(name: str) -> str:
+    """pytest's ini type ``name``, or "string" on a pytest that lacks it (``int`` came in pytest 8.4)."""
+    if name == "int" and tuple(pytest.version_tuple[:2]) < (8, 4):
+        return "string"
+    return name
 
 
 @dataclass
@@ -240,10 +254,18 @@ class Settings:
         return self.texts.get(name)
 
     @property
+    def checks_asked(self) -> frozenset:
+        """The checks asked for the session: ``--gpumem-check`` (its variable, its ini key) or a
+        ``check=`` in the strategy spec (``--gpumem-strategy``, ``GPUMEM_STRATEGY``,
+        ``CUPY_MEMSTRAT``, its ini key)."""
+        return self.check or self.values.get("spec_check", frozenset())
+
+    @property
     def measuring(self) -> bool:
-        """Whether every test (not only marked ones) is measured."""
+        """Whether every test (not only marked ones) is measured: any limit or check asked for the
+        session (checks in the strategy spec too: their findings are judged per test)."""
         return bool(
-            self.measure or self.budget is not None or self.leaks != "off" or self.faults or self.check
+            self.measure or self.budget is not None or self.leaks != "off" or self.faults or self.checks_asked
             or self.stream_policy != "current" or self.history or self.compare
         )
 
@@ -271,8 +293,8 @@ def resolve(config, environ=None) -> Settings:
             raw = environ[s.env_fallback]
             label = f"environment variable {s.env_fallback}={raw!r}"
             src = f"environment variable {s.env_fallback}"
-        elif str(config.getini(s.ini)).strip():
-            raw = str(config.getini(s.ini))
+        elif (ini := _ini_value(config, s)) is not None:
+            raw = ini
             label, src = f"ini key {s.ini}={raw!r}", f"ini key {s.ini}"
         else:
             out.values[s.name], out.sources[s.name] = s.default, None
@@ -285,7 +307,42 @@ def resolve(config, environ=None) -> Settings:
         except (ValueError, TypeError) as exc:
             raise pytest.UsageError(f"{label}: {exc}") from None
         out.sources[s.name], out.texts[s.name] = src, raw.strip()
+    out.values["spec_check"] = _spec_checks(out.values["strategy"])  # checked above: no error here
     return out
+
+
+def _ini_value(config, s: Setting) -> str | None:
+    """The ini key's value as text (``True`` -> ``"true"``, ``5`` -> ``"5"``), or None where it is
+    unset or empty.
+
+    Raises:
+        pytest.UsageError: pytest cannot read it as its type (``gpumem_top = many``).
+    """
+    try:
+        value = config.getini(s.ini)
+    except (ValueError, TypeError, pytest.UsageError) as exc:  # pytest 9 raises UsageError for some
+        # pytest's message names the value ("invalid truth value 'maybe'"): said as for the other sources
+        found = re.search(r"(?:invalid truth value|invalid literal for int\(\) with base 10:) (.*)$", str(exc))
+        where = f"ini key {s.ini}={found.group(1)}" if found else f"ini key {s.ini}: {exc}"
+        raise pytest.UsageError(f"{where}: expected {_INI_WORDS[s.ini_type]}") from None
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = str(value)
+    return text if text.strip() else None
+
+
+_INI_WORDS = {"string": "a string", "bool": f"one of {', '.join(_TRUE + _FALSE)}",
+              "int": "a whole number of tests >= 0 (ASCII digits)"}
+
+
+def _spec_checks(spec: str | None) -> frozenset:
+    """The checks a strategy spec turns on (``"async:check=all"``), or an empty set."""
+    if not spec:
+        return frozenset()
+    _, parsed = cupy_memstrat.validate(spec)
+    return frozenset(parsed.get("check") or ())
 
 
 # -- markers -------------------------------------------------------------------------

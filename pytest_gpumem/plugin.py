@@ -34,13 +34,13 @@ import cupy_memstrat
 from cupy_memstrat import checks as _checks
 
 from . import report as _report
-from .limits import BUDGET, GpuMemLeakWarning, size_words
+from .limits import BUDGET, GpuMemLeakWarning, GpuMemUncheckedWarning, size_words
 from .measure import GpuMem, Meter
 from .options import MARKERS, add_options, plan_for, resolve
 from .session import METER, NOTICE, OOM_SNAPSHOT, GpuMemAllocatorWarning, State
 from .session import State as _State  # noqa: F401 - the name tools/probes/plugin_cost.py patches
 
-__all__ = ["GpuMemLeakWarning", "GpuMemAllocatorWarning"]
+__all__ = ["GpuMemLeakWarning", "GpuMemAllocatorWarning", "GpuMemUncheckedWarning"]
 
 fmt = cupy_memstrat.format_size
 
@@ -48,6 +48,7 @@ _KEY = pytest.StashKey[State]()
 _PLAN = pytest.StashKey[object]()
 _WINDOW = pytest.StashKey[object]()
 _BAD = pytest.StashKey[str]()  # a bad marker's message (pytest-xdist workers: the test errors with it)
+_JUDGED = pytest.StashKey[bool]()  # the test runs under this plugin's protocol: its verdict judges findings
 
 
 def _state(config) -> State | None:
@@ -106,8 +107,9 @@ def _settings_summary(state) -> str:
         parts.append(f"leaks: {s.leaks} ({s.source('leaks')})")
     if s.faults:
         parts.append("page faults: " + (state.meter.fault_status() if state.meter else "on"))
-    if s.check:
-        parts.append(f"checks: {','.join(c for c in _checks.CHECKS if c in s.check)} ({s.source('check')})")
+    if state.checks:
+        where = s.source("check") if s.check else s.source("strategy")
+        parts.append(f"checks: {','.join(c for c in _checks.CHECKS if c in state.checks)} ({where})")
     if s.stream_policy != "current":
         parts.append(f"stream policy: {s.stream_policy} ({s.source('stream_policy')})")
     return "; ".join(parts)
@@ -219,6 +221,7 @@ def pytest_runtest_protocol(item, nextitem):
         return None  # pytest's own protocol
     from _pytest.runner import runtestprotocol
 
+    item.stash[_JUDGED] = True
     ihook = item.ihook
     ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
     reports = runtestprotocol(item, nextitem=nextitem, log=False)
@@ -268,6 +271,7 @@ def pytest_runtest_call(item):
         except cupy_memstrat.FaultCountersUnavailable:
             counter = None
     w = meter.open(snapshot=True)
+    w.checked = state.checked_state(strategy)
     if strategy is not state.initial_strategy:
         w.strategy_name = strategy.name  # named on the test's row (the title names the session's)
     item.stash[_WINDOW] = w
@@ -310,6 +314,28 @@ def _finish_call(state, plan, meter, w, counter) -> None:
         w.top_live = meter.largest_new(w)  # while the test's arrays may still be alive
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test this plugin does not judge (not measured): findings that a
+    checked strategy of its own (``on_finding="raise"``) found and has not
+    raised yet fail its call, or its teardown, instead of being lost."""
+    rep = yield
+    if call.when != "setup" and not item.stash.get(_JUDGED, False) and _state(item.config) is not None \
+            and item.get_closest_marker("gpumem_skip") is None:
+        try:
+            _checks.collect()
+        except _checks.CheckError as exc:
+            text = f"gpumem: {exc}"
+            if rep.passed:
+                rep.outcome, rep.longrepr = "failed", text
+            else:
+                rep.sections.append(("gpumem checks", text))
+        except Exception as exc:  # noqa: BLE001 - a GPU left unusable by the test: said, never a crash
+            rep.sections.append(("gpumem checks", f"the checks' pending work could not be finished: "
+                                                  f"{type(exc).__name__}: {exc}"))
+    return rep
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_report_teststatus(report, config):
     if report.when == "call" and getattr(report, "gpumem_failed", None):
@@ -343,6 +369,14 @@ def pytest_sessionfinish(session, exitstatus):
     if state is None or state.worker is not None:
         return
     path = state.settings.json
+    opt = session.config.option
+    run_nothing = [flag for flag, on in (("--collect-only", getattr(opt, "collectonly", False)),
+                                         ("--setup-plan", getattr(opt, "setupplan", False)),  # sets setuponly
+                                         ("--setup-only", getattr(opt, "setuponly", False))) if on]
+    if path and run_nothing:  # no test ran: an existing report (a --gpumem-compare baseline) stays as it is
+        state.json_skipped = (f"{run_nothing[0]} runs no test: the JSON report {path} is not written "
+                              "(an existing one is left as it was)")
+        return
     if path:  # also with nothing measured: the file says so (measuring_off, no tests)
         if state.machine is None and state.meter is not None:
             state.machine = state.meter.machine()
@@ -392,7 +426,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if state.baseline is not None and state.worker is None:
         for line in _baseline_summary(state, recs):
             tr.write_line(line)
-    if state.settings.json and state.worker is None:
+    unchecked = [r["nodeid"] for r in recs if r.get("checked") is False and "allocator_change" not in r]
+    if unchecked:  # (under pytest-xdist they come in the workers' records)
+        n = len(unchecked)
+        tr.write_line(f"gpumem: {n} test{'' if n == 1 else 's'} ran under a strategy of {'its' if n == 1 else 'their'} "
+                      f"own that the session's checks do not wrap, unchecked (GpuMemUncheckedWarning): "
+                      + ", ".join(unchecked[:10]) + (f" and {n - 10} more" if n > 10 else ""))
+    if state.json_skipped and state.worker is None:
+        tr.write_line(f"gpumem: {state.json_skipped}")
+    elif state.settings.json and state.worker is None:
         if getattr(state, "json_error", None):
             tr.write_line(f"gpumem: {state.json_error}", red=True)
         else:
@@ -455,7 +497,9 @@ def gpumem_strategy(request):
     """Run the test under one cupy_memstrat strategy (``cupy_memstrat.using``);
     parametrised over every registered strategy unless the test parametrises
     ``gpumem_strategy`` itself (``indirect=True``). A strategy that cannot be
-    created here skips with the reason. Yields the strategy."""
+    created here skips with the reason. Under the session's checks
+    (``--gpumem-check``, or a ``check=`` in the session's strategy) the
+    strategy is made with them. Yields the strategy."""
     name = getattr(request, "param", "pool")
     if not isinstance(name, str) or not name.strip():
         pytest.fail(f"gpumem_strategy: expected a strategy name such as 'device' or 'async:cache=0', got "
@@ -467,8 +511,14 @@ def gpumem_strategy(request):
         bad = str(exc)
     if bad is not None:  # outside the except: one message, no chained exception
         pytest.fail(f"gpumem_strategy: {bad}", pytrace=False)
+    state = _state(request.config)
+    carry = {}
+    if state is not None and state.checks and "check" not in cupy_memstrat.parse_spec(name)[1]:
+        # the session's checks (--gpumem-check, a check= in the session's strategy) wrap the
+        # test's strategy too, and record their findings for the verdict
+        carry = {"check": ",".join(c for c in _checks.CHECKS if c in state.checks), "on_finding": "record"}
     try:
-        cm = cupy_memstrat.using(name)
+        cm = cupy_memstrat.using(name, **carry)
         s = cm.__enter__()
     except (cupy_memstrat.MemstratError, ValueError, ImportError, RuntimeError) as exc:
         pytest.skip(f"strategy {name!r} cannot be created here: {exc}")

@@ -54,6 +54,8 @@ class State:
         self.usage_error: str | None = None  # a pytest-xdist worker's usage error: its tests error with it
         self.initial_strategy = None  # the session's strategy as first installed (the table's title)
         self.n_histories = 0  # timelines recorded for failing tests (--gpumem-history)
+        self.checks = settings.checks_asked  # the checks asked for the session (option or strategy spec)
+        self.json_skipped: str | None = None  # why the JSON report was not written (--collect-only)
         self.baseline = _baseline.load_baseline(settings.compare) if settings.compare else None
         self.growth = settings.max_growth or _baseline.Growth(share=Fraction(1, 10), text="10%")
 
@@ -156,6 +158,14 @@ class State:
             msg = (f"CuPy's allocator changed {what} {item.nodeid} to "
                    f"{'another ' if same else ''}strategy {new.name!r}{' object' if same else ''} "
                    f"(cupy_memstrat.use in a test or fixture); gpumem measures through it from here on")
+            if self.checks and not isinstance(new, _checks.CheckedStrategy):
+                carried = self._with_session_checks(new)
+                if carried is not None:
+                    new = carried
+                    msg += (f", with the session's checks ({_check_words(self.checks)}) around it: "
+                            "cupy_memstrat.current() is now the checking layer over it")
+                else:
+                    msg += f", without the session's checks ({_check_words(self.checks)}): they cannot wrap it"
             self.strategy, self.meter = new, Meter(new)
             self._expected_allocator = cupy.cuda.get_allocator()
         else:
@@ -171,6 +181,24 @@ class State:
             return msg, False
         except Warning:  # -W error: the warning is an error
             return msg, True
+
+    def _with_session_checks(self, strategy):
+        """``strategy`` (installed by a test or fixture) wrapped in the session's checks and
+        installed as CuPy's allocator in its place, or None where it cannot be (CuPy forbids
+        changing the allocator inside ``using_allocator``). The checks record their findings
+        for the verdict, as the session's own do."""
+        try:
+            return cupy_memstrat.use(strategy, check=",".join(sorted(self.checks)), on_finding="record")
+        except (RuntimeError, ValueError, TypeError):
+            return None
+
+    def checked_state(self, strategy) -> bool | None:
+        """Whether a test measured through ``strategy`` runs under cupy_memstrat's checks: True
+        (its strategy is checked), False (checks were asked for the session, and the test's
+        own strategy is not checked) or None (no check asked anywhere)."""
+        if isinstance(strategy, _checks.CheckedStrategy):
+            return True
+        return False if self.checks else None
 
     def restore(self) -> None:
         if self.installed:
@@ -275,19 +303,18 @@ class State:
             self.machine_sent = True
         reports[-1].gpumem = rec
 
-    @property
-    def checking(self) -> bool:
-        """Whether the strategy measured through runs cupy_memstrat's checks."""
-        return isinstance(self.strategy, _checks.CheckedStrategy)
-
-    def findings_since(self, w) -> list:
-        """The checking layer's findings since ``w`` opened, after finishing
-        every pending check (quarantine, queued kernels)."""
+    def findings_since(self, w) -> tuple[list, list]:
+        """``(every finding since w opened, the findings not yet delivered)`` after finishing
+        every pending check (quarantine, queued kernels). Not yet delivered: found by a checked
+        strategy with ``on_finding="raise"`` (a test's own) and not raised to the test yet."""
+        pending = []
         try:
             _checks.collect()
-        except _checks.CheckError:
-            pass  # a strategy of the test's own with on_finding="raise": its findings are recorded too
-        return _checks.findings(since=w.check_start)
+        except _checks.CheckError as exc:
+            pending = list(exc.findings)
+        except Exception as exc:  # noqa: BLE001 - a GPU left unusable by the test: judge what was found
+            w.check_error = f"the checks' pending work could not be finished: {type(exc).__name__}: {exc}"
+        return _checks.findings(since=w.check_start), pending
 
     def _strategy_info(self):
         s = self.initial_strategy or self.strategy  # the session's; a test's other one is on its row
@@ -304,7 +331,7 @@ class State:
             "strategy": strategy,
             "strategy_spec": s.strategy,
             "settings": {k: s.values[k] for k in ("budget", "leaks", "faults", "faults_missing")}
-            | {"measure": s.measuring, "check": sorted(s.check), "stream_policy": s.stream_policy,
+            | {"measure": s.measuring, "check": sorted(self.checks), "stream_policy": s.stream_policy,
                "history": s.history},
             "baseline": s.compare,
             "max_growth": self.growth.text if s.compare else None,
@@ -314,6 +341,11 @@ class State:
             "machine": self.machine,
             "measuring_off": self.why_off,
         }
+
+
+def _check_words(checks) -> str:
+    """The checks in their documented order: ``streams,poison,redzone``."""
+    return ",".join(c for c in _checks.CHECKS if c in checks)
 
 
 def _unchecked(plan):

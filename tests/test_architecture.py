@@ -27,6 +27,8 @@ COHERENT = {
     "cupy_memstrat/dask.py": "the Dask worker plugin, its gathering functions and its --preload module",
     "cupy_memstrat/numba.py": "Numba's external memory manager over a strategy",
     "cupy_memstrat/bench/workloads.py": "the benchmark's workload programs and their A/A-controlled runner",
+    "pytest_gpumem/plugin.py": "the plugin's pytest hooks and fixtures, each a few lines over the session's state",
+    "pytest_gpumem/limits.py": "the limits a test is judged by: one unit each (marker, parse, verdict)",
 }
 
 
