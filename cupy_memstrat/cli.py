@@ -345,10 +345,10 @@ def _cmd_run(args) -> int:
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
-        found = _findings_at_exit(checks, check_mark)
         if not args.quiet:
             _run_summary(spec.strip(), strategy, format_size, format_count)
-        del script_globals
+        del script_globals  # the script's arrays are freed: their frees are checked too
+        found = _findings_at_exit(checks, check_mark)
     if found:
         print(f"cupy_memstrat: the checks found {format_count(len(found), 'problem')} during the run:\n"
               + "\n".join(str(f) for f in found[:20])

@@ -368,8 +368,9 @@ class Findings(Limit):
             checked = False
             rec["unchecked"] = ("the test changed CuPy's allocator during its call: what it allocated after "
                                 "that was not checked")
-        rec["checked"] = bool(checked)
-        if w.checked or found:
+        if checked is not None or state.checks:
+            rec["checked"] = bool(checked)
+        if (w.checked and w.allocator_change is None) or found:
             rec["n_findings"] = len(found)
             rec["findings"] = [f.as_dict() for f in found[:20]]
         if w.checked is False and w.allocator_change is None:

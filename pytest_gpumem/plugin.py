@@ -320,11 +320,13 @@ def pytest_runtest_makereport(item, call):
     checked strategy of its own (``on_finding="raise"``) found and has not
     raised yet fail its call, or its teardown, instead of being lost."""
     rep = yield
-    if call.when != "setup" and not item.stash.get(_JUDGED, False) and _state(item.config) is not None \
-            and item.get_closest_marker("gpumem_skip") is None:
+    if call.when != "setup" and not item.stash.get(_JUDGED, False) and _state(item.config) is not None:
+        skipped = item.get_closest_marker("gpumem_skip") is not None
         try:
             _checks.collect()
         except _checks.CheckError as exc:
+            if skipped:  # not judged, and not left pending for the next test either
+                return rep
             text = f"gpumem: {exc}"
             if rep.passed:
                 rep.outcome, rep.longrepr = "failed", text

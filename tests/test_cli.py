@@ -392,3 +392,9 @@ y = cupy.empty(151 << 20, dtype=cupy.uint8)
     assert r.returncode == 0, r.stderr
     assert "cupy_memstrat: pool (replaced by the script) on device 0: peak in use 1.0 MiB" in r.stderr
     assert "cupy_memstrat: device (installed by the script) on device 0: peak in use 151.0 MiB" in r.stderr
+
+
+def test_run_checks_the_frees_of_the_arrays_a_script_keeps_to_the_end(tmp_path):
+    (tmp_path / "job.py").write_text(LAST_FREE_OVERRUNS.replace("del x", "pass"))
+    r = _run_fake(tmp_path, "run", "-s", "async:check=all", "job.py")
+    assert r.returncode == 1 and "the checks found 1 problem" in r.stderr, r.stderr

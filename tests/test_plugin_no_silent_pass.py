@@ -275,3 +275,15 @@ def test_out_of_bounds():
     r.assert_outcomes(passed=1, failed=1)
     r.stdout.fnmatch_lines(["gpumem: 1 test ran under a strategy of its own that the session's checks do not wrap, "
                             "unchecked (GpuMemUncheckedWarning): *::test_under_its_own"])
+
+
+def test_a_skipped_tests_pending_finding_does_not_fail_the_next_test(pytester, fake_env):
+    pytester.makepyfile(BUGS + """
+@pytest.mark.gpumem_skip
+def test_a_exempt():
+    with cupy_memstrat.using("async", check="redzone"):
+        out_of_bounds()
+def test_b_clean():
+    pass
+""")
+    run(pytester).assert_outcomes(passed=2)
