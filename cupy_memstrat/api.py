@@ -18,8 +18,12 @@ public names.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import os
+import threading
+from dataclasses import dataclass
 from typing import Iterator
 
 import warnings
@@ -181,7 +185,58 @@ def use(strategy: str | Strategy, **options) -> Strategy:
         raise RuntimeError(_USE_INSIDE_USING) from exc
     if before is not None and before is not s:
         before._stop_holding()  # pool's direct route: no allocation through it may come to reap
+    _log_install(s, "use")
     return s
+
+
+@dataclass(frozen=True)
+class Install:
+    """One installation of a strategy as CuPy's allocator, by :func:`use` or
+    :func:`using` (see :func:`installs`)."""
+
+    seq: int  #: its position, for ``installs(since=...)`` (from :func:`install_mark`)
+    name: str  #: the strategy's registered name
+    checked: bool  #: whether it runs under the checking layer (a CheckedStrategy)
+    how: str  #: "use" (process-wide) or "using" (the calling thread, for a with block)
+    thread: int  #: ``threading.get_ident()`` of the thread that installed it
+
+
+_INSTALLS: collections.deque = collections.deque(maxlen=4096)  # the latest installations, oldest first
+_install_seq = itertools.count(1)
+_install_lock = threading.Lock()
+_install_last = [0]
+
+
+def _log_install(s: Strategy, how: str) -> None:
+    from .checks.layer import CheckedStrategy
+
+    with _install_lock:
+        seq = next(_install_seq)
+        _install_last[0] = seq
+        _INSTALLS.append(Install(seq, s.name, isinstance(s, CheckedStrategy), how, threading.get_ident()))
+
+
+def install_mark() -> int:
+    """A position in the sequence of strategy installations, for
+    :func:`installs` ``since=``."""
+    with _install_lock:
+        return _install_last[0]
+
+
+def installs(since: int = 0) -> list[Install]:
+    """The installations of strategies by :func:`use` and :func:`using` in
+    this process after the :func:`install_mark` ``since``, oldest first (the
+    latest 4096 are kept). A tool that runs code it did not write (the pytest
+    plugin) learns from it which strategies the code switched to, also ones
+    it switched back from before returning.
+
+    Raises:
+        TypeError: ``since`` is not an int from :func:`install_mark`.
+    """
+    if isinstance(since, bool) or not isinstance(since, int):
+        raise TypeError(f"since: expected an int from install_mark(), got {type(since).__name__} {since!r}")
+    with _install_lock:
+        return [i for i in _INSTALLS if i.seq > since]
 
 
 ENV_VAR = "CUPY_MEMSTRAT"
@@ -247,6 +302,7 @@ def using(strategy: str | Strategy, **options) -> Iterator[Strategy]:
         strategy._keep()  # in use again (maybe inside checks): not let go when its arrays are gone
     try:
         with cuda.using_allocator(s.cupy_allocator()):
+            _log_install(s, "using")
             yield s
     finally:
         if s is not strategy:  # made here: give back what nobody uses

@@ -364,24 +364,30 @@ class Findings(Limit):
             return None  # no check asked, none pending: nothing to say
         if not checked:
             found = pending  # findings of the test's own checked strategy, not delivered to it
-        elif w.allocator_change is not None:  # checked until the test installed another allocator
+        why, warn = None, False
+        escaped = [i for i in w.installs if not i.checked]
+        if checked and w.allocator_change is not None:  # checked until the test installed another allocator
+            why = "the test changed CuPy's allocator during its call: what it allocated after that was not checked"
+        elif checked and escaped:  # switched to a strategy of its own and back within the call
+            names = ", ".join(sorted({repr(i.name) for i in escaped}))
+            hows = " and ".join(sorted({f"cupy_memstrat.{i.how}()" for i in escaped}))
+            why = (f"switched to strategy {names} during its call ({hows}), which the session's checks do not "
+                   "wrap: what it allocated there was not checked (give it check=..., as in "
+                   "cupy_memstrat.using('async', check='all'))")
+            warn = True
+        elif checked is False and w.allocator_change is None:
+            why, warn = self._unchecked_why(case), True
+        if why is not None:
             checked = False
-            rec["unchecked"] = ("the test changed CuPy's allocator during its call: what it allocated after "
-                                "that was not checked")
+            rec["unchecked"] = why
         if checked is not None or state.checks:
             rec["checked"] = bool(checked)
-        if (w.checked and w.allocator_change is None) or found:
+        if checked:
+            rec["checks"] = [c for c in cupy_memstrat.checks.CHECKS if c in getattr(case.meter.strategy, "checks", ())]
+        if checked or found:
             rec["n_findings"] = len(found)
             rec["findings"] = [f.as_dict() for f in found[:20]]
-        if w.checked is False and w.allocator_change is None:
-            if w.strategy_name is not None:
-                why = (f"ran under strategy {w.strategy_name!r} of its own (cupy_memstrat.using() in the test or "
-                       "a fixture), which the session's checks do not wrap: its memory was not checked (run it "
-                       "under the gpumem_strategy fixture, which takes the session's checks, or give it check=...)")
-            else:
-                why = (f"ran under strategy {case.meter.strategy.name!r}, which a test or fixture installed and the "
-                       "session's checks could not wrap: its memory was not checked")
-            rec["unchecked"] = why
+        if warn:
             try:
                 warn_at_test(case.item, GpuMemUncheckedWarning(f"{case.item.nodeid} {why}"))
             except Warning:  # -W error: the warning is an error: fail the test
@@ -403,6 +409,20 @@ class Findings(Limit):
                 call.sections.append(("gpumem checks", text))
             return None
         return Problem(self.kind, [f"{k} check finding{'' if k == 1 else 's'} ({kinds}): {found[0].message}"], text)
+
+    @staticmethod
+    def _unchecked_why(case) -> str:
+        """Why a test under a strategy of its own ran without the session's checks."""
+        w, item = case.window, case.item
+        if w.strategy_name is None:
+            return (f"ran under strategy {case.meter.strategy.name!r}, which a test or fixture installed and the "
+                    "session's checks could not wrap: its memory was not checked")
+        if "gpumem_strategy" in getattr(item, "fixturenames", ()):
+            return (f"ran under the gpumem_strategy fixture's strategy {w.strategy_name!r}, whose parameter turns "
+                    "the checks off (check=off): its memory was not checked (drop check=off from the parameter)")
+        return (f"ran under strategy {w.strategy_name!r} of its own (cupy_memstrat.using() in the test or a "
+                "fixture), which the session's checks do not wrap: its memory was not checked (run it under the "
+                "gpumem_strategy fixture, which takes the session's checks, or give it check=...)")
 
 
 class Faults(Limit):

@@ -61,12 +61,14 @@ class Window:
     faults: object = None  # FaultCounts
     # filled by the plugin
     top_live: list = field(default_factory=list)
-    check_start: int = 0  # cupy_memstrat.checks.mark() when the call began
+    check_start: int = 0  # cupy_memstrat.checks.mark() when the test's setup began
     history: object = None  # cupy_memstrat.history.History of the call (--gpumem-history)
     history_error: str | None = None  # why the call could not be recorded
     strategy_name: str | None = None  # set when measured through another strategy than the session's
     allocator_change: tuple | None = None  # (message, as an error) when the test replaced CuPy's allocator
     checked: bool | None = None  # whether the call ran under the checks (None: no check asked anywhere)
+    install_start: int = 0  # cupy_memstrat.install_mark() when the call began
+    installs: list = field(default_factory=list)  # strategies the call installed (cupy_memstrat.installs)
     check_error: str | None = None  # why the checks' pending work could not be finished after the call
 
 

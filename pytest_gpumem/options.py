@@ -224,9 +224,17 @@ def add_options(parser) -> None:
                       default=None)
 
 
-def _ini_type(name: str) -> str:
-    """pytest's ini type ``name``, or "string" on a pytest that lacks it (``int`` came in pytest 8.4)."""
-    if name == "int" and tuple(pytest.version_tuple[:2]) < (8, 4):
+def _ini_type(name: str):
+    """pytest's ini type for a setting of type ``name``.
+
+    From pytest 9.2, ``str | bool`` (``str | int``): an ini file's text stays text, read by this
+    plugin's own parser (``gpumem_top = 1_000`` refused as on the command line), and TOML's
+    native ``[tool.pytest]`` table takes ``gpumem = true``. Before 9.2, ``name`` itself (pytest
+    converts the text), or "string" on a pytest without ``int`` (before 8.4)."""
+    version = tuple(pytest.version_tuple[:2])
+    if name != "string" and version >= (9, 2):
+        return str | (bool if name == "bool" else int)
+    if name == "int" and version < (8, 4):
         return "string"
     return name
 
@@ -257,8 +265,11 @@ class Settings:
     def checks_asked(self) -> frozenset:
         """The checks asked for the session: ``--gpumem-check`` (its variable, its ini key) or a
         ``check=`` in the strategy spec (``--gpumem-strategy``, ``GPUMEM_STRATEGY``,
-        ``CUPY_MEMSTRAT``, its ini key)."""
-        return self.check or self.values.get("spec_check", frozenset())
+        ``CUPY_MEMSTRAT``, its ini key). A ``--gpumem-check`` given anywhere decides:
+        ``--gpumem-check=off`` switches off the checks of the strategy spec too."""
+        if self.source("check") is not None:
+            return self.check
+        return self.values.get("spec_check", frozenset())
 
     @property
     def measuring(self) -> bool:
@@ -322,7 +333,8 @@ def _ini_value(config, s: Setting) -> str | None:
         value = config.getini(s.ini)
     except (ValueError, TypeError, pytest.UsageError) as exc:  # pytest 9 raises UsageError for some
         # pytest's message names the value ("invalid truth value 'maybe'"): said as for the other sources
-        found = re.search(r"(?:invalid truth value|invalid literal for int\(\) with base 10:) (.*)$", str(exc))
+        found = re.search(r"(?:invalid truth value|invalid literal for int\(\) with base 10:|, got \w+:) (.*)$",
+                          str(exc))
         where = f"ini key {s.ini}={found.group(1)}" if found else f"ini key {s.ini}: {exc}"
         raise pytest.UsageError(f"{where}: expected {_INI_WORDS[s.ini_type]}") from None
     if value is None or value == "" or value == []:
@@ -333,7 +345,7 @@ def _ini_value(config, s: Setting) -> str | None:
     return text if text.strip() else None
 
 
-_INI_WORDS = {"string": "a string", "bool": f"one of {', '.join(_TRUE + _FALSE)}",
+_INI_WORDS = {"string": "a string (in quotes in TOML)", "bool": f"one of {', '.join(_TRUE + _FALSE)}",
               "int": "a whole number of tests >= 0 (ASCII digits)"}
 
 

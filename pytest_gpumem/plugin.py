@@ -49,6 +49,7 @@ _PLAN = pytest.StashKey[object]()
 _WINDOW = pytest.StashKey[object]()
 _BAD = pytest.StashKey[str]()  # a bad marker's message (pytest-xdist workers: the test errors with it)
 _JUDGED = pytest.StashKey[bool]()  # the test runs under this plugin's protocol: its verdict judges findings
+_CHECK_MARK = pytest.StashKey[int]()  # cupy_memstrat.checks.mark() when the test's setup began
 
 
 def _state(config) -> State | None:
@@ -108,7 +109,7 @@ def _settings_summary(state) -> str:
     if s.faults:
         parts.append("page faults: " + (state.meter.fault_status() if state.meter else "on"))
     if state.checks:
-        where = s.source("check") if s.check else s.source("strategy")
+        where = state.checks_source or (s.source("check") if s.check else s.source("strategy"))
         parts.append(f"checks: {','.join(c for c in _checks.CHECKS if c in state.checks)} ({where})")
     if s.stream_policy != "current":
         parts.append(f"stream policy: {s.stream_policy} ({s.source('stream_policy')})")
@@ -212,6 +213,8 @@ def pytest_runtest_setup(item):
     bad = item.stash.get(_BAD, None) or state.usage_error  # under pytest-xdist, see above
     if bad is not None:
         pytest.fail(f"gpumem usage error: {bad}", pytrace=False)
+    if state.meter is not None and item.stash.get(_PLAN, None) is not None:
+        item.stash[_CHECK_MARK] = _checks.mark()  # findings of its fixtures' setup are the test's too
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -275,7 +278,10 @@ def pytest_runtest_call(item):
     if strategy is not state.initial_strategy:
         w.strategy_name = strategy.name  # named on the test's row (the title names the session's)
     item.stash[_WINDOW] = w
-    w.check_start = _checks.mark()
+    w.check_start = item.stash.get(_CHECK_MARK, None)
+    if w.check_start is None:
+        w.check_start = _checks.mark()
+    w.install_start = cupy_memstrat.install_mark()  # strategies the call switches to, and back from
     if state.settings.history:
         try:
             w.history = cupy_memstrat.record_history(strategy=strategy)
@@ -299,6 +305,7 @@ def pytest_runtest_call(item):
 
 
 def _finish_call(state, plan, meter, w, counter) -> None:
+    w.installs = cupy_memstrat.installs(since=w.install_start)
     if counter is not None and counter.running:
         w.faults = counter.stop()
     if w.history is not None:
@@ -328,7 +335,7 @@ def pytest_runtest_makereport(item, call):
             if skipped:  # not judged, and not left pending for the next test either
                 return rep
             text = f"gpumem: {exc}"
-            if rep.passed:
+            if rep.passed and not hasattr(rep, "wasxfail"):  # an xpass keeps its outcome, as a judged test's
                 rep.outcome, rep.longrepr = "failed", text
             else:
                 rep.sections.append(("gpumem checks", text))
@@ -431,8 +438,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     unchecked = [r["nodeid"] for r in recs if r.get("checked") is False and "allocator_change" not in r]
     if unchecked:  # (under pytest-xdist they come in the workers' records)
         n = len(unchecked)
-        tr.write_line(f"gpumem: {n} test{'' if n == 1 else 's'} ran under a strategy of {'its' if n == 1 else 'their'} "
-                      f"own that the session's checks do not wrap, unchecked (GpuMemUncheckedWarning): "
+        tr.write_line(f"gpumem: {n} test{'' if n == 1 else 's'} ran, in whole or in part, under a strategy of "
+                      f"{'its' if n == 1 else 'their'} own that the session's checks do not wrap, unchecked "
+                      "(GpuMemUncheckedWarning; the JSON report says why for each): "
                       + ", ".join(unchecked[:10]) + (f" and {n - 10} more" if n > 10 else ""))
     if state.json_skipped and state.worker is None:
         tr.write_line(f"gpumem: {state.json_skipped}")

@@ -61,6 +61,8 @@ def table_lines(records: list[dict], top: int) -> list[str]:
         tail = f"  [{r['verdict']}]" if r.get("verdict") else ""
         if unmeasured:
             tail += "  [not measured: it changed CuPy's allocator]"
+        elif r.get("checked") is False:
+            tail += "  [unchecked]"
         where = f" ({r['worker']})" if r.get("worker") else ""
         if r.get("strategy"):
             where += f" [strategy {r['strategy']}]"

@@ -55,6 +55,7 @@ class State:
         self.initial_strategy = None  # the session's strategy as first installed (the table's title)
         self.n_histories = 0  # timelines recorded for failing tests (--gpumem-history)
         self.checks = settings.checks_asked  # the checks asked for the session (option or strategy spec)
+        self.checks_source: str | None = None  # where the checks came from, when not from a setting
         self.json_skipped: str | None = None  # why the JSON report was not written (--collect-only)
         self.baseline = _baseline.load_baseline(settings.compare) if settings.compare else None
         self.growth = settings.max_growth or _baseline.Growth(share=Fraction(1, 10), text="10%")
@@ -75,19 +76,24 @@ class State:
         try:
             current = None if spec else cupy_memstrat.current()
             checks = self.settings.check
-            extra = {"check": checks, "on_finding": "record"} if checks else {}
-            if spec:
-                _, spec_options = cupy_memstrat.parse_spec(spec)
-                if "check" in spec_options:
-                    if checks:
-                        raise pytest.UsageError(
-                            f"--gpumem-check ({self.settings.source('check')}) and a check= in the strategy "
-                            f"spec {spec!r} ({self.settings.source('strategy')}): give the checks in one place"
-                        )
-                    # the plugin reports findings per test: record them unless the spec says otherwise
-                    extra = {} if "on_finding" in spec_options else {"on_finding": "record"}
+            extra = {"check": _check_words(checks), "on_finding": "record"} if checks else {}
+            spec_checks = self.settings.values.get("spec_check")
+            if spec and spec_checks:
+                if checks:
+                    s = self.settings
+                    raise pytest.UsageError(
+                        f"checks given in two places: {s.source('check')}={s.text('check')!r} and the check= of "
+                        f"{s.source('strategy')}={spec!r}; give them in one place"
+                    )
+                if self.settings.source("check") is not None:  # --gpumem-check=off: the spec's checks go
+                    spec = _without_checks(spec)
+                else:  # the plugin reports findings per test: record them unless the spec says otherwise
+                    extra = {} if "on_finding" in cupy_memstrat.parse_spec(spec)[1] else {"on_finding": "record"}
             if current is not None and (not checks or isinstance(current, _checks.CheckedStrategy)):
                 self.strategy = current  # a strategy the session installed (conftest): measured as it is
+                if isinstance(current, _checks.CheckedStrategy) and not self.checks:
+                    self.checks = frozenset(current.checks)  # its checks are the session's
+                    self.checks_source = "the checked strategy installed before the session"
             else:
                 previous = cupy.cuda.get_allocator()
                 self.strategy = cupy_memstrat.use(current if current is not None else (spec or "pool"), **extra)
@@ -346,6 +352,14 @@ class State:
 def _check_words(checks) -> str:
     """The checks in their documented order: ``streams,poison,redzone``."""
     return ",".join(c for c in _checks.CHECKS if c in checks)
+
+
+def _without_checks(spec: str) -> str:
+    """``spec`` without the checking layer's options (``async:check=all,release_threshold=1GiB``
+    -> ``async:release_threshold=1GiB``)."""
+    name, options = cupy_memstrat.parse_spec(spec)
+    kept = [f"{k}={v}" for k, v in options.items() if k not in _checks.OPTION_NAMES]
+    return name + (":" + ",".join(kept) if kept else "")
 
 
 def _unchecked(plan):

@@ -271,3 +271,30 @@ def test_prefetch_and_advise_use_the_backend_of_the_strategy_in_use(fake):
     cupy_memstrat.prefetch(x, to="host")
     cupy_memstrat.prefetch(x)
     assert fake.n_prefetch_calls == before + 2
+
+
+def test_installs_lists_what_use_and_using_installed_since_a_mark(fake):
+    mark = cupy_memstrat.install_mark()
+    assert cupy_memstrat.installs(since=mark) == []
+    cupy_memstrat.use("device", backend=fake)
+    with cupy_memstrat.using("async", backend=fake, check="redzone"):
+        pass
+    got = cupy_memstrat.installs(since=mark)
+    assert [(i.name, i.checked, i.how, i.thread) for i in got] == [
+        ("device", False, "use", threading.get_ident()), ("async", True, "using", threading.get_ident())]
+    assert got[0].seq < got[1].seq == cupy_memstrat.install_mark()
+    assert cupy_memstrat.installs(since=got[0].seq) == got[1:]
+
+
+def test_using_that_cupy_refuses_is_not_listed(fake):
+    mark = cupy_memstrat.install_mark()
+    with cupy_memstrat.using("device", backend=fake):
+        with pytest.raises(RuntimeError, match="forbids"):
+            cupy_memstrat.use("device", backend=fake)
+    assert [i.how for i in cupy_memstrat.installs(since=mark)] == ["using"]
+
+
+@pytest.mark.parametrize("bad", [None, 1.5, True, "3"])
+def test_installs_refuses_a_since_that_is_not_a_mark(bad):
+    with pytest.raises(TypeError, match=r"since: expected an int from install_mark\(\), got"):
+        cupy_memstrat.installs(since=bad)

@@ -1004,8 +1004,8 @@ def test_xdist_checks_given_twice_error_each_test(pytester, monkeypatch):
     out = r.stdout.str() + r.stderr.str()
     assert "node down" not in out and "INTERNALERROR" not in out
     r.assert_outcomes(errors=1)
-    r.stdout.fnmatch_lines(["*gpumem usage error: --gpumem-check (--gpumem-check) and a check= in the strategy "
-                            "spec*give the checks in one place*"])
+    r.stdout.fnmatch_lines(["*gpumem usage error: checks given in two places: --gpumem-check='all' and the check= "
+                            "of --gpumem-strategy='device:check=streams'; give them in one place*"])
 
 
 def test_the_gpumem_fixture_refuses_numbers_that_are_not_the_tests(pytester, fake_env):
@@ -1249,7 +1249,9 @@ def test_checks_in_two_places_are_a_usage_error(pytester, fake_env):
     pytester.makepyfile("def test_a():\n    pass\n")
     r = run(pytester, "--gpumem-check=streams", "--gpumem-strategy=device:check=poison")
     assert r.ret == pytest.ExitCode.USAGE_ERROR
-    assert "give the checks in one place" in r.stderr.str()
+    assert r.stderr.str().strip() == (
+        "ERROR: checks given in two places: --gpumem-check='streams' and the check= of "
+        "--gpumem-strategy='device:check=poison'; give them in one place")
 
 
 def test_fresh_stream_policy_on_two_devices_reports_nothing_on_the_other(pytester, monkeypatch):

@@ -168,8 +168,9 @@ def test_under_its_own(own):
     r = run(pytester, "--gpumem-check=all", "--gpumem-json=out.json")
     r.assert_outcomes(passed=1, warnings=1)
     r.stdout.fnmatch_lines(["*GpuMemUncheckedWarning*ran under strategy 'async' of its own*",
-                            "gpumem: 1 test ran under a strategy of its own that the session's checks do not wrap, "
-                            "unchecked (GpuMemUncheckedWarning): test_a_users_own_unchecked*::test_under_its_own"])
+                            "gpumem: 1 test ran, in whole or in part, under a strategy of its own that the session's "
+                            "checks do not wrap, unchecked (GpuMemUncheckedWarning; the JSON report says why for "
+                            "each): test_a_users_own_unchecked*::test_under_its_own"])
     t = _tests(pytester)["test_under_its_own"]
     assert t["checked"] is False and "n_findings" not in t and "using()" in t["unchecked"]
     r = run(pytester, "--gpumem-check=all", "-W", "error::pytest_gpumem.plugin.GpuMemUncheckedWarning")
@@ -273,8 +274,9 @@ def test_out_of_bounds():
 """)
     r = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", "--gpumem-check=all")
     r.assert_outcomes(passed=1, failed=1)
-    r.stdout.fnmatch_lines(["gpumem: 1 test ran under a strategy of its own that the session's checks do not wrap, "
-                            "unchecked (GpuMemUncheckedWarning): *::test_under_its_own"])
+    r.stdout.fnmatch_lines(["gpumem: 1 test ran, in whole or in part, under a strategy of its own that the "
+                            "session's checks do not wrap, unchecked (GpuMemUncheckedWarning; the JSON report says "
+                            "why for each): *::test_under_its_own"])
 
 
 def test_a_skipped_tests_pending_finding_does_not_fail_the_next_test(pytester, fake_env):
@@ -287,3 +289,135 @@ def test_b_clean():
     pass
 """)
     run(pytester).assert_outcomes(passed=2)
+
+
+SWITCH_AND_BACK = """
+def test_using_in_the_body():
+    with cupy_memstrat.using("async"):
+        out_of_bounds()
+def test_use_then_restore():
+    prev = cupy.cuda.get_allocator()
+    cupy_memstrat.use("device")
+    out_of_bounds()
+    cupy.cuda.set_allocator(prev)
+def test_using_with_its_own_checks():
+    with cupy_memstrat.using("async", check="redzone", on_finding="record"):
+        out_of_bounds()
+def test_clean():
+    alloc(10)
+"""
+
+
+def test_a_strategy_switched_to_and_back_within_the_call_is_reported_unchecked(pytester, fake_env):
+    """The allocator is the session's again when the call ends; the plugin still sees the switch
+    (cupy_memstrat.installs) and says the test was not checked, never checked with 0 findings."""
+    pytester.makepyfile(BUGS + SWITCH_AND_BACK)
+    r = run(pytester, "--gpumem-check=all", "--gpumem-json=out.json")
+    r.assert_outcomes(passed=3, failed=1, warnings=2)
+    r.stdout.fnmatch_lines(["*GPUMEM*test_using_with_its_own_checks*"])
+    tests = _tests(pytester)
+    for name, how in (("test_using_in_the_body", "'async' during its call (cupy_memstrat.using())"),
+                      ("test_use_then_restore", "'device' during its call (cupy_memstrat.use())")):
+        t = tests[name]
+        assert t["checked"] is False and "n_findings" not in t, t
+        assert t["unchecked"].startswith(f"switched to strategy {how}, which the session's checks do not wrap")
+    assert tests["test_clean"]["checked"] is True and tests["test_clean"]["n_findings"] == 0
+    assert "[unchecked]" in r.stdout.str()
+    r = run(pytester, "--gpumem-check=all", "-W", "error::pytest_gpumem.plugin.GpuMemUncheckedWarning")
+    r.assert_outcomes(passed=1, failed=3)
+
+
+def test_findings_of_a_fixtures_setup_are_the_tests(pytester, fake_env):
+    pytester.makepyfile(BUGS + """
+@pytest.fixture
+def buggy():
+    out_of_bounds()
+    yield
+def test_uses_it(buggy):
+    pass
+""")
+    r = run(pytester, "--gpumem-check=all")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*out-of-bounds write*"])
+    run(pytester).assert_outcomes(passed=1)  # the control: no checks
+
+
+def test_a_checked_strategy_from_conftest_gives_the_gpumem_strategy_fixture_its_checks(pytester, fake_env):
+    pytester.makeconftest("import cupy_memstrat\n"
+                          "cupy_memstrat.use('pool', check='all', on_finding='record')\n")
+    pytester.makepyfile(BUGS + _parametrized(FIXTURE, "async"))
+    r = run(pytester, "--gpumem", "--gpumem-json=out.json")
+    r.assert_outcomes(passed=1, failed=3)
+    r.stdout.fnmatch_lines(["*checks: streams,poison,redzone (the checked strategy installed before the session)*"])
+    assert _tests(pytester)["test_clean"]["checks"] == ["streams", "poison", "redzone"]
+
+
+def test_a_fixture_param_narrowing_the_checks_is_recorded_with_its_checks(pytester, fake_env):
+    pytester.makepyfile(BUGS + _parametrized(FIXTURE, "async:check=poison"))
+    r = run(pytester, "--gpumem-check=all", "--gpumem-json=out.json")
+    r.assert_outcomes(passed=3, failed=1)  # only the write after free: no redzone, no streams
+    t = _tests(pytester)["test_clean"]
+    assert t["checked"] is True and t["checks"] == ["poison"]
+
+
+def test_a_fixture_param_with_checks_off_is_told_to_drop_it(pytester, fake_env):
+    pytester.makepyfile(BUGS + _parametrized(FIXTURE, "async:check=off"))
+    r = run(pytester, "--gpumem-check=all", "--gpumem-json=out.json")
+    r.assert_outcomes(passed=4, warnings=4)
+    t = _tests(pytester)["test_out_of_bounds"]
+    assert t["checked"] is False and "n_findings" not in t
+    assert "whose parameter turns the checks off (check=off)" in t["unchecked"]
+
+
+def test_gpumem_check_off_switches_off_the_checks_of_the_strategy_spec(pytester, fake_env):
+    pytester.makepyfile(BUGS + PLAIN)
+    fake_env.setenv("CUPY_MEMSTRAT", "async:check=all")
+    run(pytester).assert_outcomes(passed=1, failed=3)  # the control: the spec's checks judge
+    r = run(pytester, "--gpumem-check=off", "--gpumem", "--gpumem-json=out.json")
+    r.assert_outcomes(passed=4)
+    assert "checks:" not in r.stdout.str()
+    doc = json.loads((pytester.path / "out.json").read_text())
+    assert doc["settings"]["check"] == [] and doc["strategy"]["name"] == "async"
+    assert "check" not in doc["strategy"]["options"]
+
+
+def test_a_strategy_spec_with_checks_off_runs(pytester, fake_env):
+    pytester.makepyfile(BUGS + PLAIN)
+    fake_env.setenv("CUPY_MEMSTRAT", "async:check=off")
+    r = run(pytester, "--gpumem")
+    r.assert_outcomes(passed=4)
+    r.stdout.fnmatch_lines(["gpumem: CuPy allocates with strategy 'async'*"])
+
+
+@pytest.mark.skipif(pytest.version_tuple[:2] < (9, 2), reason="pytest before 9.2 converts ini text itself")
+@pytest.mark.parametrize("text, message", [
+    ("gpumem_top = 1_000", "ini key gpumem_top='1_000': expected a whole number of tests >= 0 (ASCII digits)"),
+    ("gpumem_top = +5", "ini key gpumem_top='+5': expected a whole number of tests >= 0 (ASCII digits)"),
+    ("gpumem = y", "ini key gpumem='y': expected one of 1, true, yes, on, 0, false, no, off"),
+])
+def test_ini_text_is_read_by_the_plugins_own_parser(pytester, fake_env, text, message):
+    pytester.makepyfile("def test_a():\n    pass\n")
+    pytester.makeini(f"[pytest]\n{text}\n")
+    r = run(pytester)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR and r.stderr.str().strip() == f"ERROR: {message}", r.stderr.str()
+
+
+def test_an_empty_ini_key_is_unset(pytester, fake_env):
+    pytester.makepyfile("def test_a():\n    pass\n")
+    pytester.makeini("[pytest]\ngpumem =\n")
+    r = run(pytester)
+    r.assert_outcomes(passed=1)
+    assert "gpumem: measuring" not in r.stdout.str()
+
+
+@pytest.mark.parametrize("args", [(), ("--gpumem",)], ids=["unmeasured", "measured"])
+def test_an_xpassing_test_with_pending_findings_has_one_outcome_measured_or_not(pytester, fake_env, args):
+    pytester.makepyfile(BUGS + """
+@pytest.mark.xfail(strict=False)
+def test_expected_to_fail():
+    with cupy_memstrat.using("async", check="redzone"):
+        out_of_bounds()
+""")
+    r = run(pytester, "-rA", *args)
+    r.assert_outcomes(xpassed=1)
+    r.stdout.fnmatch_lines(["*gpumem checks*", "*out-of-bounds write*"])

@@ -64,12 +64,13 @@ from __future__ import annotations
 import importlib
 
 from .findings import KINDS, CheckError, CheckWarning, Finding, clear, collect, findings, mark
-from .options import CHECKS, parse_checks
+from .options import CHECKS, OPTION_NAMES, parse_checks
 from .quarantine import CANARY_BYTE, POISON_BYTE
 from .stream_order import _expected, expect_stream, fresh_stream  # noqa: F401 - _expected: read by tests
 
 __all__ = [
     "CHECKS",
+    "OPTION_NAMES",
     "POISON_BYTE",
     "CANARY_BYTE",
     "KINDS",

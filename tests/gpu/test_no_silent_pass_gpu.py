@@ -195,12 +195,67 @@ def test_out_of_bounds(own):
 ''')
     r = inner_mp.runpytest_subprocess("-p", "no:cacheprovider", "--gpumem-check=all", "--gpumem-json=out.json")
     r.assert_outcomes(passed=1, warnings=1)
-    r.stdout.fnmatch_lines(["*GpuMemUncheckedWarning*", "*1 test ran under a strategy of its own*unchecked*"])
+    r.stdout.fnmatch_lines(["*GpuMemUncheckedWarning*",
+                            "*1 test ran, in whole or in part, under a strategy of its own*unchecked*"])
     (t,) = json.loads((inner_mp.path / "out.json").read_text())["tests"]
     assert t["checked"] is False and "n_findings" not in t and "using()" in t["unchecked"]
     r = inner_mp.runpytest_subprocess("-p", "no:cacheprovider", "--gpumem-check=all",
                                       "-W", "error::pytest_gpumem.plugin.GpuMemUncheckedWarning")
     r.assert_outcomes(failed=1)
+
+
+@pytest.mark.parametrize("strategy", ["device", "async", "managed"])
+def test_a_switch_to_an_unchecked_strategy_and_back_within_the_call_is_reported_unchecked(inner_mp, strategy):
+    """The allocator is the session's again when the call ends: still never checked and clean."""
+    inner_mp.makepyfile(test_bugs=BUGS + f'''
+def test_using_in_the_body():
+    with cupy_memstrat.using({strategy!r}):
+        out_of_bounds()
+def test_use_then_restore():
+    prev = cupy.cuda.get_allocator()
+    cupy_memstrat.use({strategy!r})
+    out_of_bounds()
+    cupy.cuda.set_allocator(prev)
+def test_using_with_checks():
+    with cupy_memstrat.using({strategy!r}, check="all", on_finding="record"):
+        out_of_bounds()
+''')
+    r = inner_mp.runpytest_subprocess("-p", "no:cacheprovider", "--gpumem-check=all", "--gpumem-json=out.json")
+    r.assert_outcomes(passed=2, failed=1, warnings=2)
+    rec = {t["nodeid"].split("::")[1]: t for t in json.loads((inner_mp.path / "out.json").read_text())["tests"]}
+    for name in ("test_using_in_the_body", "test_use_then_restore"):
+        assert rec[name]["checked"] is False and "n_findings" not in rec[name], rec[name]
+        assert rec[name]["unchecked"].startswith(f"switched to strategy {strategy!r} during its call")
+    assert rec["test_using_with_checks"]["n_findings"] >= 1
+
+
+def test_a_fixtures_setup_finding_fails_the_test(inner_mp):
+    inner_mp.makepyfile(test_bugs=BUGS + '''
+@pytest.fixture
+def buggy():
+    out_of_bounds()
+    yield
+def test_uses_it(buggy):
+    clean()
+''')
+    r = inner_mp.runpytest_subprocess("-p", "no:cacheprovider", "--gpumem-check=all")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*out-of-bounds write*"])
+    inner_mp.runpytest_subprocess("-p", "no:cacheprovider", "--gpumem").assert_outcomes(passed=1)  # control
+
+
+def test_a_checked_conftest_strategy_checks_the_gpumem_strategy_fixture(inner_mp):
+    inner_mp.makeconftest("import cupy_memstrat\ncupy_memstrat.use('pool', check='all', on_finding='record')\n")
+    inner_mp.makepyfile(test_bugs=BUGS + _parametrized("'async'"))
+    r = inner_mp.runpytest_subprocess("-p", "no:cacheprovider", "--gpumem")
+    r.assert_outcomes(passed=1, failed=3)
+
+
+def test_gpumem_check_off_switches_off_the_specs_checks(inner_mp):
+    inner_mp.monkeypatch.setenv("CUPY_MEMSTRAT", "async:check=all")
+    inner_mp.makepyfile(test_bugs=BUGS + PLAIN)
+    inner_mp.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1, failed=3)  # control
+    inner_mp.runpytest_subprocess("-p", "no:cacheprovider", "--gpumem-check=off").assert_outcomes(passed=4)
 
 
 def test_run_reports_the_findings_of_the_last_free_and_exits_non_zero(tmp_path):
