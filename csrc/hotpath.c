@@ -3,8 +3,8 @@
  * CuPy calls a strategy twice per array, malloc(size, device) when the array is
  * made and free(ptr, device) when it dies, through cupy.cuda.PythonFunctionAllocator.
  * The Python closures of cupy_memstrat.strategies.base (and managed) do a few dict
- * and list operations per call; as Python functions they cost about 0.3 us a pair
- * on an H200 host (docs/benchmarks.md), more than CuPy's whole Cython pool takes.
+ * and list operations per call; as Python functions they cost more per pair than
+ * CuPy's whole Cython pool takes (docs/benchmarks.md).
  * This module does exactly the same operations, in the same order, without a
  * Python frame. It makes no CUDA call itself: blocks come from Python callables
  * given by the strategy (the backend's malloc, a chunk cache's slow path), so
@@ -2255,8 +2255,8 @@ static PyTypeObject PoolDirectType = {
  * (no @cython.no_gc). When an array dies in a reference cycle and the collector
  * clears its memory object before the object's destructor runs, the destructor
  * finds its free function gone ("TypeError: 'NoneType' object is not callable")
- * and the block is never freed: measured on an H200, 100 of 100 such blocks lost
- * under every strategy (tools/probes/pfa_gc_clear.py). The memory object refers
+ * and the block is never freed, under every strategy; tests/gpu/test_hot_path_gpu.py
+ * has the control that shows it. The memory object refers
  * only to the strategy's two functions, so it can never be part of a cycle
  * itself: untracking it keeps the collector off it, and it is then freed by its
  * reference count when the cycle that held its array is broken. */

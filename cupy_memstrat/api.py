@@ -496,8 +496,8 @@ def _default_backend():
 def prefetch(x, to="device", *, nbytes: int | None = None, stream=None, backend=None) -> None:
     """Move managed memory to a device or to the host ahead of use
     (``cudaMemPrefetchAsync``): the pages migrate in one transfer per 2 MiB
-    block instead of one page fault per 64 KiB (docs/managed.md: a 1 GiB first GPU
-    pass took 134 ms fault-driven, 23.4 ms with the move prefetched, on an H200).
+    block instead of one page fault per 64 KiB, several times faster than
+    a fault-driven first GPU pass (docs/managed.md).
 
     Asynchronous: the move is queued on ``stream`` and later work on that
     stream sees the memory in place. The host is a valid target also on
@@ -563,7 +563,7 @@ def advise(
         x: as :func:`prefetch`.
         preferred_location: ``"device"`` (CuPy's current device), ``"host"``,
             a device ordinal, or ``None`` to unset it. Alone it does not avoid
-            page faults (docs/claims.md, H200); together with :func:`prefetch` it
+            page faults (docs/claims.md); together with :func:`prefetch` it
             keeps pages where they were sent.
         accessed_by: a location or list of them that get a mapping to the
             range (``cudaMemAdviseSetAccessedBy``).
@@ -605,8 +605,8 @@ def advise(
         if read_mostly:
             warnings.warn(
                 "advise(read_mostly=True): every write invalidates the read-only copies; for data the GPU "
-                "writes it is harmful (on an H200 a GPU pass writing a 1 GiB read-mostly buffer took "
-                "2.4-3.5 s, the next one 0.4-0.5 s, against 1.4 ms without the advice; docs/managed.md)",
+                "writes it is harmful (a GPU pass writing a 1 GiB read-mostly buffer takes seconds, against "
+                "about a millisecond without the advice; docs/managed.md)",
                 ManagedMemoryWarning,
                 stacklevel=2,
             )
@@ -632,7 +632,7 @@ def record_stream(array, stream) -> bool:
     while B may still run. Without it every pool, CuPy's own included, hands
     the block to the next allocation on A at once, and B's kernel can read
     (or write) the next array's data. docs/streams.md shows which patterns
-    each strategy keeps safe, measured on an H200.
+    each strategy keeps safe.
 
     How each strategy honours it: ``managed``, ``async`` and ``pool`` record
     an event on each recorded stream at the free and keep the block out of
@@ -668,8 +668,8 @@ def record_stream(array, stream) -> bool:
         ValueError: ``stream`` is on another device than ``array``, or was
             destroyed, where that can be told: a ``cupy.cuda.Stream`` is live
             while it exists, but CUDA cannot say whether the handle of an
-            ``ExternalStream`` was destroyed (asking crashed the process on
-            the H200), so that stays the caller's duty, as CUDA requires.
+            ``ExternalStream`` was destroyed (asking can crash the process), so
+            that stays the caller's duty, as CUDA requires.
     """
     mem, device = _memory_of(array)
     check_stream(stream)

@@ -177,9 +177,9 @@ class StreamBackend(Protocol):
     def stream_destroyed(self, stream: int) -> bool:
         """True only where the backend knows the handle ``stream`` was
         destroyed. CUDA has no safe way to ask: ``cudaStreamQuery`` on a
-        destroyed handle crashed the process (SIGSEGV) on the H200
-        (docs/streams.md), so the real backend always says False and a
-        stream's handle must outlive its use, as CUDA requires."""
+        destroyed handle can crash the process (SIGSEGV, docs/streams.md),
+        so the real backend always says False and a stream's handle must
+        outlive its use, as CUDA requires."""
 
 
 class PoolBackend(Protocol):

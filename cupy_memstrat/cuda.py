@@ -318,10 +318,10 @@ class RealBackend:
     def context_active(self, device: int) -> bool:
         """Whether ``device``'s primary CUDA context exists in this process,
         asked without creating it (``cuDevicePrimaryCtxGetState``). Memory can
-        only be held on a device that has one, and making one is costly: on an
-        H200 pair, reading CuPy's pool total on the second device made each of
-        8 pytest-xdist workers create a context there, 1.9 s each. True where
-        the driver cannot tell (the caller then asks as before).
+        only be held on a device that has one, and making one is costly
+        (seconds): reading CuPy's pool total on a second device makes each
+        pytest-xdist worker create a context there. True where the driver
+        cannot tell (the caller then asks anyway).
         """
         from cuda.bindings import driver
 
@@ -359,7 +359,7 @@ class RealBackend:
             return False
         # cupy.cuda.Stream.from_external(obj) (CuPy 14, which deprecates ExternalStream): a
         # Stream that keeps the foreign object in _foreign_stream_ref and destroys nothing
-        # (seen on CuPy 14.2)
+        # (as in CuPy 14.2)
         return getattr(stream, "_foreign_stream_ref", None) is None
 
     def current_stream_ptr_capsule(self):
@@ -381,8 +381,8 @@ class RealBackend:
 
     def stream_destroyed(self, stream: int) -> bool:
         """False: CUDA cannot tell a destroyed handle from a live one without
-        undefined behaviour (``cudaStreamQuery`` on one crashed the process
-        on the H200, docs/streams.md)."""
+        undefined behaviour (``cudaStreamQuery`` on one can crash the
+        process, docs/streams.md)."""
         return False
 
     def stream_non_blocking(self, stream: int) -> bool:

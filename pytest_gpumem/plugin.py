@@ -38,7 +38,6 @@ from .limits import BUDGET, GpuMemLeakWarning, GpuMemUncheckedWarning, size_word
 from .measure import GpuMem, Meter
 from .options import MARKERS, add_options, plan_for, resolve
 from .session import METER, NOTICE, OOM_SNAPSHOT, GpuMemAllocatorWarning, State
-from .session import State as _State  # noqa: F401 - the name tools/probes/plugin_cost.py patches
 
 __all__ = ["GpuMemLeakWarning", "GpuMemAllocatorWarning", "GpuMemUncheckedWarning"]
 

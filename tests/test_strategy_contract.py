@@ -260,7 +260,7 @@ class Counting(cupy_memstrat.Strategy):
 def test_a_subclass_with_the_public_hooks_is_counted_on_both_hot_paths(fake):
     s = Counting(backend=fake)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the public names: no deprecation
+        warnings.simplefilter("error")  # the hooks cost no warning
         ptrs = [s.raw_malloc(100 * (i + 1)) for i in range(5)]
         for p in ptrs:
             s.raw_free(p)
@@ -269,45 +269,68 @@ def test_a_subclass_with_the_public_hooks_is_counted_on_both_hot_paths(fake):
     assert fake.used_bytes(0) == 0
 
 
-def test_the_old_hook_names_still_work_with_a_deprecation_warning_at_the_class_statement(fake):
-    with pytest.warns(DeprecationWarning) as seen:
-        class Old(cupy_memstrat.Strategy):
-            name = "old-hooks-test"
-            reserved_is_in_use = False
-
-            def _allocate(self, size):
-                self._record_reserved(0, size)
-                return self.backend.malloc(size)
-
-            def _deallocate(self, ptr):
-                self.backend.free(ptr)
-
-        s = Old(backend=fake)
-        p = s.raw_malloc(1000)
-        s.raw_free(p)
-    said = sorted({str(w.message).split(":")[0] for w in seen})
-    assert said == ["Old._allocate is deprecated", "Old._deallocate is deprecated",
-                    "Old._record_reserved is deprecated"]
-    assert {w.filename for w in seen} == {__file__}  # the user's lines: shown by Python's default filters
-    st = s.stats()
-    assert (st.n_allocs, st.n_frees, st.bytes_in_use, st.bytes_reserved) == (1, 1, 0, 1000)
+@pytest.mark.parametrize("base", ["strategy", "device", "pool"])
+@pytest.mark.parametrize("wrong, hook", [("_allocate", "allocate"), ("_deallocate", "deallocate")])
+def test_a_hook_under_an_underscore_name_is_refused_at_the_class_statement(fake, base, wrong, hook):
+    parent = cupy_memstrat.Strategy if base == "strategy" else type(cupy_memstrat.create(base, backend=fake))
+    with pytest.raises(TypeError) as info:
+        type("Mistaken", (parent,), {"name": f"mistaken-{base}-test", wrong: lambda self, x: None})
+    assert str(info.value) == (f"Mistaken.{wrong} is not a hook: name it {hook} "
+                               "(docs/strategies.md, 'Writing your own strategy')")
 
 
-def test_the_most_derived_hook_wins_whatever_its_name(fake):
+def test_a_helper_named_like_a_hook_is_allowed_beside_the_hook_and_is_not_called_by_the_hot_path(fake):
     calls = []
-    with pytest.warns(DeprecationWarning):
-        class Old(cupy_memstrat.Strategy):
-            name = "old-base-test"
 
-            def _allocate(self, size):
-                calls.append("old")
-                return self.backend.malloc(size)
+    class Helped(cupy_memstrat.Strategy):
+        name = "helped-test"
+        reserved_is_in_use = False
 
-            def _deallocate(self, ptr):
-                self.backend.free(ptr)
+        def allocate(self, size):
+            calls.append("allocate")
+            return self._allocate(size)
 
-    class New(Old):
-        name = "new-over-old-test"
+        def _allocate(self, size):
+            calls.append("_allocate")
+            return self.backend.malloc(size)
+
+        def deallocate(self, ptr):
+            self.backend.free(ptr)
+
+    class Sub(Helped):  # its helper of that name overrides the helper, not the hook
+        name = "helped-sub-test"
+
+        def _allocate(self, size):
+            calls.append("sub _allocate")
+            return self.backend.malloc(size)
+
+    for cls in (Helped, Sub):
+        s = cls(backend=fake)
+        s.raw_free(s.raw_malloc(100))
+        assert s.stats().n_frees == 1
+    assert calls == ["allocate", "_allocate", "allocate", "sub _allocate"]
+
+
+def test_the_contract_has_no_underscore_names_of_its_hooks_or_of_record_reserved():
+    for old in ("_allocate", "_deallocate", "_record_reserved"):
+        assert not hasattr(cupy_memstrat.Strategy, old)
+
+
+def test_the_most_derived_hook_wins(fake):
+    calls = []
+
+    class Base(cupy_memstrat.Strategy):
+        name = "base-hooks-test"
+
+        def allocate(self, size):
+            calls.append("base")
+            return self.backend.malloc(size)
+
+        def deallocate(self, ptr):
+            self.backend.free(ptr)
+
+    class New(Base):
+        name = "new-over-base-test"
 
         def allocate(self, size):
             calls.append("new")

@@ -312,9 +312,9 @@ def run(*, rounds: int = 7, target_s: float = 0.03, progress=None, strategies=No
 def _paired_device_vs_no_pool(cupy, say, target_s: float, pairs: int = PAIRED_ROUNDS) -> dict:
     """``device`` against raw ``cudaMalloc`` (``no-pool``), measured back to
     back (:func:`paired_ratios`). ``cudaMalloc``'s own time drifts between
-    rounds by more than the strategy's share (4.2 to 6.6 us at 512 B within
-    one H200 run), which the medians of the main table, taken over rounds
-    that visit every path in turn, do not cancel."""
+    rounds by more than the strategy's share (docs/benchmarks.md), which the
+    medians of the main table, taken over rounds that visit every path in
+    turn, do not cancel."""
     from ..api import create
 
     return paired_ratios(cupy, ("device", create("device").cupy_allocator()), ("no-pool", None), say, target_s, pairs)

@@ -162,13 +162,12 @@ def other_stream(cp, k: Kernels, rounds: int = 5, n: int = N) -> int:
 def dead_stream(cp, k: Kernels, rounds: int = 5, n: int = N, per_round: list | None = None) -> int:
     """A stream dies while its last kernel still writes a freed block; a new
     stream, which CUDA may give the dead one's handle while that kernel still
-    runs (measured on an H200: docs/streams.md), allocates the same size and
-    zero-fills it. An allocator that finds a stream's free blocks by handle
-    then gives the new stream the block the dead one's kernel still writes:
-    CuPy's pool does (its arenas are keyed by handle; measured 1 048 576 and
-    3 145 728 wrong elements in two runs, 0 in others: only in rounds where
-    the handle came back), and so does the ``pool`` strategy, whose blocks
-    are CuPy's pool's. ``per_round``, if given, gets ``(handle_reused,
+    runs (docs/streams.md), allocates the same size and zero-fills it. An
+    allocator that finds a stream's free blocks by handle then gives the new
+    stream the block the dead one's kernel still writes: CuPy's pool does
+    (its arenas are keyed by handle; wrong elements show only in rounds
+    where the handle comes back), and so does the ``pool`` strategy, whose
+    blocks are CuPy's pool's. ``per_round``, if given, gets ``(handle_reused,
     wrong_elements)`` for each round."""
     bad = 0
     for _ in range(rounds):
@@ -238,7 +237,7 @@ def freed_elsewhere(cp, k: Kernels, rounds: int = 5, n: int = N, by_gc: bool = F
                 del x
                 # the collector frees it, the legacy stream current; the young generation only,
                 # which is quick: a full collection of a large heap (a test session's) can take
-                # longer than the kernel (0.16 s for 2 million objects on the H200's host)
+                # longer than the kernel (a tenth of a second and more for millions of objects)
                 gc.collect(0)
             else:
                 del x  # the legacy stream is current

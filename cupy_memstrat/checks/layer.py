@@ -54,7 +54,7 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
         ValueError: no check named, an unknown check, or a bad option value
             (the message names the option and the value).
 
-    Costs (measured, docs/checks.md): ``streams`` a stack walk and a few
+    Costs (docs/checks.md has the measurements): ``streams`` a stack walk and a few
     dict updates per allocation and free; ``poison`` a memset per free and a
     kernel when a block leaves quarantine; ``redzone`` a memset per
     allocation and a kernel per free.

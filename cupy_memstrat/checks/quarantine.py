@@ -34,9 +34,9 @@ class _Verifier:
 
     No lock: CuPy frees memory from finalisers, which the garbage collector
     runs in the middle of whatever allocates a Python object, this class's
-    own code included. A lock held there deadlocks (seen on the H200: a
-    pytest-xdist worker hung in CuPy's test suite). Each step is one
-    GIL-atomic list or dict operation instead.
+    own code included. A lock held there deadlocks (a pytest-xdist worker
+    running CuPy's test suite hangs). Each step is one GIL-atomic list or
+    dict operation instead.
     """
 
     def __init__(self, kernels, backend):

@@ -236,9 +236,10 @@ class StreamChecks:
         the user allocated on the stream since the last one, so it marks the
         start of our latest run of own work.
         Without it, freeing many blocks of the legacy stream and then one of
-        another stream found the legacy stream "busy" with nothing but our
-        poison fills (a false finding, seen on the H200 once the hot path got
-        faster). Errors are ignored: the check then counts the stream busy."""
+        another stream can find the legacy stream "busy" with nothing but our
+        poison fills (a false finding, where the hot path frees fast enough
+        to queue many fills). Errors are ignored: the check then counts the
+        stream busy."""
         b = self.backend
         cur = b.get_device()
         try:

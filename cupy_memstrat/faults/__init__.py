@@ -23,19 +23,18 @@ Sources, best first (``source=None`` takes the first that opens):
     its replies are checked, and any failure falls back cleanly. Layout from
     NVIDIA's open-gpu-kernel-modules, ``kernel-open/nvidia-uvm/``
     (``uvm_ioctl.h``, ``uvm_linux_ioctl.h``, ``uvm_types.h``, ``uvm_tools.c``,
-    ``uvm_api.h``; tags 515.43.04 to 595.45.04); verified on the H200
-    machine (docs/faults.md).
+    ``uvm_api.h``; tags 515.43.04 to 595.45.04); how it is verified on a GPU
+    is in docs/faults.md.
 ``"cupti"``
     CUPTI's unified-memory activity records, through ``cupti-python``
     (``pip install 'cupy-memstrat[cupti]'``). Lower bounds only
-    (``exact=False``): CUPTI silently drops records under heavy paging
-    (measured: 35-55% of the bytes recorded for 256 MiB, 9-15% for 1 GiB, its
-    dropped-record counter staying 0), it sees only managed memory allocated
-    after the first CUPTI counter started (it then stays on, and
-    fault-driven kernels run ~2x slower), and each read costs a flush
-    (11-15 ms). Only one CUPTI
-    user per process (R580 driver): a profiler attached to the process
-    makes it unavailable. docs/faults.md.
+    (``exact=False``): CUPTI silently drops records under heavy paging (a
+    large share of the bytes goes unrecorded while its dropped-record counter
+    reads 0), it sees only managed memory allocated after the first CUPTI
+    counter started (it then stays on, and fault-driven kernels run slower),
+    and each read costs a flush of milliseconds. Only one CUPTI user per
+    process (R580 driver): a profiler attached to the process makes it
+    unavailable. The costs are in docs/faults.md.
 ``"fake"``
     Chosen when the ``backend`` passed has ``uvm_counters()``
     (:class:`cupy_memstrat.testing.FakeBackend`): the simulator's counters,
@@ -170,7 +169,7 @@ class FaultCounter:
 
     Costs (CPU time beyond the device synchronisations): driver and fake
     sources, a few microseconds per start/stop; CUPTI, a flush per start and
-    stop (11-15 ms each, docs/faults.md). A counter object is not thread-safe; use
+    stop (milliseconds each, docs/faults.md). A counter object is not thread-safe; use
     one per thread.
     """
 

@@ -92,8 +92,7 @@ class CuptiCounters:
     def acquire(self) -> None:
         # Switched on at the first counter and left on: CUPTI reports no
         # migrations of managed memory allocated while the activity kind
-        # was off (measured on the H200 with cupti-python 13.0.1:
-        # docs/faults.md), so toggling it per counter would lose them.
+        # was off (docs/faults.md), so toggling it per counter would lose them.
         with self._lock:
             first = not self._enabled
             self._enabled = True

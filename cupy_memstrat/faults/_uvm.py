@@ -7,7 +7,7 @@ updates in place. This is the open-source driver's tools interface, not a
 documented API: layout from NVIDIA's open-gpu-kernel-modules,
 ``kernel-open/nvidia-uvm/`` (``uvm_ioctl.h``, ``uvm_linux_ioctl.h``,
 ``uvm_types.h``, ``uvm_tools.c``, ``uvm_api.h``; tags 515.43.04 to
-595.45.04); the steps and their verification on the H200 machine are in
+595.45.04); the steps, and how they are verified on a GPU, are in
 docs/faults.md. Internal to :mod:`cupy_memstrat.faults`.
 """
 

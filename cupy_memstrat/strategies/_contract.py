@@ -1,28 +1,13 @@
 """The strategy contract: the hooks a :class:`~cupy_memstrat.Strategy`
-subclass provides (docs/strategies.md, "Writing your own strategy"), and their
-names of before this release, kept one release with a ``DeprecationWarning``."""
+subclass provides (docs/strategies.md, "Writing your own strategy")."""
 
 from __future__ import annotations
 
 import operator
-import warnings
 
-from .._userwarn import warn_at_user
-
-_OLD = {"allocate": "_allocate", "deallocate": "_deallocate"}
-_warned: set = set()  # (class, old hook name) already warned about
-
-
-def _say_deprecated(cls, old: str, new: str, at_user: bool) -> None:
-    if (cls, old) in _warned:
-        return
-    _warned.add((cls, old))
-    msg = (f"{cls.__name__}.{old} is deprecated: name the hook {new} (the strategy contract, docs/strategies.md); "
-           "the old name goes in the next release")
-    if at_user:
-        warn_at_user(msg, DeprecationWarning)
-    else:
-        warnings.warn(msg, DeprecationWarning, stacklevel=3)  # the class statement
+HOOKS = ("allocate", "deallocate")
+# names that look like hooks and are not: a class that defines one but no hook of that name of its own is refused
+_NOT_HOOKS = {"_allocate": "allocate", "_deallocate": "deallocate"}
 
 
 class _ContractMixin:
@@ -33,14 +18,15 @@ class _ContractMixin:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        hooks = [n for n in (*_OLD, *_OLD.values()) if n in vars(cls)]
+        hooks = [n for n in (*HOOKS, *_NOT_HOOKS) if n in vars(cls)]
         if hooks and super(cls, cls).own_hot_path:  # (the value cls inherits)
             raise TypeError(f"{cls.__name__}: {', '.join(hooks)} would never be called: {cls.__mro__[1].__name__} "
                             "builds a hot path of its own; subclass cupy_memstrat.Strategy (or DeviceStrategy) to "
                             "provide hooks (docs/strategies.md)")
-        for new, old in _OLD.items():  # said at the class statement, where the user can see it
-            if old in vars(cls) and new not in vars(cls):
-                _say_deprecated(cls, old, new, at_user=False)
+        for wrong, hook in _NOT_HOOKS.items():  # refused at the class statement, not ignored at every call
+            if wrong in vars(cls) and _is_builtin_hook(cls, hook):
+                raise TypeError(f"{cls.__name__}.{wrong} is not a hook: name it {hook} (docs/strategies.md, "
+                                "'Writing your own strategy')")
 
     def allocate(self, size: int) -> int:
         """The subclass's hook: obtain ``size`` bytes (> 0) on the current
@@ -89,39 +75,10 @@ class _ContractMixin:
             if c.reserved > c.peak_reserved:
                 c.peak_reserved = c.reserved
 
-    # the contract's names of before this release, kept one release
-    def _allocate(self, size: int) -> int:
-        """Deprecated: name the hook :meth:`allocate`."""
-        return self.allocate(size)
-
-    def _deallocate(self, ptr: int) -> None:
-        """Deprecated: name the hook :meth:`deallocate`."""
-        return self.deallocate(ptr)
-
-    def _record_reserved(self, device: int, delta: int) -> None:
-        """Deprecated: call :meth:`record_reserved`."""
-        _say_deprecated(type(self), "_record_reserved", "record_reserved", at_user=True)
-        self.record_reserved(device, delta)
-
     def _hooks(self):
         """``(allocate, deallocate)`` as the hot path calls them: for each, the
-        most derived definition wins, the instance's own first, then the classes
-        in method resolution order; a class with both names uses the new one;
-        an old name (``_allocate`` / ``_deallocate``) still works, with a
-        ``DeprecationWarning``."""
-        hooks = []
-        for new, old in _OLD.items():
-            found = None
-            for owner, where in ((type(self), vars(self)), *((k, vars(k)) for k in type(self).__mro__)):
-                if new in where and owner is not _ContractMixin:
-                    found = getattr(self, new) if where is not vars(self) else where[new]
-                    break
-                if old in where and owner is not _ContractMixin:
-                    _say_deprecated(owner, old, new, at_user=True)  # (said once per class)
-                    found = getattr(self, old) if where is not vars(self) else where[old]
-                    break
-            hooks.append(found if found is not None else getattr(self, new))
-        return tuple(hooks)
+        most derived definition, the instance's own first."""
+        return tuple(getattr(self, n) for n in HOOKS)
 
 
 class ProvidedHooks:
@@ -143,8 +100,14 @@ class ProvidedHooks:
         self._own_hooks = (allocate, deallocate)
         mro = type(self).__mro__
         below = mro[:mro.index(ProvidedHooks)]  # the classes that can override this one's hooks
-        for (new, old), fn in zip(_OLD.items(), (allocate, deallocate)):
-            if not any(new in vars(k) or old in vars(k) for k in below):
-                setattr(self, new, fn)
+        for name, fn in zip(HOOKS, (allocate, deallocate)):
+            if not any(name in vars(k) for k in below):
+                setattr(self, name, fn)
             else:
-                vars(self).pop(new, None)
+                vars(self).pop(name, None)
+
+
+def _is_builtin_hook(cls, hook: str) -> bool:
+    """Whether ``cls``'s hook ``hook`` is the contract's default or :class:`ProvidedHooks`'s,
+    not one written in a subclass."""
+    return any(getattr(cls, hook) is vars(k)[hook] for k in (_ContractMixin, ProvidedHooks))

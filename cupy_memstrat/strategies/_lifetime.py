@@ -31,8 +31,8 @@ class _LifetimeMixin:
         # A strategy that has handed out memory stays reachable from this
         # module until close(): CuPy frees through it from finalisers, and the
         # garbage collector must never clear it while arrays that are garbage
-        # in the same cycle still have to be freed (seen on the H200: a test's
-        # traceback cycle held both).
+        # in the same cycle still have to be freed (a test's traceback cycle
+        # can hold both).
         with _pinned_lock:
             _pinned.add(self)
             self._pinned = True

@@ -28,7 +28,7 @@ def check_stream(stream) -> None:
     Raises:
         TypeError: not a stream object (a raw handle, None, a str, an array or a
             ``MemoryPointer``, whose ``.ptr`` is memory: recorded as a stream, a device pointer
-            crashed the process at the free under ``pool`` and ``async`` on an H200).
+            crashes the process at the free under ``pool`` and ``async``).
         ValueError: a handle outside that range.
     """
     cs = sys.modules.get("cupy.cuda.stream")  # CuPy 14: Stream and ExternalStream derive from _BaseStream

@@ -61,7 +61,7 @@ class PoolStats(Record):
         handle: the ``cudaMemPool_t`` handle (0 while no pool was needed yet).
         reserved_bytes / peak_reserved_bytes: device memory the pool holds
             (``cudaMemPoolAttrReservedMemCurrent`` / ``High``); grows in 32 MiB
-            steps (measured on the H200, ``bench async``).
+            steps (docs/async.md).
         used_bytes / peak_used_bytes: memory in allocations handed out
             (``cudaMemPoolAttrUsedMemCurrent`` / ``High``), as the pool rounds it.
         release_threshold: bytes the pool keeps at a synchronisation
@@ -133,20 +133,19 @@ class AsyncPoolStrategy(Strategy):
             for an own pool (memory stays in the pool until :meth:`trim`);
             shared pools keep their setting unless one is given. At threshold
             0 every synchronisation hands idle memory back to CUDA: a
-            64 MiB alloc/free/synchronize loop was 74x slower than with the
-            memory kept (250.8 us against 3.4 us per iteration on an H200,
-            ``bench async``, docs/async.md).
+            64 MiB alloc/free/synchronize loop runs tens of times slower than
+            with the memory kept (``bench async``, docs/async.md).
         peer_access: ``True`` (default) gives every device that can access
             this one's memory (``cudaDeviceCanAccessPeer``) read-write access
             to an own pool (``cudaMemPoolSetAccess``), so arrays work across
             devices as cudaMalloc memory does once CuPy enables peer access:
             pool memory ignores ``cudaDeviceEnablePeerAccess``. Without it a
             kernel on another device that reads such an array hits an illegal
-            address (seen with CuPy's multi-GPU tests on two H200s).
+            address (CuPy's multi-GPU tests do so).
         max_size: the most device memory an own pool may reserve: bytes, a
             size string or ``"N%"``; default 0, no limit. CUDA reserves pool
             memory in 32 MiB steps and the limit acts as rounded up to
-            32 MiB (measured on the H200, ``bench async``, docs/async.md).
+            32 MiB (``bench async``, docs/async.md).
 
         cache: freed blocks are kept per stream (the legacy default stream,
             and each ``cupy.cuda.Stream`` of its own) and per size class of
@@ -430,8 +429,8 @@ class AsyncPoolStrategy(Strategy):
         # does the same as the Python closures below, in the same order, and
         # makes its CUDA calls through the backend's functions passed to it.
         # The Python closures are the base class's with the pool inlined (an
-        # extra Python frame per call is measurable next to a ~1.6 us
-        # cudaMallocFromPoolAsync + cudaFreeAsync pair, bench async, H200).
+        # extra Python frame per call is measurable next to a
+        # cudaMallocFromPoolAsync + cudaFreeAsync pair: bench async, docs/async.md).
         b = self.backend
         Accounting = c_accounting(self._track_origins)
         if Accounting is not None:
@@ -723,9 +722,9 @@ class AsyncPoolStrategy(Strategy):
         cached blocks back, and destroys each own pool that has no live
         allocation. A pool that still has some is destroyed when the last of
         them is freed (those frees still work and are counted), not handed to
-        ``cudaMemPoolDestroy`` while in use: a process that had done so died
-        with SIGFPE inside a later ``cudaMallocFromPoolAsync`` on the H200,
-        three times in about twenty runs (docs/streams.md)."""
+        ``cudaMemPoolDestroy`` while in use: a process that does so is
+        suspected of dying later with SIGFPE inside ``cudaMallocFromPoolAsync``
+        (docs/streams.md)."""
         super().close()
         waiting = False
         with self._pool_lock:

@@ -32,13 +32,13 @@ folds that buffer, in order, into the counters. Either way
 frees, also with many threads. Taking no lock also
 matters because CuPy frees memory from finalisers, which the garbage collector
 can run in the middle of an allocation on the same thread: a lock there
-deadlocks (seen on the H200 with CuPy's test suite).
+deadlocks (CuPy's test suite runs into it).
 
 The hot path exists twice: in C (``cupy_memstrat._hotpath``, built from
 ``csrc/hotpath.c`` when the package is installed with a C compiler) and as
 Python closures. Both do the same operations in the same order; the C one
-saves the Python frames, about a third of a microsecond per alloc+free pair
-(docs/benchmarks.md). The C one is used where it was built, except with
+saves the Python frames of each alloc+free pair (docs/benchmarks.md has the
+cost). The C one is used where it was built, except with
 ``track_origins=True`` (which walks the Python stack anyway); the environment
 variable ``CUPY_MEMSTRAT_HOT_PATH`` = ``auto`` (default) / ``c`` / ``python``
 chooses, read when a strategy builds its hot path (its first allocation).
@@ -68,8 +68,8 @@ from ._streams import _StreamsMixin, check_stream
 from ._support import FOLD_AT, c_accounting, check_size, hot_path_status
 from ..stats import origin_capture
 
-# defined here before the mixins were split off, and still importable from here (tests read
-# base._pinned and base._pfa_owners, cupy_memstrat.history calls base.cupy_malloc_over)
+# importable from here too (tests read base._pinned and base._pfa_owners, cupy_memstrat.history
+# calls base.cupy_malloc_over)
 from ._cupy_glue import _FakeOwner, _cupy_memory, _cupy_pool_hint, _free_cupy_pool_blocks  # noqa: F401
 from ._cupy_glue import _pfa_owners, cupy_malloc_over  # noqa: F401
 from ._lifetime import _pinned, _pinned_lock  # noqa: F401
@@ -433,9 +433,8 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
 
 def _bind_public(cls) -> None:
     """Bind the public methods and attributes of ``cls``'s mixins in ``cls`` too (the same
-    objects; a subclass's override still comes first): they are documented as ``Strategy``'s
-    own, as before they moved to the mixins, by pdoc, which writes the API reference
-    (tools/api_docs.sh) and shows no member inherited from a private module."""
+    objects; a subclass's override still comes first), so that the API reference (docs/api.md,
+    Sphinx's autodoc, which lists no inherited member) documents them as ``Strategy``'s own."""
     for mixin in cls.__mro__[1:-1]:
         for name, value in list(vars(mixin).items()):
             if not name.startswith("_"):

@@ -86,8 +86,8 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
     Dead streams: CuPy's pool finds a stream's free blocks by the stream's
     handle, and CUDA gives a destroyed stream's handle to the next new stream
     while the destroyed one's kernels may still run, so under CuPy's pool
-    alone that stream can get a block they still write (measured on an H200,
-    docs/streams.md). This strategy watches the streams it allocates on
+    alone that stream can get a block they still write (docs/streams.md).
+    This strategy watches the streams it allocates on
     (:attr:`guard`, a
     :class:`~cupy_memstrat.strategies.stream_guard.DeadStreamGuard`): after
     one dies, the next allocation waits for the device first
@@ -103,7 +103,7 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
     get their blocks. ``"direct"``: CuPy gets the pool's own
     ``MemoryPointer``, as with CuPy's default allocator, and the free is seen
     through a small object kept in the pool's memory object (csrc/hotpath.c,
-    ``PoolDirect``); 0.75x of ``"wrap"``'s time per allocation on an H200
+    ``PoolDirect``); it takes less time per allocation than ``"wrap"``
     (docs/benchmarks.md). It needs the C hot path, CUDA, and CuPy's
     ``PooledMemory`` with a ``__dict__`` (CuPy 14.2 has one); elsewhere (the
     fake backend, ``track_origins``, ``CUPY_MEMSTRAT_HOT_PATH=python``)

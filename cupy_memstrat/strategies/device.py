@@ -30,9 +30,8 @@ class DeviceStrategy(ProvidedHooks, Strategy):
     larger blocks).
 
     Cost: ``cudaMalloc``/``cudaFree`` take microseconds to about a hundred
-    microseconds each and ``cudaFree`` synchronises the device (measured on
-    the H200: 3.2 us per pair at 512 B, 72 us at 1 MiB, 91 us at 32 MiB,
-    against ~0.7 us for CuPy's pool; see docs/benchmarks.md).
+    microseconds each, many times a pool's allocation, and ``cudaFree``
+    synchronises the device (docs/benchmarks.md).
 
     Allocates on CuPy's current device; a block is accounted to, and freed
     for, the device that allocated it whatever device is current at the free.

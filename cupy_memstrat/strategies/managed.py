@@ -152,15 +152,15 @@ class ManagedStrategy(Strategy):
     :func:`cupy_memstrat.trim`) returns unused chunks to CUDA. ``Stats``:
     in use counts bytes as requested; reserved counts whole chunks.
 
-    Note that chunking alone does not reduce page faults (docs/managed.md: 512 separate
-    2 MiB allocations faulted as much as one 1 GiB allocation); advice and
-    prefetch do.
+    Note that chunking alone does not reduce page faults (docs/managed.md: many
+    small allocations fault as much as one allocation of their total size);
+    advice and prefetch do.
 
     Options (besides ``track_origins``):
         preferred_location: ``"device"`` (the device current when the chunk
             is made), ``"host"``, a device ordinal, or ``None`` (default):
             ``cudaMemAdviseSetPreferredLocation`` on each new chunk. Alone it
-            does not avoid faults on the H200 (docs/claims.md); with prefetch it keeps
+            does not avoid page faults (docs/claims.md); with prefetch it keeps
             pages where they were sent.
         accessed_by: devices (``"device"``, ordinals) and/or ``"host"`` that
             get a mapping to each chunk (``cudaMemAdviseSetAccessedBy``): a
@@ -176,10 +176,10 @@ class ManagedStrategy(Strategy):
             ``prefetch_resource_adaptor`` does. ``"on_new"``: only memory new
             from ``cudaMallocManaged`` (new chunks and new large blocks), not a
             block the cache hands back, which stays where its last user left
-            it: on an H200 each prefetch of resident memory costs tens of
-            microseconds, and ``on_alloc`` made allocation-heavy programs
-            1.4-3.9x slower than ``on_new`` (docs/benchmarks.md, ``bench
-            workloads``). ``None`` (default): no prefetch.
+            it: each prefetch of resident memory costs tens of microseconds,
+            and ``on_alloc`` makes allocation-heavy programs slower than
+            ``on_new`` (docs/benchmarks.md, ``bench workloads``). ``None``
+            (default): no prefetch.
             Refused (``ValueError``) on a device without
             ``concurrentManagedAccess``. If CUDA refuses a prefetch (a
             destroyed stream), the allocation raises ``RuntimeError`` naming
@@ -279,9 +279,9 @@ class ManagedStrategy(Strategy):
         if cfg["read_mostly"]:
             warn_at_user(
                 "managed: read_mostly=True duplicates pages on each processor that reads them, and every "
-                "write invalidates all copies: for data the GPU writes it is harmful (on an H200 a GPU "
-                "pass writing a 1 GiB read-mostly buffer took 2.4-3.5 s, the next one 0.4-0.5 s, against "
-                "1.4 ms without the advice; docs/managed.md). Use it only for data that nobody writes",
+                "write invalidates all copies: for data the GPU writes it is harmful (a GPU pass writing a "
+                "1 GiB read-mostly buffer takes seconds, against about a millisecond without the advice; "
+                "docs/managed.md). Use it only for data that nobody writes",
                 ManagedMemoryWarning,
             )
         # Stream-ordered caches: per device, one arena per stream key (CuPy's
@@ -305,10 +305,10 @@ class ManagedStrategy(Strategy):
         # before the program can make a new stream, and takes the arena out of
         # _lists/_arenas at once: CUDA may give a new stream the
         # dead one's handle while the dead one's work still runs, and the new
-        # stream's work is not ordered after it (measured on the H200,
-        # docs/streams.md), so no stream may find the arena by that handle any
-        # more. It queues (device, lists, arena) on _died; _reclaim moves them
-        # to _dead[d][id(lists)] = [lists, arena, free bytes at the last
+        # stream's work is not ordered after it (docs/streams.md), so no
+        # stream may find the arena by that handle any more. It queues
+        # (device, lists, arena) on _died; _reclaim moves them to
+        # _dead[d][id(lists)] = [lists, arena, free bytes at the last
         # reclaim (-1: none yet)]. Frees of the dead stream's live blocks still
         # go to its arena (_owner). Chunks taken back wait, owned by no arena,
         # in _spare_small[d] (whole shared chunks, any class) and

@@ -66,12 +66,12 @@ class RMMStrategy(LibraryPoolStrategy):
     it to another stream only after an event of their own; RMM keys those
     caches by the stream's handle, and CUDA gives a destroyed stream's
     handle to the next new stream while the old stream's work may still run
-    (measured on the H200, docs/streams.md), so, as a precaution, after a
-    ``cupy.cuda.Stream`` that allocated dies, the next allocation on its
-    device first waits for the device (one ``cudaDeviceSynchronize`` per
-    such stream; :class:`~cupy_memstrat.strategies.stream_guard.DeadStreamGuard`;
-    without the wait the dead-stream pattern gave no wrong element on the
-    H200 either: docs/interop.md).
+    (docs/streams.md), so, as a precaution, after a ``cupy.cuda.Stream``
+    that allocated dies, the next allocation on its device first waits for
+    the device (one ``cudaDeviceSynchronize`` per such stream;
+    :class:`~cupy_memstrat.strategies.stream_guard.DeadStreamGuard`). RMM's
+    pools are not known to hand out a dead stream's block even without the
+    wait: it is a precaution (docs/interop.md).
     :func:`cupy_memstrat.record_stream` works as with every strategy.
 
     Statistics: ``bytes_in_use`` as requested by CuPy, rounded up to 512 B

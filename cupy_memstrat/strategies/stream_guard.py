@@ -5,7 +5,7 @@ Such a cache gives a block freed on stream handle ``H`` back to the next
 allocation on ``H`` at once, with no event: the stream is taken to be the
 same one. CUDA gives a destroyed stream's handle to the next stream created,
 even while the destroyed stream's kernels still run, and does not order the
-new stream after them (measured on the H200: docs/streams.md). A block the
+new stream after them (docs/streams.md). A block the
 old stream's kernel still writes would then go to the new stream.
 
 :class:`DeadStreamGuard` closes that window for allocations made through a

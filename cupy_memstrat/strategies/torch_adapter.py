@@ -43,13 +43,12 @@ class TorchStrategy(ForeignReserved, LibraryPoolStrategy):
     (:func:`cupy_memstrat.record_stream` adds them, as ``Tensor.record_stream``
     does). PyTorch keys its cache by the stream's handle; CUDA gives a
     destroyed stream's handle to the next new stream while the old stream's
-    work may still run (measured on the H200, docs/streams.md), so, as a
-    precaution, after a ``cupy.cuda.Stream`` that allocated dies, the next
-    allocation on its device first waits for the device (one
-    ``cudaDeviceSynchronize`` per such stream;
-    :class:`~cupy_memstrat.strategies.stream_guard.DeadStreamGuard`; without
-    the wait the dead-stream pattern gave no wrong element on the H200
-    either: docs/interop.md).
+    work may still run (docs/streams.md), so, as a precaution, after a
+    ``cupy.cuda.Stream`` that allocated dies, the next allocation on its
+    device first waits for the device (one ``cudaDeviceSynchronize`` per
+    such stream; :class:`~cupy_memstrat.strategies.stream_guard.DeadStreamGuard`).
+    PyTorch's allocator is not known to hand out a dead stream's block even
+    without the wait: it is a precaution (docs/interop.md).
 
     Statistics: ``bytes_in_use`` / ``peak_bytes_in_use``: CuPy's side
     exactly (sizes rounded up to 512 B, as PyTorch's and CuPy's pools both

@@ -1,8 +1,8 @@
 """A fake CUDA backend for machines without a GPU.
 
 :class:`FakeBackend` simulates the CUDA behaviour that cupy_memstrat relies on,
-as measured on the H200 machine (docs/claims.md, docs/async.md, docs/managed.md) or
-documented by CUDA.
+as CUDA documents it or as a GPU shows it (docs/claims.md, docs/async.md,
+docs/managed.md).
 It is a simulator, not a mock: it keeps per-device capacities, a current
 device, live allocations and CUDA's sticky last error, and it fails the way
 CUDA fails. Third-party strategy authors can test against it too::
@@ -17,7 +17,7 @@ What it simulates (``cudaMalloc`` path):
   (CUDA's documented minimum for ``cudaMalloc``) and unique per device.
 * A request beyond the device's free memory fails with
   ``cudaErrorMemoryAllocation`` *and* leaves it as the last error until
-  ``clear_last_error()`` (measured on the H200: a sticky OOM error).
+  ``clear_last_error()`` (as CUDA keeps an out-of-memory error).
 * ``free`` of an unknown or already-freed pointer fails with
   ``cudaErrorInvalidValue`` (and sets the last error); ``free(0)`` is a no-op.
 * ``free`` finds the owning device from the pointer, whatever device is current.
@@ -31,7 +31,7 @@ Streams (CuPy's current stream, per thread and device):
   destroys its handle. Each device has a null stream (handle 0).
 * The next new stream of that device gets a destroyed stream's handle back
   (latest destroyed first), even while the destroyed stream's work is still
-  queued, and is not ordered after that work (measured on the H200; CUDA does
+  queued, and is not ordered after that work (docs/streams.md; CUDA does
   not always reuse, the fake always does). :meth:`FakeBackend.busy_destroyed_streams`
   counts destroyed streams whose work is not done.
 * Work on a destroyed handle not yet given back fails with
@@ -57,13 +57,13 @@ Stream-ordered pools (``cudaMallocFromPoolAsync`` path, docs/async.md):
 
 Managed memory (``cudaMallocManaged`` path, docs/managed.md):
 
-* ``malloc_managed`` returns 2 MiB-aligned pointers (as measured on the H200)
+* ``malloc_managed`` returns 2 MiB-aligned pointers (as CUDA does)
   and takes no device memory until pages are populated there.
 * Residency is kept per 64 KiB page: unpopulated, host, or a device.
   :meth:`FakeBackend.touch` simulates a processor accessing a range: a GPU
   touch of host-resident pages counts one GPU fault and 64 KiB host-to-device
-  per page (the real driver services several faults per page: 84k-95k per
-  GiB; the fake counts the 16 384 migrations); a CPU touch of device pages
+  per page (the real driver services several faults per page; the fake
+  counts one per migration); a CPU touch of device pages
   counts one CPU fault and 64 KiB device-to-host per page. Unpopulated pages
   are populated where they are first touched, with a fault and no transfer.
 * ``mem_prefetch`` moves pages without faults, counting the bytes moved;
@@ -89,10 +89,10 @@ Work, events and contents (the checking layer, :mod:`cupy_memstrat.checks`):
 
 What it does not simulate: the contents of memory other than through
 ``memset_async`` / ``write``, the driver's page-size rounding of
-large ``cudaMalloc`` calls (not measured; the fake rounds to 256 bytes), and
+large ``cudaMalloc`` calls (the fake rounds to 256 bytes), and
 how a pool splits and coalesces its blocks: it reuses same-size blocks at
 once, and merges all idle blocks into free space only when it cannot grow
-(on the H200 a pool served a request from idle blocks of another size;
+(a CUDA pool serves a request from idle blocks of another size;
 docs/async.md).
 
 The package's modules follow :mod:`cupy_memstrat.backend`: ``_core`` (device

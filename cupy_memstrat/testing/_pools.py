@@ -165,9 +165,9 @@ class _PoolMixin:
                 p.reserved_high = max(p.reserved_high, p.reserved)
                 self._used[p.device] += grow
                 return True
-            # Measured on the H200: a pool serves a request it cannot grow for
-            # from its idle blocks of any size (2 GiB idle + 0.5 GiB new made a
-            # 2.5 GiB block), also blocks freed on other streams.
+            # A CUDA pool serves a request it cannot grow for from its idle
+            # blocks of any size (2 GiB idle + 0.5 GiB new make a 2.5 GiB
+            # block), also blocks freed on other streams (docs/async.md).
             p.free.clear()
             p.idle = 0
         return False

@@ -106,8 +106,7 @@ class _StreamMixin:
     def _reusable_handle(self, device: int) -> int:
         # CUDA may give a new stream the handle of a destroyed one at once,
         # while the destroyed stream's queued work still runs, and the new
-        # stream's work is not ordered after it (measured on the H200:
-        # docs/results/dead-stream-h200/after/dead-stream-trace.json, docs/streams.md).
+        # stream's work is not ordered after it (docs/streams.md).
         # The fake always does so, latest destroyed first; the old work stays
         # queued under a key of its own until a synchronisation or finish()
         # completes it.
