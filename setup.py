@@ -4,8 +4,13 @@
 path in C. It is optional: where it cannot be compiled (no C compiler or no
 Python headers) the install goes on and cupy_memstrat uses the same hot path
 in Python (``python -m cupy_memstrat info`` says which one is in use).
+``CUPY_MEMSTRAT_REQUIRE_HOTPATH=1`` makes a failed compile an error: a wheel
+built for others (cibuildwheel, pyproject.toml) always carries the C path.
 """
+
+import os
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("cupy_memstrat._hotpath", ["csrc/hotpath.c"], optional=True)])
+required = os.environ.get("CUPY_MEMSTRAT_REQUIRE_HOTPATH", "").strip().lower() in ("1", "true", "yes", "on")
+setup(ext_modules=[Extension("cupy_memstrat._hotpath", ["csrc/hotpath.c"], optional=not required)])

@@ -85,10 +85,18 @@ def _cmd_bench(args) -> int:
     group = args.group
     if group is None:
         return _cmd_bench_all(args)
-    if args.out is not None:
-        print(f"bench {group}: --out is for bench with no group (every group into one folder); "
-              f"for one group use --json PATH", file=sys.stderr)
-        return 2
+    out = getattr(args, "out", None)
+    if out is not None:  # bench GROUP --out DIR: DIR/bench-GROUP.json and .png, as bench --out DIR writes them
+        if args.json:
+            print(f"bench {group}: give --out DIR (bench-{group}.json and .png there) or --json PATH, not both",
+                  file=sys.stderr)
+            return 2
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as exc:
+            print(f"bench {group}: cannot write to --out {out!r}: {exc.strerror}", file=sys.stderr)
+            return 2
+        args.json = os.path.join(out, f"bench-{group}.json")
     mod = importlib.import_module(f".bench.{_BENCH_MODULES[group]}", __package__)
     if args.json:
         why = _writable(args.json)  # before the run: a bad path must not cost the measurements
@@ -117,13 +125,22 @@ def _cmd_bench(args) -> int:
     print(mod.format_table(report))
     if args.json:
         try:
-            with open(args.json, "w") as out:
-                json.dump(report, out, indent=2)
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
         except OSError as exc:
             print(f"bench {group}: cannot write --json {args.json!r}: {exc.strerror}; the results are above",
                   file=sys.stderr)
             return 1
         print(f"wrote {args.json}")
+    if out is not None:
+        png = os.path.join(out, f"bench-{group}.png")
+        try:
+            from .bench.plot import plot
+
+            plot(report, png)
+            print(f"wrote {png}")
+        except (RuntimeError, ValueError) as exc:  # no matplotlib, or nothing to draw: the JSON is still there
+            print(f"bench {group}: no figure: {exc}", file=sys.stderr)
     return 0
 
 
@@ -536,7 +553,8 @@ def build_parser() -> argparse.ArgumentParser:
         "write bench-GROUP.json and bench-GROUP.png for each into --out.",
     )
     bench.add_argument("--out", metavar="DIR", default=None,
-                       help="with no GROUP: where the JSON and figures go (default ./memstrat-bench/)")
+                       help="where the JSON and figures go (bench-GROUP.json and .png; with no GROUP, default "
+                            "./memstrat-bench/)")
     bench.add_argument("--rounds", type=_positive_int, default=None,
                        help="interleaved rounds (default: each group's own: 7, workloads and streams 5)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -558,6 +576,9 @@ def build_parser() -> argparse.ArgumentParser:
     for group, text in helps.items():
         g = groups.add_parser(group, help=text, description=text)
         g.add_argument("--json", metavar="PATH", help="also write the results (with machine info) here")
+        # SUPPRESS: bench --out DIR GROUP and bench GROUP --out DIR are the same
+        g.add_argument("--out", metavar="DIR", default=argparse.SUPPRESS,
+                       help=f"write bench-{group}.json and bench-{group}.png into DIR")
         # SUPPRESS: given before the group (bench --rounds 3 workloads), the value still counts
         g.add_argument("--rounds", type=_positive_int, default=argparse.SUPPRESS,
                        help=f"interleaved rounds (default {_DEFAULT_ROUNDS.get(group, 7)})")

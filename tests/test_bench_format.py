@@ -329,3 +329,32 @@ def test_paired_ratios_refuses_bad_arguments_before_measuring(kw, match):
     args = {"path": ("a", None), "reference": ("b", None), "say": print, "target_s": 0.01, **kw}
     with pytest.raises(ValueError, match=match):
         alloc.paired_ratios(None, **args)  # no CuPy touched: refused first
+
+
+def test_the_benchmark_pages_match_the_json_they_are_rendered_from():
+    """docs/benchmarks.md's and README.md's measured tables are generated from docs/results/
+    (python docs/render_benchmarks.py); a hand edit or a new result set not rendered fails."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "docs" / "render_benchmarks.py"), "--check"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_hand_edited_table_is_found_stale(tmp_path, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("render_benchmarks", root / "docs" / "render_benchmarks.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    page = tmp_path / "README.md"
+    page.write_text("x\n<!-- render:workloads-summary -->\n| made up | 0.50x |\n<!-- /render -->\n")
+    monkeypatch.setattr(mod, "PAGES", (page,))
+    assert mod.main(["--check"]) == 1
+    assert mod.main([]) == 0 and "made up" not in page.read_text() and "cg-poisson" in page.read_text()
+    assert mod.main(["--check"]) == 0

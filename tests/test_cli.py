@@ -327,7 +327,7 @@ def test_bench_workloads_takes_strategies_workloads_and_sample_length(monkeypatc
         assert message in err and "Traceback" not in err and len(seen) == n
 
 
-def test_options_before_the_group_count_and_out_with_a_group_is_refused(tmp_path, monkeypatch, capsys):
+def test_options_before_the_group_count_and_out_with_a_group_writes_its_json_there(tmp_path, monkeypatch, capsys):
     seen = []
     _fake_group_run(monkeypatch, seen)
     assert cli.main(["bench", "--rounds", "3", "--quiet", "workloads"]) == 0
@@ -336,9 +336,16 @@ def test_options_before_the_group_count_and_out_with_a_group_is_refused(tmp_path
     assert seen[-1]["rounds"] == 2 and seen[-1]["progress"] is not None
     assert cli.main(["bench", "workloads"]) == 0
     assert seen[-1]["rounds"] == 5
+    for i, argv in enumerate((["--out", str(tmp_path / "x0"), "workloads"],
+                              ["workloads", "--out", str(tmp_path / "x1")])):
+        assert cli.main(["bench", "--quiet", *argv]) == 0
+        doc = json.loads((tmp_path / f"x{i}" / "bench-workloads.json").read_text())
+        assert doc["benchmark"] == "workloads"
     n = len(seen)
-    assert cli.main(["bench", "--out", str(tmp_path / "x"), "workloads"]) == 2
-    assert "--out is for bench with no group" in capsys.readouterr().err and len(seen) == n
+    assert cli.main(["bench", "workloads", "--out", str(tmp_path / "y"), "--json", str(tmp_path / "y.json")]) == 2
+    err = capsys.readouterr().err
+    assert "give --out DIR (bench-workloads.json and .png there) or --json PATH, not both" in err and len(seen) == n
+    assert not (tmp_path / "y").exists() and not (tmp_path / "y.json").exists()
 
 
 def test_bench_with_no_group_refuses_an_out_folder_it_cannot_fill_before_running(tmp_path, monkeypatch, capsys):

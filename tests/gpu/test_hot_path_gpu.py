@@ -79,8 +79,8 @@ def test_arrays_dying_in_reference_cycles_are_freed(cp, monkeypatch, name):
 
 def test_control_without_gc_safe_malloc_cupy_14_2_loses_them(cp, monkeypatch):
     """The control: CuPy's PythonFunctionAllocator.malloc as it is (the Python
-    hot path does not wrap it) loses every block on CuPy 14.2 (measured:
-    tools/probes/pfa_gc_clear.py), so the test above can fail."""
+    hot path does not wrap it) loses every block on CuPy 14.2, so the test
+    above can fail."""
     if cp.__version__ != "14.2.0":
         pytest.skip(f"the control is for CuPy 14.2.0's behaviour; this is CuPy {cp.__version__}")
     monkeypatch.setenv(_support.HOT_PATH_ENV, "python")

@@ -1,7 +1,7 @@
 """The rmm and torch strategies on the GPU: allocate, compute, free, statistics
 exact, DLPack both ways, the pytest plugin's leak and budget verdicts, the
 stream patterns (with the dead-stream guard's control), and one strategy
-measuring a CuPy + PyTorch + Numba program (tools/probes/mixed_interop.py)."""
+measuring a CuPy + PyTorch + Numba program."""
 
 import gc
 import importlib.util
@@ -187,7 +187,7 @@ def test_clean():
 @pytest.mark.parametrize("name", ["torch", pytest.param("rmm", marks=SPECS[1].marks), "async"])
 def test_one_strategy_measures_a_cupy_pytorch_numba_program(tmp_path, name):
     out = tmp_path / "mixed.json"
-    probe = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "probes", "mixed_interop.py")
+    probe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mixed_interop_program.py")
     compat = os.path.join(os.path.dirname(os.path.abspath(__file__)), "numba_compat")  # see its sitecustomize
     env = dict(os.environ, NUMBA_CUDA_MEMORY_MANAGER="cupy_memstrat.numba",
                PYTHONPATH=compat + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))

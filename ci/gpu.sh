@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# The project's GPU run: install the working tree, then run tests/gpu and/or the benchmarks on the
+# machine's GPU, writing logs and JSON under $OUT (default ./gpu-out).
+#
+#   ci/gpu.sh [tests] [bench [GROUP...]] [cupy-suite [STRATEGY...]] [dask]
+#                                            tests and bench when no step is named
+#
+#   tests        tests/gpu
+#   bench        python -m cupy_memstrat bench: every group, or the GROUPs named
+#   cupy-suite   CuPy's own tests (creation, manipulation, cuda_tests/test_memory.py) under CuPy's pool,
+#                then under each STRATEGY (default: device async managed pool), compared test by test
+#                (tools/compare_junit.py); needs CUPY_TESTS, a copy of the tests/ folder of the CuPy
+#                release that is installed
+#   dask         ci/dask_gpu.py: cupy_memstrat.dask on dask-cuda's LocalCUDACluster (needs dask,
+#                distributed and dask-cuda)
+#
+# Environment:
+#   OUT             where the logs and results go (made if missing)
+#   TESTS_TIMEOUT   seconds for tests/gpu (default 400); a run cut short keeps every test's line (-v)
+#   BENCH_TIMEOUT   seconds for the benchmarks (default 420)
+#   PYTEST_ARGS     extra arguments for pytest (e.g. "-n 4", "-k checks")
+#   CUPY_TESTS      for cupy-suite: the folder that holds CuPy's tests/ (e.g. a clone of CuPy at its tag)
+#
+# What comes back:
+#   info.txt        python -m cupy_memstrat info: GPU, driver, CUDA, packages
+#   tests-gpu.log   pytest -v of tests/gpu, and tests-gpu.xml (JUnit)
+#   bench.log       the benchmarks' tables; bench.tgz their JSON and figures (bench-GROUP.json/.png)
+#   cupy-suite.json each strategy's outcomes against CuPy's pool's (the format docs/results/*/cupy-suite-*.json
+#                   keeps), cupy-suite.tgz the JUnit XML and logs
+#   dask-gpu.json   the Dask run, and dask-task-peaks.png
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests bench)
+is_step() { case "$1" in tests|bench|cupy-suite|dask) return 0 ;; *) return 1 ;; esac; }
+
+if ! is_step "${steps[0]}"; then
+  echo "ci/gpu.sh: unknown step '${steps[0]}'; expected tests, bench [GROUP...], cupy-suite [STRATEGY...] or dask" >&2
+  exit 2
+fi
+"$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 2; }
+"$PY" -m cupy_memstrat info >"$OUT/info.txt" 2>&1
+head -20 "$OUT/info.txt"
+
+cupy_suite() {  # STRATEGY...: CuPy's tests under CuPy's pool (a warm-up run, then the baseline), then each strategy
+  if [ -z "${CUPY_TESTS:-}" ] || [ ! -d "$CUPY_TESTS/tests/cupy_tests" ]; then
+    echo "ci/gpu.sh cupy-suite: set CUPY_TESTS to a folder holding CuPy's tests/ (tests/cupy_tests/...)" >&2
+    return 1
+  fi
+  local R="$OUT/cupy-suite" here="$PWD" runs=() s tag t0 t1 t2
+  mkdir -p "$R"
+  for s in default default "$@"; do
+    tag="${#runs[@]}-${s%%:*}"; runs+=("$tag")
+    extra=(); [ "$s" != default ] && extra=(--gpumem-strategy="$s")
+    echo "== CuPy's tests, run $tag"
+    t0=$(date +%s.%N)
+    # creation + manipulation over 8 workers; test_memory.py alone: its MemoryAsyncPool tests each
+    # take most of the GPU, so beside other workers their outcome would depend on timing
+    ( cd "$CUPY_TESTS" && timeout 300 "$PY" -m pytest tests/cupy_tests/creation_tests \
+        tests/cupy_tests/manipulation_tests -n 8 -q -p no:cacheprovider "${extra[@]}" \
+        --junitxml="$R/cm_$tag.xml" >"$R/cm_$tag.log" 2>&1 )
+    t1=$(date +%s.%N)
+    ( cd "$CUPY_TESTS" && timeout 200 "$PY" -m pytest tests/cupy_tests/cuda_tests/test_memory.py -q \
+        -p no:cacheprovider "${extra[@]}" --junitxml="$R/mem_$tag.xml" >"$R/mem_$tag.log" 2>&1 )
+    t2=$(date +%s.%N)
+    printf '{"run": "%s", "allocator": "%s", "cm_seconds": %s, "mem_seconds": %s}\n' "$tag" "$s" \
+      "$(awk "BEGIN{print $t1 - $t0}")" "$(awk "BEGIN{print $t2 - $t1}")" >"$R/time_$tag.json"
+    tail -1 "$R/cm_$tag.log"; tail -1 "$R/mem_$tag.log"
+  done
+  local base="${runs[1]}" rc=0
+  for tag in "${runs[@]:2}"; do
+    for part in cm mem; do
+      "$PY" "$here/tools/compare_junit.py" "$R/${part}_$base.xml" "$R/${part}_$tag.xml" \
+        --json "$R/compare_${part}_$tag.json" >/dev/null || rc=1
+    done
+  done
+  "$PY" - "$R" "$base" "${runs[@]}" >"$OUT/cupy-suite.json" <<'PY'
+import glob, json, sys
+from cupy_memstrat.info import collect
+r, base, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
+out = {"what": "CuPy's tests under CuPy's pool (a warm-up run, then the baseline) and each strategy",
+       "machine": collect(), "baseline": base,
+       "times": [json.load(open(f"{r}/time_{t}.json")) for t in runs], "compare": {}}
+for f in sorted(glob.glob(f"{r}/compare_*.json")):
+    out["compare"][f.rsplit("/", 1)[1][len("compare_"):-len(".json")]] = json.load(open(f))
+print(json.dumps(out, indent=1))
+PY
+  tar -czf "$OUT/cupy-suite.tgz" -C "$OUT" cupy-suite && rm -rf "$R"
+  echo "cupy-suite: outcomes $([ $rc -eq 0 ] && echo 'the same as under CuPy'"'"'s pool' || echo 'DIFFER, see cupy-suite.json')"
+  return $rc
+}
+
+status=0
+i=0
+while [ $i -lt ${#steps[@]} ]; do
+  step=${steps[$i]}
+  i=$((i + 1))
+  case "$step" in
+    tests)
+      echo "== tests/gpu"
+      # shellcheck disable=SC2086
+      timeout "${TESTS_TIMEOUT:-400}" "$PY" -m pytest tests/gpu -v -p no:cacheprovider -rs \
+        --junitxml="$OUT/tests-gpu.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests-gpu.log" | tail -40
+      rc=${PIPESTATUS[0]}
+      echo "tests/gpu exit status $rc"
+      [ "$rc" -ne 0 ] && status=1
+      ;;
+    bench)
+      groups=()
+      while [ $i -lt ${#steps[@]} ] && ! is_step "${steps[$i]}"; do groups+=("${steps[$i]}"); i=$((i + 1)); done
+      echo "== bench ${groups[*]:-(every group)}"
+      mkdir -p "$OUT/bench"
+      if [ ${#groups[@]} -eq 0 ]; then
+        timeout "${BENCH_TIMEOUT:-420}" "$PY" -m cupy_memstrat bench --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -60
+        rc=${PIPESTATUS[0]}
+      else
+        rc=0
+        for g in "${groups[@]}"; do
+          timeout "${BENCH_TIMEOUT:-420}" "$PY" -m cupy_memstrat bench "$g" --json "$OUT/bench/bench-$g.json" 2>&1 | tee -a "$OUT/bench.log" | tail -40
+          [ "${PIPESTATUS[0]}" -ne 0 ] && rc=1
+        done
+      fi
+      echo "bench exit status $rc"
+      [ "$rc" -ne 0 ] && status=1
+      tar -czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
+      ;;
+    cupy-suite)
+      strategies=()
+      while [ $i -lt ${#steps[@]} ] && ! is_step "${steps[$i]}"; do strategies+=("${steps[$i]}"); i=$((i + 1)); done
+      [ ${#strategies[@]} -eq 0 ] && strategies=(device async managed pool)
+      cupy_suite "${strategies[@]}" || status=1
+      ;;
+    dask)
+      echo "== dask"
+      timeout "${DASK_TIMEOUT:-300}" "$PY" ci/dask_gpu.py "$OUT" 2>&1 | tee "$OUT/dask.log" | tail -30
+      [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+      ;;
+    *)
+      echo "ci/gpu.sh: unknown step '$step'; expected tests, bench [GROUP...], cupy-suite [STRATEGY...] or dask" >&2
+      exit 2
+      ;;
+  esac
+done
+exit $status

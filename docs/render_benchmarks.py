@@ -1,0 +1,155 @@
+"""Render the measured tables of docs/benchmarks.md and README.md from the result JSON.
+
+    python docs/render_benchmarks.py            # rewrite the generated blocks in place
+    python docs/render_benchmarks.py --check    # exit 1 if a page differs from its JSON
+
+Each GPU kind has one current result set, a folder under docs/results/ (``h200/``): the JSON
+that ``ci/gpu.sh bench`` writes (``bench-GROUP.json``, with the GPU, driver and package
+versions in ``machine``), and the JSON of the measurements made apart from ``bench``
+(``cupy-suite-*.json``, ``plugin-overhead.json``, ``checks-overhead.json``). A generated block
+sits between ``<!-- render:NAME -->`` and ``<!-- /render -->`` and is never edited by hand.
+The bench tables are the groups' own ``format_table`` output, as ``bench`` prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+KIND = "h200"  # the result set the pages show
+GROUPS = ("alloc", "async", "managed", "workloads", "streams")
+WORKLOAD_COLUMNS = ("pool", "async", "managed", "device")
+BLOCK = re.compile(r"(<!-- render:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /render -->)", re.S)
+
+
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / KIND / name).read_text())
+
+
+def _link(name: str, page: Path) -> str:
+    rel = Path("results") / KIND / name if page.parent.name == "docs" else Path("docs/results") / KIND / name
+    return f"[{name}]({rel.as_posix()})"
+
+
+def machine_line(doc: dict) -> str:
+    m = doc["machine"]
+    cuda = m.get("cuda") or {}
+    gpus = ", ".join(d.get("name", "?") for d in cuda.get("devices", []))
+    p = m.get("packages", {})
+    runtime = cuda.get("runtime")
+    rt = f"{runtime // 1000}.{runtime % 1000 // 10}" if isinstance(runtime, int) else "?"
+    return (f"{gpus}, driver {cuda.get('kernel_driver', '?')}, CUDA runtime {rt}; CuPy {p.get('cupy')}, "
+            f"cupy-memstrat {p.get('cupy_memstrat')}, Python {p.get('python')}; {m.get('date', '?')[:10]}")
+
+
+def bench_table(group: str, page: Path) -> str:
+    from cupy_memstrat.bench import alloc, async_pool, managed, streams, workloads
+
+    fmt = {"alloc": alloc, "async": async_pool, "managed": managed, "workloads": workloads,
+           "streams": streams}[group].format_table
+    doc = _load(f"bench-{group}.json")
+    return (f"Measured on {machine_line(doc)} ({_link(f'bench-{group}.json', page)}):\n\n"
+            f"```text\n{fmt(doc).rstrip()}\n```\n")
+
+
+def workloads_table(page: Path) -> str:
+    """Workloads x strategies: each strategy's time over CuPy's pool's in the same round (the
+    median over rounds); "identical" where every result equals CuPy's pool's bit for bit."""
+    doc = _load("bench-workloads.json")
+    res = doc["results"]
+    head = "| workload | " + " | ".join(f"`{c}`" for c in WORKLOAD_COLUMNS) + " | results |"
+    lines = [head, "|---" * (len(WORKLOAD_COLUMNS) + 2) + "|"]
+    for name, paths in res.items():
+        cells = []
+        for c in WORKLOAD_COLUMNS:
+            r = paths.get(c)
+            cells.append(f"{r['ratio_in_rounds']['median']:.2f}x" if r else "-")
+        checks = [p.get("check", {}) for k, p in paths.items() if k != "cupy-default"]
+        same = all(c.get("identical") for c in checks if c)
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {'identical' if same else 'differ'} |")
+    a = doc["params"]["rounds"]
+    return ("\n".join(lines) + f"\n\nTime over CuPy's own pool's time in the same round (median of {a} rounds; "
+            f"below 1 is faster). {machine_line(doc)} ({_link('bench-workloads.json', page)}).\n")
+
+
+def cupy_suite_table(page: Path) -> str:
+    # outcomes only: in these sessions CuPy's pool ran first, with a cold kernel cache, so the
+    # JSON's time ratios are not the strategies' cost (bench workloads measures that)
+    rows = ["| strategy | CuPy tests | outcomes |", "|---|---|---|"]
+    for name in sorted(p.name for p in (RESULTS / KIND).glob("cupy-suite*.json")):
+        doc = _load(name)
+        for key, c in doc["compare"].items():
+            cand = c["candidate"]
+            suite = "creation + manipulation" if key.startswith("cm_") else "cuda_tests/test_memory.py"
+            strategy = key.split("-", 1)[1]
+            if strategy == "default":
+                continue  # CuPy's pool against itself (a cold kernel cache): the JSON keeps it
+            if c["same_outcomes"]:
+                outcome = f"{cand['passed']} passed, {cand['failed']} failed: the same tests as under CuPy's pool"
+            else:
+                new = [t.rsplit("::", 1)[-1] for t in c["new_failures"]]
+                outcome = (f"{cand['passed']} passed, {cand['failed']} failed: {len(new)} fail that pass under "
+                           f"CuPy's pool ({', '.join(new)})")
+            rows.append(f"| `{strategy}` | {suite} | {outcome} |")
+    links = ", ".join(_link(p.name, page) for p in sorted((RESULTS / KIND).glob("cupy-suite*.json")))
+    machine = _load(sorted((RESULTS / KIND).glob("cupy-suite*.json"))[0].name)["machine"]
+    n = len((machine.get("cuda") or {}).get("devices", [])) or "?"
+    return "\n".join(rows) + (f"\n\nCuPy v14.2.0's own tests, on a host with {n} {KIND.upper()} GPUs, "
+                              f"CuPy's pool run in the same session ({links}).\n")
+
+
+def overhead_table(page: Path) -> str:
+    plugin, checks = _load("plugin-overhead.json"), _load("checks-overhead.json")
+    p, c = plugin["ratio_to_plain_all_rounds"], checks["ratio_to_unchecked_both_rounds"]
+    rows = ["| pytest run of CuPy's creation + manipulation tests | wall time over the baseline |", "|---|---|",
+            f"| `--gpumem --gpumem-budget=64GiB --gpumem-leaks=fail`, over plain pytest | {p['measure']:.2f}x |",
+            f"| the same with `--gpumem-faults`, over plain pytest | {p['faults']:.2f}x |",
+            f"| `--gpumem-check=streams`, over the measured run without checks | {c['streams']:.2f}x |",
+            f"| `--gpumem-check=all`, over the measured run without checks | {c['all']:.2f}x |"]
+    return "\n".join(rows) + (f"\n\nMedians of the rounds of one session each, with pytest-xdist -n 8 "
+                              f"({_link('plugin-overhead.json', page)}, {_link('checks-overhead.json', page)}).\n")
+
+
+RENDER = {f"bench-{g}": (lambda g: lambda page: bench_table(g, page))(g) for g in GROUPS}
+RENDER |= {"workloads-summary": workloads_table, "cupy-suite": cupy_suite_table, "overhead": overhead_table}
+PAGES = (ROOT / "docs" / "benchmarks.md", ROOT / "README.md")
+
+
+def render(text: str, page: Path) -> str:
+    def one(m):
+        name = m.group("name")
+        if name not in RENDER:
+            raise SystemExit(f"{page}: unknown generated block {name!r}; expected one of {', '.join(RENDER)}")
+        return m.group(1) + RENDER[name](page) + m.group(4)
+
+    return BLOCK.sub(one, text)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if a page differs from its JSON; change nothing")
+    args = ap.parse_args(argv)
+    stale = []
+    for page in PAGES:
+        old = page.read_text()
+        new = render(old, page)
+        if new != old:
+            stale.append((page.relative_to(ROOT) if page.is_relative_to(ROOT) else page).as_posix())
+            if not args.check:
+                page.write_text(new)
+    if args.check and stale:
+        print(f"out of date with docs/results/{KIND}/: {', '.join(stale)} (run python docs/render_benchmarks.py)",
+              file=sys.stderr)
+        return 1
+    if not args.check:
+        print("rendered: " + (", ".join(stale) if stale else "nothing changed"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
