@@ -1,4 +1,4 @@
-"""cupy_memstrat: drop-in GPU memory strategies for CuPy.
+"""cupy_memstrat: drop-in GPU memory strategies for CuPy::
 
     import cupy_memstrat
     cupy_memstrat.use("device")          # CuPy now allocates with cudaMalloc/cudaFree

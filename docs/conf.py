@@ -56,24 +56,3 @@ autodoc_typehints = "signature"
 html_theme = "alabaster"
 html_title = "cupy-memstrat"
 html_theme_options = {"description": "GPU memory strategies for CuPy, and GPU memory in pytest"}
-
-
-def _pydoc_examples_as_literal_blocks(app, what, name, obj, options, lines):
-    """A module docstring opens with an example indented as pydoc shows it (``cupy_memstrat``,
-    ``cupy_memstrat.faults``): in reST such a block after a paragraph is a block quote, and its
-    own indented lines are errors. Mark each indented block that follows a paragraph and a blank
-    line as a literal block (``::``), as the text means it."""
-    if what != "module":
-        return
-    out = []
-    for i, line in enumerate(lines):
-        starts_block = (line.startswith(" ") and line.strip() and len(out) >= 2 and out[-1] == ""
-                        and out[-2].strip() and not out[-2].startswith(" ") and not out[-2].rstrip().endswith("::"))
-        if starts_block:
-            out[-1:] = ["", "::", ""]
-        out.append(line)
-    lines[:] = out
-
-
-def setup(app):
-    app.connect("autodoc-process-docstring", _pydoc_examples_as_literal_blocks)

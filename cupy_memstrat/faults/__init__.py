@@ -1,4 +1,4 @@
-"""Page-fault and migration counters for unified (managed) memory.
+"""Page-fault and migration counters for unified (managed) memory::
 
     from cupy_memstrat import faults
 
