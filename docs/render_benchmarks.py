@@ -39,7 +39,8 @@ def _link(name: str, page: Path) -> str:
 def machine_line(doc: dict) -> str:
     m = doc["machine"]
     cuda = m.get("cuda") or {}
-    gpus = ", ".join(d.get("name", "?") for d in cuda.get("devices", []))
+    names = [d.get("name", "?") for d in cuda.get("devices", [])]
+    gpus = f"{len(names)} x {names[0]}" if len(set(names)) == 1 and len(names) > 1 else ", ".join(names) or "?"
     p = m.get("packages", {})
     runtime = cuda.get("runtime")
     rt = f"{runtime // 1000}.{runtime % 1000 // 10}" if isinstance(runtime, int) else "?"
@@ -97,10 +98,9 @@ def cupy_suite_table(page: Path) -> str:
                            f"CuPy's pool ({', '.join(new)})")
             rows.append(f"| `{strategy}` | {suite} | {outcome} |")
     links = ", ".join(_link(p.name, page) for p in sorted((RESULTS / KIND).glob("cupy-suite*.json")))
-    machine = _load(sorted((RESULTS / KIND).glob("cupy-suite*.json"))[0].name)["machine"]
-    n = len((machine.get("cuda") or {}).get("devices", [])) or "?"
-    return "\n".join(rows) + (f"\n\nCuPy v14.2.0's own tests, on a host with {n} {KIND.upper()} GPUs, "
-                              f"CuPy's pool run in the same session ({links}).\n")
+    first = _load(sorted((RESULTS / KIND).glob("cupy-suite*.json"))[0].name)
+    return "\n".join(rows) + (f"\n\nCuPy's own tests, CuPy's pool run in the same session: {machine_line(first)} "
+                              f"({links}).\n")
 
 
 def overhead_table(page: Path) -> str:
@@ -111,8 +111,9 @@ def overhead_table(page: Path) -> str:
             f"| the same with `--gpumem-faults`, over plain pytest | {p['faults']:.2f}x |",
             f"| `--gpumem-check=streams`, over the measured run without checks | {c['streams']:.2f}x |",
             f"| `--gpumem-check=all`, over the measured run without checks | {c['all']:.2f}x |"]
-    return "\n".join(rows) + (f"\n\nMedians of the rounds of one session each, with pytest-xdist -n 8 "
-                              f"({_link('plugin-overhead.json', page)}, {_link('checks-overhead.json', page)}).\n")
+    return "\n".join(rows) + (f"\n\nMedians of the rounds of one session each, with pytest-xdist -n 8: "
+                              f"{machine_line(plugin)} ({_link('plugin-overhead.json', page)}); "
+                              f"{machine_line(checks)} ({_link('checks-overhead.json', page)}).\n")
 
 
 RENDER = {f"bench-{g}": (lambda g: lambda page: bench_table(g, page))(g) for g in GROUPS}
@@ -146,7 +147,9 @@ def main(argv=None) -> int:
         print(f"out of date with docs/results/{KIND}/: {', '.join(stale)} (run python docs/render_benchmarks.py)",
               file=sys.stderr)
         return 1
-    if not args.check:
+    if args.check:
+        print(f"the benchmark tables match docs/results/{KIND}/")
+    else:
         print("rendered: " + (", ".join(stale) if stale else "nothing changed"))
     return 0
 
