@@ -185,7 +185,7 @@ def use(strategy: str | Strategy, **options) -> Strategy:
         raise RuntimeError(_USE_INSIDE_USING) from exc
     if before is not None and before is not s:
         before._stop_holding()  # pool's direct route: no allocation through it may come to reap
-    _log_install(s, "use")
+    log_install(s, "use")
     return s
 
 
@@ -197,8 +197,9 @@ class Install:
     seq: int  #: its position, for ``installs(since=...)`` (from :func:`install_mark`)
     name: str  #: the strategy's registered name
     checked: bool  #: whether it runs under the checking layer (a CheckedStrategy)
-    how: str  #: "use" (process-wide) or "using" (the calling thread, for a with block)
+    how: str  #: "use" or "record_history" (process-wide), "using" (the calling thread, a with block)
     thread: int  #: ``threading.get_ident()`` of the thread that installed it
+    checks: frozenset = frozenset()  #: the checks it runs ("streams", "poison", "redzone"), if checked
 
 
 _INSTALLS: collections.deque = collections.deque(maxlen=4096)  # the latest installations, oldest first
@@ -207,13 +208,17 @@ _install_lock = threading.Lock()
 _install_last = [0]
 
 
-def _log_install(s: Strategy, how: str) -> None:
+def log_install(s: Strategy, how: str) -> None:
+    """Record that ``s`` became CuPy's allocator (``how``: use, using, record_history), for
+    :func:`installs`. Internal to the package: not in ``__all__``."""
     from .checks.layer import CheckedStrategy
 
     with _install_lock:
         seq = next(_install_seq)
         _install_last[0] = seq
-        _INSTALLS.append(Install(seq, s.name, isinstance(s, CheckedStrategy), how, threading.get_ident()))
+        checked = isinstance(s, CheckedStrategy)
+        _INSTALLS.append(Install(seq, s.name, checked, how, threading.get_ident(),
+                                 frozenset(s.checks) if checked else frozenset()))
 
 
 def install_mark() -> int:
@@ -224,7 +229,8 @@ def install_mark() -> int:
 
 
 def installs(since: int = 0) -> list[Install]:
-    """The installations of strategies by :func:`use` and :func:`using` in
+    """The installations of strategies by :func:`use`, :func:`using` and
+    :func:`~cupy_memstrat.record_history` in
     this process after the :func:`install_mark` ``since``, oldest first (the
     latest 4096 are kept). A tool that runs code it did not write (the pytest
     plugin) learns from it which strategies the code switched to, also ones
@@ -302,7 +308,7 @@ def using(strategy: str | Strategy, **options) -> Iterator[Strategy]:
         strategy._keep()  # in use again (maybe inside checks): not let go when its arrays are gone
     try:
         with cuda.using_allocator(s.cupy_allocator()):
-            _log_install(s, "using")
+            log_install(s, "using")
             yield s
     finally:
         if s is not strategy:  # made here: give back what nobody uses

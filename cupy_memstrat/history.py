@@ -277,6 +277,7 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins:
         h.previous_allocator = cupy.cuda.get_allocator()  # put back when the recording ends
         h.allocator = _recording_allocator(s, h)
         cupy.cuda.set_allocator(h.allocator)
+        api.log_install(s, "record_history")
         s._history = h  # segment and out-of-memory events
         _active = h
         return h

@@ -362,21 +362,22 @@ class Findings(Limit):
         checked = w.checked
         if checked is None and not pending:
             return None  # no check asked, none pending: nothing to say
-        if not checked:
-            found = pending  # findings of the test's own checked strategy, not delivered to it
+        if checked is None:
+            found = pending  # no session checks: findings of the test's own checked strategy, not delivered
         why, warn = None, False
-        escaped = [i for i in w.installs if not i.checked]
+        escaped = [i for i in w.installs if not i.checked or not state.checks <= i.checks]
         if checked and w.allocator_change is not None:  # checked until the test installed another allocator
             why = "the test changed CuPy's allocator during its call: what it allocated after that was not checked"
         elif checked and escaped:  # switched to a strategy of its own and back within the call
-            names = ", ".join(sorted({repr(i.name) for i in escaped}))
+            names = ", ".join(sorted({repr(i.name) + (f" (checks {_words(i.checks)} only)" if i.checked else "")
+                                      for i in escaped}))
             hows = " and ".join(sorted({f"cupy_memstrat.{i.how}()" for i in escaped}))
             why = (f"switched to strategy {names} during its call ({hows}), which the session's checks do not "
-                   "wrap: what it allocated there was not checked (give it check=..., as in "
+                   "wrap: what it allocated there was not checked with them (give it the session's checks, as in "
                    "cupy_memstrat.using('async', check='all'))")
             warn = True
         elif checked is False and w.allocator_change is None:
-            why, warn = self._unchecked_why(case), True
+            why, warn = w.unchecked_why or self._unchecked_why(case), True
         if why is not None:
             checked = False
             rec["unchecked"] = why
@@ -414,6 +415,10 @@ class Findings(Limit):
     def _unchecked_why(case) -> str:
         """Why a test under a strategy of its own ran without the session's checks."""
         w, item = case.window, case.item
+        own = case.meter.strategy
+        if getattr(own, "checks", None) is not None:  # checked, with fewer checks than the session's
+            return (f"ran under strategy {own.name!r} with checks {_words(own.checks)} only, fewer than the "
+                    f"session's ({_words(case.state.checks)}): its memory was not checked with the others")
         if w.strategy_name is None:
             return (f"ran under strategy {case.meter.strategy.name!r}, which a test or fixture installed and the "
                     "session's checks could not wrap: its memory was not checked")
@@ -423,6 +428,10 @@ class Findings(Limit):
         return (f"ran under strategy {w.strategy_name!r} of its own (cupy_memstrat.using() in the test or a "
                 "fixture), which the session's checks do not wrap: its memory was not checked (run it under the "
                 "gpumem_strategy fixture, which takes the session's checks, or give it check=...)")
+
+
+def _words(checks) -> str:
+    return ",".join(c for c in cupy_memstrat.checks.CHECKS if c in checks)
 
 
 class Faults(Limit):

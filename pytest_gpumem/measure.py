@@ -68,6 +68,8 @@ class Window:
     allocator_change: tuple | None = None  # (message, as an error) when the test replaced CuPy's allocator
     checked: bool | None = None  # whether the call ran under the checks (None: no check asked anywhere)
     install_start: int = 0  # cupy_memstrat.install_mark() when the call began
+    setup_install_start: int = 0  # cupy_memstrat.install_mark() when the test's setup began
+    unchecked_why: str | None = None  # why the call ran unchecked, where the plugin knew it at its start
     installs: list = field(default_factory=list)  # strategies the call installed (cupy_memstrat.installs)
     check_error: str | None = None  # why the checks' pending work could not be finished after the call
 

@@ -269,7 +269,7 @@ class Settings:
         ``--gpumem-check=off`` switches off the checks of the strategy spec too."""
         if self.source("check") is not None:
             return self.check
-        return self.values.get("spec_check", frozenset())
+        return self.values.get("spec_check") or self.values.get("adopted_check") or frozenset()
 
     @property
     def measuring(self) -> bool:

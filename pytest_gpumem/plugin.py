@@ -37,7 +37,7 @@ from . import report as _report
 from .limits import BUDGET, GpuMemLeakWarning, GpuMemUncheckedWarning, size_words
 from .measure import GpuMem, Meter
 from .options import MARKERS, add_options, plan_for, resolve
-from .session import METER, NOTICE, OOM_SNAPSHOT, GpuMemAllocatorWarning, State
+from .session import FOREIGN, METER, NOTICE, OOM_SNAPSHOT, GpuMemAllocatorWarning, State
 
 __all__ = ["GpuMemLeakWarning", "GpuMemAllocatorWarning", "GpuMemUncheckedWarning"]
 
@@ -49,6 +49,7 @@ _WINDOW = pytest.StashKey[object]()
 _BAD = pytest.StashKey[str]()  # a bad marker's message (pytest-xdist workers: the test errors with it)
 _JUDGED = pytest.StashKey[bool]()  # the test runs under this plugin's protocol: its verdict judges findings
 _CHECK_MARK = pytest.StashKey[int]()  # cupy_memstrat.checks.mark() when the test's setup began
+_INSTALL_MARK = pytest.StashKey[int]()  # cupy_memstrat.install_mark() when the test's setup began
 
 
 def _state(config) -> State | None:
@@ -156,6 +157,8 @@ def pytest_collection_modifyitems(session, config, items):
     state = _state(config)
     if state is None:
         return
+    if not state.controller:
+        state.adopt_conftest_checks()  # a checked strategy from conftest.py: its checks judge every test
     wanted = False
     errors = []
     for item in items:
@@ -214,11 +217,14 @@ def pytest_runtest_setup(item):
         pytest.fail(f"gpumem usage error: {bad}", pytrace=False)
     if state.meter is not None and item.stash.get(_PLAN, None) is not None:
         item.stash[_CHECK_MARK] = _checks.mark()  # findings of its fixtures' setup are the test's too
+        item.stash[_INSTALL_MARK] = cupy_memstrat.install_mark()  # a thread its fixtures start
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
     state = _state(item.config)
+    if state is not None and state.meter is None and item.stash.get(_PLAN, None) is not None:
+        state.resume_if_restored(item)  # CuPy's allocator is the session's strategy again
     if state is None or state.meter is None or item.stash.get(_PLAN, None) is None:
         return None  # pytest's own protocol
     from _pytest.runner import runtestprotocol
@@ -233,10 +239,34 @@ def pytest_runtest_protocol(item, nextitem):
         if state.allocator_changed():  # the test (or its fixtures) installed another allocator
             w.allocator_change = state.adopt_allocator(item, "during")
         state.verdict(item, item.stash[_PLAN], w, reports)
+    elif state.checks and item.stash.get(_CHECK_MARK, None) is not None:
+        _setup_findings(item, reports)  # the call never ran (setup skipped or failed)
     for rep in reports:
         ihook.pytest_runtest_logreport(report=rep)
     ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
     return True
+
+
+def _setup_findings(item, reports) -> None:
+    """A test whose call never ran (a fixture skipped it, or failed): the findings of its setup
+    and teardown are its own, not the next test's. They make a skipped setup an error."""
+    try:
+        _checks.collect()
+    except _checks.CheckError:
+        pass  # recorded: read below
+    except Exception:  # noqa: BLE001 - a GPU left unusable: nothing more to read
+        return
+    found = _checks.findings(since=item.stash[_CHECK_MARK])
+    if not found:
+        return
+    k = len(found)
+    text = f"gpumem: {k} check finding{'' if k == 1 else 's'} during the test's setup or teardown:\n\n" + \
+        "\n\n".join(str(f) for f in found[:10])
+    setup = reports[0]
+    if setup.skipped:
+        setup.outcome, setup.longrepr = "failed", text
+    else:
+        setup.sections.append(("gpumem checks", text))
 
 
 @pytest.hookimpl(wrapper=True)
@@ -280,13 +310,18 @@ def pytest_runtest_call(item):
     w.check_start = item.stash.get(_CHECK_MARK, None)
     if w.check_start is None:
         w.check_start = _checks.mark()
-    w.install_start = cupy_memstrat.install_mark()  # strategies the call switches to, and back from
     if state.settings.history:
         try:
             w.history = cupy_memstrat.record_history(strategy=strategy)
         except RuntimeError:  # inside cupy_memstrat.using() (the gpumem_strategy fixture): not recordable
             w.history_error = ("the test runs inside cupy_memstrat.using() (as under the gpumem_strategy "
                                "fixture), whose per-thread allocator a recording cannot wrap; it is measured")
+    # strategies the call switches to (and back from); from the setup on, those of other threads
+    w.install_start = cupy_memstrat.install_mark()
+    w.setup_install_start = item.stash.get(_INSTALL_MARK, w.install_start)
+    foreign = item.stash.get(FOREIGN, None)
+    if foreign is not None and state.checks:
+        w.checked, w.unchecked_why = False, foreign
     with contextlib.ExitStack() as scope:
         if state.settings.stream_policy == "fresh":
             scope.enter_context(_checks.fresh_stream(backend=strategy.backend))
@@ -304,7 +339,11 @@ def pytest_runtest_call(item):
 
 
 def _finish_call(state, plan, meter, w, counter) -> None:
-    w.installs = cupy_memstrat.installs(since=w.install_start)
+    import threading
+
+    me = threading.get_ident()
+    w.installs = [i for i in cupy_memstrat.installs(since=w.setup_install_start)
+                  if i.seq > w.install_start or i.thread != me]
     if counter is not None and counter.running:
         w.faults = counter.stop()
     if w.history is not None:

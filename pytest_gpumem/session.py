@@ -19,11 +19,12 @@ from . import report as _report
 from .limits import LIMITS, Case, limits_json, warn_at_test
 from .measure import Meter
 
-__all__ = ["GpuMemAllocatorWarning", "State", "METER", "NOTICE", "OOM_SNAPSHOT", "is_xdist_controller"]
+__all__ = ["GpuMemAllocatorWarning", "State", "METER", "NOTICE", "OOM_SNAPSHOT", "FOREIGN", "is_xdist_controller"]
 
 METER = pytest.StashKey[object]()  # the meter a test's call was measured through
 NOTICE = pytest.StashKey[str]()  # an allocator change found before the test (pytest-xdist's summary)
 OOM_SNAPSHOT = pytest.StashKey[str]()  # the file an out-of-memory error of the call wrote (oom_snapshot)
+FOREIGN = pytest.StashKey[str]()  # the test runs inside using_allocator() of an allocator not a strategy
 
 
 class GpuMemAllocatorWarning(pytest.PytestWarning):
@@ -56,6 +57,7 @@ class State:
         self.n_histories = 0  # timelines recorded for failing tests (--gpumem-history)
         self.checks = settings.checks_asked  # the checks asked for the session (option or strategy spec)
         self.checks_source: str | None = None  # where the checks came from, when not from a setting
+        self._suspended = None  # (strategy, meter) while CuPy's allocator is not a strategy (resume_if_restored)
         self.json_skipped: str | None = None  # why the JSON report was not written (--collect-only)
         self.baseline = _baseline.load_baseline(settings.compare) if settings.compare else None
         self.growth = settings.max_growth or _baseline.Growth(share=Fraction(1, 10), text="10%")
@@ -116,6 +118,24 @@ class State:
                 return
             raise pytest.UsageError(msg) from None
 
+    def adopt_conftest_checks(self) -> None:
+        """Before the tests are planned: a checked strategy that conftest.py installed (and no
+        --gpumem-check given) makes its checks the session's, so every test is measured and
+        judged by them, as checks given in a setting are."""
+        import sys
+
+        s = self.settings
+        if s.source("check") is not None or s.values.get("spec_check") or s.values.get("adopted_check"):
+            return
+        if self.tried:
+            current = self.strategy
+        else:
+            current = cupy_memstrat.current() if "cupy" in sys.modules else None
+        if isinstance(current, _checks.CheckedStrategy):
+            s.values["adopted_check"] = frozenset(current.checks)
+            self.checks = frozenset(current.checks)
+            self.checks_source = "the checked strategy installed before the session"
+
     def follow_allocator(self, item) -> None:
         """Before a measured call: if a test or fixture replaced CuPy's
         allocator (``cupy_memstrat.use``, ``cupy.cuda.set_allocator``), measure
@@ -133,6 +153,11 @@ class State:
             new = cupy_memstrat.current()
             if new is not None and new is not self.strategy:
                 return Meter(new), new
+            if new is None:  # cupy.cuda.using_allocator() of CuPy's own allocator, for this test only
+                item.stash[FOREIGN] = (
+                    f"ran inside cupy.cuda.using_allocator() of {_describe(local, cupy)}, which is not a "
+                    "cupy_memstrat strategy: what it allocated there was neither measured nor checked")
+                return self.meter, self.strategy
         if cupy.cuda.get_allocator() is self._expected_allocator:
             return self.meter, self.strategy
         msg, as_error = self.adopt_allocator(item, "before")
@@ -164,7 +189,10 @@ class State:
             msg = (f"CuPy's allocator changed {what} {item.nodeid} to "
                    f"{'another ' if same else ''}strategy {new.name!r}{' object' if same else ''} "
                    f"(cupy_memstrat.use in a test or fixture); gpumem measures through it from here on")
-            if self.checks and not isinstance(new, _checks.CheckedStrategy):
+            if self.checks and isinstance(new, _checks.CheckedStrategy) and not self.checks <= set(new.checks):
+                msg += (f", whose checks ({_check_words(new.checks)}) are fewer than the session's "
+                        f"({_check_words(self.checks)}): the tests from here on are reported unchecked")
+            elif self.checks and not isinstance(new, _checks.CheckedStrategy):
                 carried = self._with_session_checks(new)
                 if carried is not None:
                     new = carried
@@ -177,9 +205,11 @@ class State:
         else:
             msg = (f"CuPy's allocator changed {what} {item.nodeid} to {_describe_allocator(cupy)}, "
                    "which is not a cupy_memstrat strategy: gpumem cannot measure through it, and the "
-                   "tests from here on are not measured (install strategies with cupy_memstrat.use, or "
-                   "restore CuPy's allocator at the end of the test)")
+                   "tests from here on are not measured until the session's strategy is CuPy's allocator "
+                   "again (install strategies with cupy_memstrat.use, or restore CuPy's allocator at the "
+                   "end of the test)")
             self.why_off = msg
+            self._suspended = (self.strategy, self.meter)
             self.strategy = self.meter = None
         self.allocator_changes.append(msg)
         try:
@@ -187,6 +217,21 @@ class State:
             return msg, False
         except Warning:  # -W error: the warning is an error
             return msg, True
+
+    def resume_if_restored(self, item) -> None:
+        """Measuring stopped when CuPy's allocator became one that is not a cupy_memstrat
+        strategy; if the session's strategy is CuPy's allocator again (a fixture restored it),
+        measure and check through it again, and say so once."""
+        import cupy
+
+        suspended = getattr(self, "_suspended", None)
+        if suspended is None or cupy.cuda.get_allocator() is not self._expected_allocator:
+            return
+        self.strategy, self.meter = suspended
+        self._suspended, self.why_off = None, None
+        msg = (f"CuPy's allocator is strategy {self.strategy.name!r} again before {item.nodeid}: gpumem "
+               "measures (and checks) through it again")
+        self.allocator_changes.append(msg)
 
     def _with_session_checks(self, strategy):
         """``strategy`` (installed by a test or fixture) wrapped in the session's checks and
@@ -203,7 +248,7 @@ class State:
         (its strategy is checked), False (checks were asked for the session, and the test's
         own strategy is not checked) or None (no check asked anywhere)."""
         if isinstance(strategy, _checks.CheckedStrategy):
-            return True
+            return self.checks <= set(strategy.checks)  # fewer checks than the session asked: unchecked
         return False if self.checks else None
 
     def restore(self) -> None:
@@ -360,6 +405,15 @@ def _without_checks(spec: str) -> str:
     name, options = cupy_memstrat.parse_spec(spec)
     kept = [f"{k}={v}" for k, v in options.items() if k not in _checks.OPTION_NAMES]
     return name + (":" + ",".join(kept) if kept else "")
+
+
+def _describe(allocator, cupy) -> str:
+    owner = getattr(allocator, "__self__", None)
+    if owner is cupy.get_default_memory_pool():
+        return "CuPy's default memory pool"
+    if getattr(allocator, "__name__", "") == "_malloc":
+        return "plain cudaMalloc (cupy.cuda.memory._malloc)"
+    return repr(allocator)
 
 
 def _unchecked(plan):

@@ -301,8 +301,11 @@ def test_use_then_restore():
     out_of_bounds()
     cupy.cuda.set_allocator(prev)
 def test_using_with_its_own_checks():
-    with cupy_memstrat.using("async", check="redzone", on_finding="record"):
+    with cupy_memstrat.using("async", check="all", on_finding="record"):
         out_of_bounds()
+def test_using_with_fewer_checks():
+    with cupy_memstrat.using("async", check="poison", on_finding="record"):
+        stream_race()
 def test_clean():
     alloc(10)
 """
@@ -313,7 +316,7 @@ def test_a_strategy_switched_to_and_back_within_the_call_is_reported_unchecked(p
     (cupy_memstrat.installs) and says the test was not checked, never checked with 0 findings."""
     pytester.makepyfile(BUGS + SWITCH_AND_BACK)
     r = run(pytester, "--gpumem-check=all", "--gpumem-json=out.json")
-    r.assert_outcomes(passed=3, failed=1, warnings=2)
+    r.assert_outcomes(passed=4, failed=1, warnings=3)
     r.stdout.fnmatch_lines(["*GPUMEM*test_using_with_its_own_checks*"])
     tests = _tests(pytester)
     for name, how in (("test_using_in_the_body", "'async' during its call (cupy_memstrat.using())"),
@@ -321,10 +324,12 @@ def test_a_strategy_switched_to_and_back_within_the_call_is_reported_unchecked(p
         t = tests[name]
         assert t["checked"] is False and "n_findings" not in t, t
         assert t["unchecked"].startswith(f"switched to strategy {how}, which the session's checks do not wrap")
+    fewer = tests["test_using_with_fewer_checks"]
+    assert fewer["checked"] is False and "'async' (checks poison only)" in fewer["unchecked"]
     assert tests["test_clean"]["checked"] is True and tests["test_clean"]["n_findings"] == 0
     assert "[unchecked]" in r.stdout.str()
     r = run(pytester, "--gpumem-check=all", "-W", "error::pytest_gpumem.plugin.GpuMemUncheckedWarning")
-    r.assert_outcomes(passed=1, failed=3)
+    r.assert_outcomes(passed=1, failed=4)
 
 
 def test_findings_of_a_fixtures_setup_are_the_tests(pytester, fake_env):
@@ -352,12 +357,15 @@ def test_a_checked_strategy_from_conftest_gives_the_gpumem_strategy_fixture_its_
     assert _tests(pytester)["test_clean"]["checks"] == ["streams", "poison", "redzone"]
 
 
-def test_a_fixture_param_narrowing_the_checks_is_recorded_with_its_checks(pytester, fake_env):
+def test_a_fixture_param_narrowing_the_checks_is_reported_unchecked(pytester, fake_env):
     pytester.makepyfile(BUGS + _parametrized(FIXTURE, "async:check=poison"))
     r = run(pytester, "--gpumem-check=all", "--gpumem-json=out.json")
-    r.assert_outcomes(passed=3, failed=1)  # only the write after free: no redzone, no streams
+    r.assert_outcomes(passed=3, failed=1, warnings=4)  # only the write after free: no redzone, no streams
     t = _tests(pytester)["test_clean"]
-    assert t["checked"] is True and t["checks"] == ["poison"]
+    assert t["checked"] is False and "with checks poison only, fewer than the session's" in t["unchecked"]
+    pytester.makepyfile(BUGS + _parametrized(FIXTURE, "async:check=all"))  # all of them: checked
+    run(pytester, "--gpumem-check=all", "--gpumem-json=out.json").assert_outcomes(passed=1, failed=3)
+    assert _tests(pytester)["test_clean"]["checks"] == ["streams", "poison", "redzone"]
 
 
 def test_a_fixture_param_with_checks_off_is_told_to_drop_it(pytester, fake_env):
@@ -421,3 +429,114 @@ def test_expected_to_fail():
     r = run(pytester, "-rA", *args)
     r.assert_outcomes(xpassed=1)
     r.stdout.fnmatch_lines(["*gpumem checks*", "*out-of-bounds write*"])
+
+
+def test_a_fixture_that_uses_cupys_own_allocator_for_a_while_does_not_stop_the_checks(pytester, fake_env):
+    pytester.makepyfile(BUGS + """
+@pytest.fixture
+def cupy_pool():
+    with cupy.cuda.using_allocator(cupy.cuda.memory._malloc):
+        yield
+@pytest.fixture
+def no_pool_for_a_while():
+    prev = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(None)
+    yield
+    cupy.cuda.set_allocator(prev)
+def test_a_uses_cupy_pool(cupy_pool):
+    pass
+def test_b_oob():
+    out_of_bounds()
+def test_c_no_pool(no_pool_for_a_while):
+    pass
+def test_d_waf():
+    write_after_free()
+""")
+    r = run(pytester, "--gpumem-check=all", "--gpumem-json=out.json")
+    r.assert_outcomes(passed=2, failed=2, warnings=2)
+    tests = _tests(pytester)
+    a = tests["test_a_uses_cupy_pool"]
+    assert a["checked"] is False and "cupy.cuda.using_allocator() of plain cudaMalloc" in a["unchecked"]
+    assert tests["test_b_oob"]["n_findings"] >= 1 and tests["test_d_waf"]["n_findings"] >= 1
+    r.stdout.fnmatch_lines(["*strategy 'pool' again before *test_d_waf: gpumem measures (and checks) through it*"])
+
+
+def test_a_thread_a_fixture_starts_inside_using_is_seen(pytester, fake_env):
+    pytester.makepyfile(BUGS + """
+import queue, threading
+@pytest.fixture(scope="module")
+def worker():
+    jobs, done = queue.Queue(), queue.Queue()
+    def loop():
+        with cupy_memstrat.using("async"):
+            while (job := jobs.get()) is not None:
+                job(); done.put(1)
+    t = threading.Thread(target=loop)
+    t.start()
+    yield lambda job: (jobs.put(job), done.get())
+    jobs.put(None); t.join()
+def test_oob_in_the_worker(worker):
+    worker(out_of_bounds)
+""")
+    r = run(pytester, "--gpumem-check=all", "--gpumem-json=out.json")
+    r.assert_outcomes(passed=1, warnings=1)
+    t = _tests(pytester)["test_oob_in_the_worker"]
+    assert t["checked"] is False and "switched to strategy 'async'" in t["unchecked"]
+
+
+def test_a_checked_conftest_strategy_judges_every_test_without_any_option(pytester, fake_env):
+    pytester.makeconftest("import cupy_memstrat\ncupy_memstrat.use('pool', check='all', on_finding='record')\n")
+    pytester.makepyfile(BUGS + PLAIN)
+    r = run(pytester, "--gpumem-json=out.json")
+    r.assert_outcomes(passed=1, failed=3)
+    doc = json.loads((pytester.path / "out.json").read_text())
+    assert doc["settings"]["check"] == ["poison", "redzone", "streams"] and len(doc["tests"]) == 4
+
+
+def test_findings_of_the_sessions_checks_fail_a_test_that_then_runs_unchecked(pytester, fake_env):
+    pytester.makepyfile(BUGS + """
+@pytest.fixture
+def buggy_then_own():
+    out_of_bounds()
+    with cupy_memstrat.using("async"):
+        yield
+def test_it(buggy_then_own):
+    pass
+""")
+    r = run(pytester, "--gpumem-check=all", "--gpumem-json=out.json")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*out-of-bounds write*"])
+    assert _tests(pytester)["test_it"]["checked"] is False
+
+
+def test_record_history_of_another_strategy_in_the_body_is_seen(pytester, fake_env):
+    pytester.makepyfile(BUGS + """
+def test_it():
+    cupy_memstrat.record_history(strategy=cupy_memstrat.create("device"))
+    out_of_bounds()
+    cupy_memstrat.record_history(False)
+""")
+    run(pytester, "--gpumem-check=all", "--gpumem-json=out.json").assert_outcomes(passed=1, warnings=1)
+    t = _tests(pytester)["test_it"]
+    assert t["checked"] is False and "cupy_memstrat.record_history()" in t["unchecked"]
+
+
+def test_a_finding_in_the_setup_of_a_test_that_skips_is_its_own(pytester, fake_env):
+    pytester.makepyfile(BUGS + """
+@pytest.fixture
+def buggy():
+    out_of_bounds()
+    yield
+@pytest.fixture
+def needs_x():
+    pytest.skip("feature X not available")
+def test_a(buggy, needs_x):
+    pass
+def test_b_clean():
+    pass
+""")
+    r = run(pytester, "--gpumem-check=all")
+    r.assert_outcomes(passed=1, errors=1)
+    r.stdout.fnmatch_lines(["*ERROR at setup of test_a*",
+                            "gpumem: 1 check finding during the test's setup or teardown:"])
+    run(pytester).assert_outcomes(passed=1, skipped=1)  # the control: no checks

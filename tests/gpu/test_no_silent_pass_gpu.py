@@ -251,6 +251,29 @@ def test_a_checked_conftest_strategy_checks_the_gpumem_strategy_fixture(inner_mp
     r.assert_outcomes(passed=1, failed=3)
 
 
+def test_a_fixture_on_cupys_own_allocator_leaves_the_checks_on_for_the_tests_after_it(inner_mp):
+    inner_mp.makepyfile(test_bugs=BUGS + '''
+@pytest.fixture
+def cupy_alloc():
+    with cupy.cuda.using_allocator(cupy.cuda.memory._malloc):
+        yield
+def test_a_on_cupys_allocator(cupy_alloc):
+    out_of_bounds()
+def test_b_out_of_bounds():
+    out_of_bounds()
+def test_c_narrower_checks():
+    with cupy_memstrat.using("async", check="poison", on_finding="record"):
+        out_of_bounds()
+''')
+    r = inner_mp.runpytest_subprocess("-p", "no:cacheprovider", "--gpumem-check=all", "--gpumem-json=out.json")
+    r.assert_outcomes(passed=2, failed=1, warnings=2)
+    rec = {t["nodeid"].split("::")[1]: t for t in json.loads((inner_mp.path / "out.json").read_text())["tests"]}
+    assert rec["test_a_on_cupys_allocator"]["checked"] is False
+    assert rec["test_b_out_of_bounds"]["n_findings"] >= 1
+    assert rec["test_c_narrower_checks"]["checked"] is False
+    assert "(checks poison only)" in rec["test_c_narrower_checks"]["unchecked"]
+
+
 def test_gpumem_check_off_switches_off_the_specs_checks(inner_mp):
     inner_mp.monkeypatch.setenv("CUPY_MEMSTRAT", "async:check=all")
     inner_mp.makepyfile(test_bugs=BUGS + PLAIN)
