@@ -19,6 +19,7 @@
 #   TESTS_TIMEOUT   seconds for tests/gpu (default 400); a run cut short keeps every test's line (-v)
 #   BENCH_TIMEOUT   seconds for the benchmarks (default 420)
 #   PYTEST_ARGS     extra arguments for pytest (e.g. "-n 4", "-k checks")
+#   TESTS           the test files or folders the tests step runs (default tests/gpu)
 #   CUPY_TESTS      for cupy-suite: the folder that holds CuPy's tests/ (e.g. a clone of CuPy at its tag)
 #
 # What comes back:
@@ -101,9 +102,9 @@ while [ $i -lt ${#steps[@]} ]; do
   i=$((i + 1))
   case "$step" in
     tests)
-      echo "== tests/gpu"
+      echo "== ${TESTS:-tests/gpu}"
       # shellcheck disable=SC2086
-      timeout "${TESTS_TIMEOUT:-400}" "$PY" -m pytest tests/gpu -v -p no:cacheprovider -rs \
+      timeout "${TESTS_TIMEOUT:-400}" "$PY" -m pytest ${TESTS:-tests/gpu} -v -p no:cacheprovider -rs \
         --junitxml="$OUT/tests-gpu.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests-gpu.log" | tail -40
       rc=${PIPESTATUS[0]}
       echo "tests/gpu exit status $rc"
