@@ -224,8 +224,8 @@ class State:
         measure and check through it again, and say so once."""
         import cupy
 
-        suspended = getattr(self, "_suspended", None)
-        if suspended is None or cupy.cuda.get_allocator() is not self._expected_allocator:
+        suspended = self._suspended
+        if suspended is None or suspended[0] is None or cupy.cuda.get_allocator() is not self._expected_allocator:
             return
         self.strategy, self.meter = suspended
         self._suspended, self.why_off = None, None
