@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import os
 import threading
 from dataclasses import dataclass
@@ -191,8 +190,8 @@ def use(strategy: str | Strategy, **options) -> Strategy:
 
 @dataclass(frozen=True)
 class Install:
-    """One installation of a strategy as CuPy's allocator, by :func:`use` or
-    :func:`using` (see :func:`installs`)."""
+    """One installation of a strategy as CuPy's allocator, by :func:`use`,
+    :func:`using` or ``record_history`` (see :func:`installs`)."""
 
     seq: int  #: its position, for ``installs(since=...)`` (from :func:`install_mark`)
     name: str  #: the strategy's registered name
@@ -203,9 +202,8 @@ class Install:
 
 
 _INSTALLS: collections.deque = collections.deque(maxlen=4096)  # the latest installations, oldest first
-_install_seq = itertools.count(1)
 _install_lock = threading.Lock()
-_install_last = [0]
+_install_last = [0]  # the seq of the latest installation (0: none yet)
 
 
 def log_install(s: Strategy, how: str) -> None:
@@ -214,8 +212,8 @@ def log_install(s: Strategy, how: str) -> None:
     from .checks.layer import CheckedStrategy
 
     with _install_lock:
-        seq = next(_install_seq)
-        _install_last[0] = seq
+        _install_last[0] += 1
+        seq = _install_last[0]
         checked = isinstance(s, CheckedStrategy)
         _INSTALLS.append(Install(seq, s.name, checked, how, threading.get_ident(),
                                  frozenset(s.checks) if checked else frozenset()))
