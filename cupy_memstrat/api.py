@@ -27,7 +27,7 @@ from typing import Iterator
 
 import warnings
 
-from . import cuda as _cuda
+from . import backends as _backends
 from .checks.options import CHECKS as _CHECKS, OPTION_NAMES as _CHECK_OPTIONS
 from .errors import CuPyNotInstalledError, ManagedMemoryWarning, NoStrategyError
 from .options import parse_spec
@@ -447,7 +447,7 @@ def _nbytes(nbytes) -> int:
 def _location(value, what: str, backend) -> int:
     """"device" (CuPy's current device), "host", or a device ordinal -> a CUDA location."""
     if isinstance(value, str) and value.strip().lower() in ("device", "host"):
-        return _cuda.HOST if value.strip().lower() == "host" else backend.get_device()
+        return _backends.HOST if value.strip().lower() == "host" else backend.get_device()
     if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
         value = int(value)
     if not isinstance(value, (bool, float, str)) and hasattr(value, "__index__"):  # int, numpy ints
@@ -477,11 +477,11 @@ def _cuda_call(what: str, ptr: int, size: int, backend, fn, *args, stream=None, 
     except backend.Error as exc:
         backend.clear_last_error()
         status = getattr(exc, "status", None)
-        name = _cuda.error_name(status)
-        if status == _cuda.ERROR_INVALID_RESOURCE_HANDLE and stream is not None:
+        name = _backends.error_name(status)
+        if status == _backends.ERROR_INVALID_RESOURCE_HANDLE and stream is not None:
             why = f"the stream 0x{stream:x} is not a live stream (destroyed?)"
-        elif status == _cuda.ERROR_INVALID_DEVICE:
-            where = "the host" if location == _cuda.HOST else f"device {location}"
+        elif status == _backends.ERROR_INVALID_DEVICE:
+            where = "the host" if location == _backends.HOST else f"device {location}"
             why = (f"CUDA cannot target {where} here (a device without concurrentManagedAccess "
                    "cannot be a prefetch target)")
         else:
@@ -494,7 +494,7 @@ def _default_backend():
     """The CUDA seam of the strategy CuPy allocates with in this thread (a strategy made with
     ``backend=`` keeps it), else the process's."""
     s = current()
-    return s.backend if s is not None else _cuda.get_backend()
+    return s.backend if s is not None else _backends.get_backend()
 
 
 def prefetch(x, to="device", *, nbytes: int | None = None, stream=None, backend=None) -> None:
@@ -589,13 +589,13 @@ def advise(
         preferred_location = None
     if preferred_location is not _UNSET:
         if preferred_location is None:
-            calls.append((_cuda.ADVISE_UNSET_PREFERRED_LOCATION, backend.get_device()))
+            calls.append((_backends.ADVISE_UNSET_PREFERRED_LOCATION, backend.get_device()))
         else:
             loc = _location(preferred_location, "advise: preferred_location", backend)
-            calls.append((_cuda.ADVISE_SET_PREFERRED_LOCATION, loc))
+            calls.append((_backends.ADVISE_SET_PREFERRED_LOCATION, loc))
     for value, advice, what in (
-        (accessed_by, _cuda.ADVISE_SET_ACCESSED_BY, "accessed_by"),
-        (unset_accessed_by, _cuda.ADVISE_UNSET_ACCESSED_BY, "unset_accessed_by"),
+        (accessed_by, _backends.ADVISE_SET_ACCESSED_BY, "accessed_by"),
+        (unset_accessed_by, _backends.ADVISE_UNSET_ACCESSED_BY, "unset_accessed_by"),
     ):
         if value is _UNSET:
             continue
@@ -614,7 +614,7 @@ def advise(
                 ManagedMemoryWarning,
                 stacklevel=2,
             )
-        advice = _cuda.ADVISE_SET_READ_MOSTLY if read_mostly else _cuda.ADVISE_UNSET_READ_MOSTLY
+        advice = _backends.ADVISE_SET_READ_MOSTLY if read_mostly else _backends.ADVISE_UNSET_READ_MOSTLY
         calls.append((advice, backend.get_device()))
     if not size:
         return

@@ -27,12 +27,12 @@ import sys
 import threading
 import time
 
+from .memory_doc import SNAPSHOT_KIND, event_dict, jsonable, memory_now
 from .paths import check_writable_file, write_file_atomically
 from .stats import capture_origin, origin_capture
 
 __all__ = ["record_history", "recording", "snapshot", "History"]
 
-SNAPSHOT_KIND = "memory-history"
 _lock = threading.Lock()
 _active: "History | None" = None  # the recording in progress
 _last: "History | None" = None  # the last one that ended
@@ -107,13 +107,13 @@ class History:
             "kind": SNAPSHOT_KIND,
             "version": 2,
             "devices": len(self.baseline),
-            "strategy": {"name": s.name, "options": {k: _jsonable(v) for k, v in s.config.items()}},
+            "strategy": {"name": s.name, "options": {k: jsonable(v) for k, v in s.config.items()}},
             "started": self.started,
             "recording": self.recording,
             "max_entries": self.max_entries,
             "dropped": self.dropped,
             "baseline_bytes_in_use": list(self.baseline),
-            "events": [_event(t - t0, a, p, n, d, st, o) for t, a, p, n, d, st, o in list(self.events)],
+            "events": [event_dict(t - t0, a, p, n, d, st, o) for t, a, p, n, d, st, o in list(self.events)],
             "segment_kind": s.segment_kind,
             # as the events left them: at the end of the recording, or now while it goes on
             "segments": self.segments_at_end if self.segments_at_end is not None else s.memory_segments(),
@@ -122,18 +122,6 @@ class History:
             "oom_events": [{"t": (t - t0) / 1e9, "size": n, "device": d, "device_free": f}
                            for t, n, d, f in list(self.oom_events)],
         }
-
-
-def _event(dt_ns, action, ptr, size, device, stream, origin) -> dict:
-    e = {"t": dt_ns / 1e9, "action": action, "ptr": ptr, "size": size, "device": device, "stream": stream,
-         "origin": str(origin) if origin is not None else None}
-    if origin is not None and origin.stack:
-        e["frames"] = [list(f) for f in origin.stack]
-    return e
-
-
-def _jsonable(v):
-    return v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
 
 
 class _RecordingAllocator:
@@ -288,58 +276,6 @@ def recording() -> History | None:
     return _active
 
 
-def _memory_now(strategy) -> dict:
-    """A version-2 snapshot of ``strategy``'s memory now, with no events (no recording)."""
-    n = strategy.backend.device_count()
-    return {
-        "kind": SNAPSHOT_KIND, "version": 2, "devices": n,
-        "strategy": {"name": strategy.name, "options": {k: _jsonable(v) for k, v in strategy.config.items()}},
-        "started": time.time(), "recording": False, "max_entries": 0, "dropped": 0,
-        "baseline_bytes_in_use": [strategy.stats(d).bytes_in_use for d in range(n)], "events": [],
-        "segment_kind": strategy.segment_kind, "segments": strategy.memory_segments(), "segment_events": [],
-        "oom_events": [],
-    }
-
-
-def oom_document(strategy, *, size: int, device: int, reason: str, message: str, device_free=None) -> dict:
-    """The snapshot written at an out-of-memory error (the ``oom_snapshot``
-    option): a version-2 snapshot (:meth:`History.as_dict`: the recording's
-    events if the strategy is being recorded, else none) with ``oom``: the
-    request, the device, the reason, the error's message, ``stats`` per
-    device and ``live`` (the live allocations, largest first, with origins
-    and, with ``track_origins=N``, frames)."""
-    h = strategy._history
-    if h is not None and h.enabled:
-        doc = h.as_dict()
-    else:
-        doc = _memory_now(strategy)
-        doc["oom_events"] = [{"t": 0.0, "size": size, "device": device, "device_free": device_free or 0}]
-    live = []
-    for a in strategy.live_allocations():
-        row = {"ptr": a.ptr, "size": a.size, "device": a.device, "origin": str(a.origin) if a.origin else None}
-        if a.origin is not None and a.origin.stack:
-            row["frames"] = [list(f) for f in a.origin.stack]
-        live.append(row)
-    doc["oom"] = {
-        "requested_bytes": size, "device": device, "reason": reason, "message": message,
-        "device_free_bytes": device_free, "time": time.time(),
-        "stats": [strategy.stats(d).as_dict() for d in range(strategy.backend.device_count())],
-        "live": live,
-    }
-    return doc
-
-
-def write_oom_snapshot(strategy, path, **oom) -> None:
-    """:func:`oom_document`, written as JSON to ``path``, whole or not at all
-    (:func:`cupy_memstrat.paths.write_file_atomically`: two errors at once
-    in two threads leave one of the two files, never a mix).
-
-    Raises:
-        OSError: ``path`` cannot be written.
-    """
-    write_file_atomically(path, json.dumps(oom_document(strategy, **oom)).encode())
-
-
 def snapshot(path: str | None = None, format: str | None = None, *, strategy=None) -> dict:
     """The current (or last) recording as a dict (:meth:`History.as_dict`);
     with ``path``, also written there as JSON, which ``python -m cupy_memstrat
@@ -387,7 +323,7 @@ def snapshot(path: str | None = None, format: str | None = None, *, strategy=Non
                                "cupy_memstrat.record_history() for the events) first")
     if path is not None:
         check_writable_file(path)
-    doc = h.as_dict() if h is not None else _memory_now(strategy)
+    doc = h.as_dict() if h is not None else memory_now(strategy)
     if format == "torch":
         from .memory_viz import to_torch, write_torch
 

@@ -103,7 +103,7 @@ def collect(backend=None) -> dict:
     }
     try:
         if backend is None:
-            from .cuda import get_backend
+            from .backends import get_backend
 
             backend = get_backend()
         versions = backend.versions()

@@ -49,7 +49,7 @@ import weakref
 import cupy_memstrat
 
 from .api import ENV_VAR, current
-from .cuda import get_backend
+from .backends import get_backend
 from .errors import MemstratError, NoStrategyError
 from .sizes import format_size
 from .strategies.base import check_size

@@ -67,7 +67,7 @@ def fake_cupy(monkeypatch, hot_path):
     """CuPy on a process-wide 1 GiB fake backend: no recording or CUPY_MEMSTRAT_OOM_SNAPSHOT
     left over; afterwards a recording in progress is stopped and CuPy's allocator put back."""
     cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
-    from cupy_memstrat import cuda as C
+    from cupy_memstrat import backends as C
     from cupy_memstrat import history
 
     monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB")
@@ -90,7 +90,7 @@ def fake_env(monkeypatch):
     import os
 
     cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
-    from cupy_memstrat import cuda as C
+    from cupy_memstrat import backends as C
 
     for k in list(os.environ):
         if k.startswith("GPUMEM"):

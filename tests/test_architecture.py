@@ -1,6 +1,7 @@
-"""The structure docs/development.md draws, kept by tests: the linter's rules, no module
-reaching into another's underscore names, the CUDA seam importing nothing of the fake,
-files of a readable size, and the documentation site building without a warning."""
+"""The structure docs/development.md draws, kept by tests: imports point down its layers
+with no circle anywhere, no module reaches into another package's underscore names, the
+real backend imports nothing of the simulator, the linter's rules hold, and the
+documentation site builds without a warning."""
 
 import ast
 import pathlib
@@ -12,24 +13,6 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("cupy_memstrat", "pytest_gpumem")
 FILES = sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
-
-#: files over MAX_LINES, each one coherent thing (docs/development.md, "The map")
-MAX_LINES = 500
-COHERENT = {
-    "cupy_memstrat/strategies/managed.py": "ManagedStrategy: chunks, arenas, advice and prefetch policies, "
-                                           "its hot path",
-    "cupy_memstrat/strategies/async_pool.py": "AsyncPoolStrategy: the stream-ordered pool, its caches per stream, "
-                                              "its hot path",
-    "cupy_memstrat/api.py": "the public functions (use, using, create, stats, ...), each a few lines over a strategy",
-    "cupy_memstrat/cuda.py": "RealBackend, the one class that calls CUDA, and get_backend",
-    "cupy_memstrat/cli.py": "the command line: one parser and one small function per subcommand",
-    "cupy_memstrat/dask.py": "the Dask worker plugin, its gathering functions and its --preload module",
-    "cupy_memstrat/numba.py": "Numba's external memory manager over a strategy",
-    "cupy_memstrat/bench/workloads.py": "the benchmark's workload programs and their A/A-controlled runner",
-    "pytest_gpumem/plugin.py": "the plugin's pytest hooks and fixtures, each a few lines over the session's state",
-    "pytest_gpumem/limits.py": "the limits a test is judged by: one unit each (marker, parse, verdict)",
-}
-
 
 def _module(path: pathlib.Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
@@ -81,6 +64,107 @@ def _underscore_reaches(path, text=None):
     return found
 
 
+#: the layers of docs/development.md, bottom first: a module imports from its own layer and those below
+LAYERS = (
+    ("foundation", ("cupy_memstrat.errors", "cupy_memstrat.sizes", "cupy_memstrat._userwarn", "cupy_memstrat.paths",
+                    "cupy_memstrat.options", "cupy_memstrat.stats", "cupy_memstrat.hookspecs",
+                    "cupy_memstrat.memory_doc")),
+    ("the seam to CUDA", ("cupy_memstrat.backends", "cupy_memstrat.testing")),
+    ("strategies", ("cupy_memstrat.strategies",)),
+    ("checks and fault counters", ("cupy_memstrat.checks", "cupy_memstrat.faults")),
+    ("the library", ("cupy_memstrat.registry", "cupy_memstrat.api", "cupy_memstrat.history",
+                     "cupy_memstrat.memory_viz", "cupy_memstrat.info", "cupy_memstrat")),
+    ("integrations and tools", ("cupy_memstrat.dask", "cupy_memstrat.numba", "cupy_memstrat.bench",
+                                "cupy_memstrat.cli", "cupy_memstrat.__main__")),
+    ("the pytest plugin", ("pytest_gpumem",)),
+)
+
+
+def _layer(module: str) -> int:
+    """The index in LAYERS of ``module``: its longest matching prefix."""
+    best, level = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, level = len(p), i
+    assert level is not None, f"{module} is in no layer of LAYERS: add it"
+    return level
+
+
+def _imports(path, text=None) -> set[str]:
+    """The project modules ``path`` imports, wherever the import stands (in a function or under
+    TYPE_CHECKING too): ``from P import name`` counts as P.name where that is a module, else P."""
+    tree, me, out = ast.parse(path.read_text() if text is None else text), _module(path), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            src = _imported_from(path, node)
+            if src.split(".")[0] in PACKAGES:
+                out.update(f"{src}.{a.name}" if f"{src}.{a.name}" in MODULES else src for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] in PACKAGES)
+    out.discard(me)
+    return {m if m in MODULES else m.rpartition(".")[0] for m in out}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+GRAPH = {m: _imports(p) for m, p in MODULES.items()}
+
+
+def test_no_import_circle():
+    assert _circles(GRAPH) == []
+
+
+def test_imports_point_down_the_layers():
+    up = sorted(f"{m} ({LAYERS[_layer(m)][0]}) imports {t} ({LAYERS[_layer(t)][0]})"
+                for m, targets in GRAPH.items() for t in targets if _layer(t) > _layer(m))
+    assert up == [], "\n".join(up)
+
+
+def test_the_import_checks_see_a_circle_and_an_upward_import():
+    """The controls: a circle of three and a strategy importing the public API are found."""
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    text = "from ..api import use\nfrom .. import sizes\n"
+    found = _imports(ROOT / "cupy_memstrat" / "strategies" / "device.py", text=text)
+    assert found == {"cupy_memstrat.api", "cupy_memstrat.sizes"}
+    assert _layer("cupy_memstrat.api") > _layer("cupy_memstrat.strategies.device") > _layer("cupy_memstrat.sizes")
+
+
+def test_the_real_backend_and_the_protocols_import_nothing_of_the_simulator():
+    for module in ("cupy_memstrat.backends.cuda", "cupy_memstrat.backends.protocols"):
+        assert not [t for t in GRAPH[module] if ".sim" in t or "testing" in t], module
+
+
 def test_no_module_reaches_into_another_packages_underscore_names():
     found = [f for p in FILES for f in _underscore_reaches(p)]
     assert found == [], "\n".join(found)
@@ -91,21 +175,6 @@ def test_the_checker_sees_an_underscore_import():
     src = "from .strategies.base import _pinned\nfrom . import api\napi._x\nfrom .testing import FakeBackend\n"
     found = _underscore_reaches(ROOT / "cupy_memstrat" / "dask.py", text=src)
     assert [f.split(": ", 1)[1] for f in found] == ["from cupy_memstrat.strategies.base import _pinned", "api._x"]
-
-
-def test_the_cuda_seam_imports_nothing_of_the_fake():
-    tree = ast.parse((ROOT / "cupy_memstrat" / "cuda.py").read_text())
-    names = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    assert not [n for n in names if "testing" in n]
-
-
-def test_files_are_of_a_readable_size_or_one_coherent_thing():
-    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in FILES}
-    over = sorted(f"{name}: {n} lines" for name, n in sizes.items() if n > MAX_LINES and name not in COHERENT)
-    assert over == [], "split these, or name them in COHERENT with what makes each one thing"
-    stale = sorted(name for name in COHERENT if sizes.get(name, 0) <= MAX_LINES)
-    assert stale == [], "no longer over the limit: take them out of COHERENT"
 
 
 def test_the_linter_passes():

@@ -1,4 +1,4 @@
-"""The backend seam (cupy_memstrat.backend): RealBackend and FakeBackend
+"""The backend seam (cupy_memstrat.backends): RealBackend and FakeBackend
 implement every member of every protocol, with the protocol's parameter names."""
 
 import inspect
@@ -7,9 +7,10 @@ import types
 
 import pytest
 
-import cupy_memstrat.backend as B
-import cupy_memstrat.cuda as C
-from cupy_memstrat.testing import FakeBackend, _FakeCheckKernels
+import cupy_memstrat.backends as B
+import cupy_memstrat.backends.cuda as real
+import cupy_memstrat.backends.protocols as protocols
+from cupy_memstrat.testing import FakeBackend, FakeCheckKernels
 
 ALL = [(p, name) for p in B.PROTOCOLS for name in B.members(p)]
 
@@ -60,13 +61,13 @@ def test_fake_backend_implements_it(protocol, name):
 
 def _declared_on_real(name):
     # a method of the class, or a member declared in its body and bound in __init__ to CuPy's wrappers
-    return name in vars(C.RealBackend) or name in inspect.get_annotations(C.RealBackend)
+    return name in vars(B.RealBackend) or name in inspect.get_annotations(B.RealBackend)
 
 
 @pytest.mark.parametrize("protocol, name", ALL, ids=[f"{p.__name__}.{n}" for p, n in ALL])
 def test_real_backend_class_implements_it(protocol, name):
     assert _declared_on_real(name), f"RealBackend has no {name}"
-    impl = inspect.getattr_static(C.RealBackend, name, None)
+    impl = inspect.getattr_static(B.RealBackend, name, None)
     if _is_method(protocol, name) and inspect.isfunction(impl):
         assert _params(impl) == _params(getattr(protocol, name))
 
@@ -110,7 +111,7 @@ def real_without_gpu(monkeypatch):
         "cupy.cuda.stream": stream,
     }.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    return C.RealBackend()
+    return B.RealBackend()
 
 
 def test_a_real_backend_object_has_every_member(real_without_gpu):
@@ -119,10 +120,10 @@ def test_a_real_backend_object_has_every_member(real_without_gpu):
         assert B.missing(real, protocol) == [], protocol.__name__
     # the members bound in __init__ are what the class declares
     bound = set(vars(real)) - {"_runtime", "_get_current_stream", "_check_kernels"}
-    assert bound == set(inspect.get_annotations(C.RealBackend))
+    assert bound == set(inspect.get_annotations(B.RealBackend))
 
 
-@pytest.mark.parametrize("kernels", [C.CheckKernels, _FakeCheckKernels])
+@pytest.mark.parametrize("kernels", [B.CheckKernels, FakeCheckKernels])
 def test_check_kernels_implement_verify_kernels(kernels):
     for name in B.members(B.VerifyKernels):
         assert hasattr(kernels, name), f"{kernels.__name__}.{name}"
@@ -135,7 +136,7 @@ def test_a_missing_method_is_found():
     assert B.missing(fake) == []
     stripped = types.SimpleNamespace(**{n: getattr(fake, n) for n in B.members(B.CoreBackend) if n != "free"})
     assert B.missing(stripped) == ["free"]
-    with pytest.raises(TypeError, match=r"it lacks free of cupy_memstrat\.backend\.CoreBackend"):
+    with pytest.raises(TypeError, match=r"it lacks free of cupy_memstrat\.backends\.CoreBackend"):
         B.require(stripped)
     B.require(types.SimpleNamespace(**{n: getattr(fake, n) for n in B.members(B.CoreBackend)}))
     with pytest.raises(TypeError, match="pass an instance, not the class"):
@@ -148,25 +149,26 @@ def test_a_strategy_names_what_its_backend_lacks():
     fake = FakeBackend()
     partial = types.SimpleNamespace(**{n: getattr(fake, n) for n in B.members(B.CoreBackend) if n != "mem_get_info"})
     with pytest.raises(TypeError, match=r"backend: expected a CUDA backend object .* it lacks mem_get_info of "
-                                        r"cupy_memstrat\.backend\.CoreBackend"):
+                                        r"cupy_memstrat\.backends\.CoreBackend"):
         cupy_memstrat.create("device", backend=partial)
 
 
 def test_the_seam_imports_nothing_of_the_fake():
     import ast
 
-    for path in (C.__file__, B.__file__):
+    """The real backend and the protocols know nothing of the simulator; only the package's
+    selection (backends/__init__.py, CUPY_MEMSTRAT_BACKEND=fake) names it."""
+    for path in (real.__file__, protocols.__file__):
         tree = ast.parse(open(path, encoding="utf-8").read())
-        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-        names = [a.name for n in top for a in n.names] + [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
-        assert not any("testing" in x for x in names), path
-    cuda_src = open(C.__file__, encoding="utf-8").read()
-    assert "testing import" not in cuda_src and "import testing" not in cuda_src
+        imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = [a.name for n in imports for a in n.names]
+        names += [n.module or "" for n in imports if isinstance(n, ast.ImportFrom)]
+        assert not any("testing" in x or "sim" in x.split(".") for x in names), (path, names)
 
 
 def test_every_cupy_wrapper_the_real_backend_binds_exists_in_cupys_runtime():
     """The stub runtime above answers any name; CuPy's own module (importable without a GPU) does not."""
     runtime = pytest.importorskip("cupy_backends.cuda.api.runtime", reason="CuPy is not installed")
-    missing = [w for w in C._CUPY_RUNTIME.values() if not callable(getattr(runtime, w, None))]
+    missing = [w for w in real._CUPY_RUNTIME.values() if not callable(getattr(runtime, w, None))]
     assert missing == [], f"cupy_backends.cuda.api.runtime has no {missing}"
-    assert set(C._CUPY_RUNTIME) | {"current_stream", "Error"} == set(inspect.get_annotations(C.RealBackend))
+    assert set(real._CUPY_RUNTIME) | {"current_stream", "Error"} == set(inspect.get_annotations(B.RealBackend))

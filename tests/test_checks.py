@@ -389,9 +389,9 @@ def test_record_policy_only_records(fake):
 
 
 def test_running_out_of_result_slots_collects_first(fake, monkeypatch):
-    from cupy_memstrat.testing import _FakeCheckKernels
+    from cupy_memstrat.testing import FakeCheckKernels
 
-    monkeypatch.setattr(_FakeCheckKernels, "SLOTS", 4)
+    monkeypatch.setattr(FakeCheckKernels, "SLOTS", 4)
     s = make(fake, "redzone")
     ptrs = [s.raw_malloc(100) for _ in range(6)]
     fake.write(ptrs[0] + 100, b"\x00")

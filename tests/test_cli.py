@@ -17,7 +17,7 @@ def _run(*args):
 
 def _has_gpu():
     try:
-        from cupy_memstrat.cuda import get_backend
+        from cupy_memstrat.backends import get_backend
 
         get_backend()
         return True
@@ -121,7 +121,7 @@ def test_bench_refuses_an_unwritable_json_path_before_running(tmp_path, capsys):
 
 
 def test_bench_refuses_the_fake_backend_clearly(monkeypatch, capsys):
-    from cupy_memstrat import cuda as C
+    from cupy_memstrat import backends as C
     from cupy_memstrat.cli import main
 
     monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake")
@@ -131,7 +131,7 @@ def test_bench_refuses_the_fake_backend_clearly(monkeypatch, capsys):
 
 
 def test_a_bad_backend_variable_is_reported_not_a_traceback(monkeypatch):
-    from cupy_memstrat import cuda as C
+    from cupy_memstrat import backends as C
 
     monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "bogus")
     monkeypatch.setattr(C, "_backend", None)

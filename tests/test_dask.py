@@ -333,7 +333,7 @@ def test_workers_that_share_one_process_are_refused():
     prev = cupy.cuda.get_allocator()
     saved = os.environ.get("CUPY_MEMSTRAT_BACKEND")
     os.environ["CUPY_MEMSTRAT_BACKEND"] = "fake:memory=1GiB"
-    from cupy_memstrat import cuda as C
+    from cupy_memstrat import backends as C
 
     old_backend = C._backend
     C._backend = None

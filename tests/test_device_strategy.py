@@ -8,7 +8,7 @@ import pytest
 
 import cupy_memstrat
 from cupy_memstrat import InvalidFreeWarning, Stats
-from cupy_memstrat.cuda import ERROR_SUCCESS
+from cupy_memstrat.backends import ERROR_SUCCESS
 from cupy_memstrat.testing import FakeBackend
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 import cupy_memstrat
-import cupy_memstrat.cuda as C
+import cupy_memstrat.backends as C
 from cupy_memstrat.testing import FakeBackend
 
 

@@ -862,7 +862,7 @@ def test_a_backend_class_instead_of_an_instance_is_named():
 
 
 def test_cupy_memstrat_backend_fake_gives_the_fake_counters(monkeypatch):
-    from cupy_memstrat import cuda as C
+    from cupy_memstrat import backends as C
 
     monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake")
     monkeypatch.setattr(C, "_backend", None)

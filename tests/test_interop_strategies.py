@@ -56,7 +56,7 @@ def test_the_registry_knows_them_and_says_what_they_need(name):
 def _real_backend(monkeypatch):
     """The next strategy made without a backend gets the CUDA one (on a machine without a GPU
     it cannot start: the missing library is named first)."""
-    from cupy_memstrat import cuda as C
+    from cupy_memstrat import backends as C
 
     monkeypatch.delenv("CUPY_MEMSTRAT_BACKEND", raising=False)
     monkeypatch.setattr(C, "_backend", None)

@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 import cupy_memstrat
-from cupy_memstrat import cuda as C
+from cupy_memstrat import backends as C
 from cupy_memstrat.strategies.managed import CHUNK_BYTES, SIZE_CLASSES
 from cupy_memstrat.testing import FakeBackend
 from helpers import assert_sole_live_origin

@@ -28,7 +28,7 @@ def test_bad_option_from_ini_names_the_ini_key(pytester):
 
 def test_without_gpu_the_session_runs_and_the_header_says_why(pytester):
     try:
-        from cupy_memstrat.cuda import get_backend
+        from cupy_memstrat.backends import get_backend
 
         get_backend()
         pytest.skip("a GPU is present")
@@ -51,7 +51,7 @@ def test_an_empty_option_switches_off_the_ini_setting(pytester):
 def test_the_session_allocator_is_restored_afterwards(pytester, monkeypatch):
     cupy = pytest.importorskip("cupy")
     import cupy_memstrat
-    import cupy_memstrat.cuda as C
+    import cupy_memstrat.backends as C
     from cupy_memstrat.testing import FakeBackend
 
     monkeypatch.setattr(C, "_backend", FakeBackend())

@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import cupy_memstrat
-import cupy_memstrat.cuda as C
+import cupy_memstrat.backends as C
 
 cupy = pytest.importorskip("cupy", reason="the plugin's tests make CuPy arrays (no GPU needed)")
 
@@ -403,7 +403,7 @@ def test_clean():
 # -- page faults (the fake backend's counters) ------------------------------------------------------
 
 FAULTS = HEAD + """
-from cupy_memstrat.cuda import get_backend
+from cupy_memstrat.backends import get_backend
 def migrate(prefetch=False):
     b = get_backend()
     p = b.malloc_managed(4 * MiB)

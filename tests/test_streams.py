@@ -14,7 +14,7 @@ import warnings
 import pytest
 
 import cupy_memstrat
-from cupy_memstrat import cuda as C
+from cupy_memstrat import backends as C
 from cupy_memstrat.testing import FakeBackend
 from helpers import stream_on_handle
 

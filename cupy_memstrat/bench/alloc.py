@@ -51,7 +51,7 @@ def require_real_gpu():
     """The real CUDA backend, or a clear MemstratError: benchmarks time real
     kernels and CUDA calls, which a fake backend (``CUPY_MEMSTRAT_BACKEND=fake``)
     does not have."""
-    from ..cuda import RealBackend, get_backend
+    from ..backends import RealBackend, get_backend
     from ..errors import NoDeviceError
 
     try:

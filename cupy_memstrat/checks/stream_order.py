@@ -102,20 +102,20 @@ def fresh_stream(backend=None) -> Iterator[object]:
 
     Args:
         backend: the CUDA seam (default: the process's, as
-            :func:`cupy_memstrat.cuda.get_backend`).
+            :func:`cupy_memstrat.backends.get_backend`).
 
     Raises:
         NoDeviceError, CuPyNotInstalledError: no GPU, or no CuPy.
     """
-    from .. import cuda as _cuda
+    from .. import backends as _backends
 
-    b = backend if backend is not None else _cuda.get_backend()
-    if not isinstance(b, _cuda.RealBackend) and not callable(getattr(b, "stream", None)):
+    b = backend if backend is not None else _backends.get_backend()
+    if not isinstance(b, _backends.RealBackend) and not callable(getattr(b, "stream", None)):
         raise TypeError(
-            "backend: expected a CUDA backend (cupy_memstrat.cuda.get_backend() or a "
+            "backend: expected a CUDA backend (cupy_memstrat.backends.get_backend() or a "
             f"cupy_memstrat.testing.FakeBackend), got {type(b).__name__} {b!r}"
         )
-    if isinstance(b, _cuda.RealBackend):
+    if isinstance(b, _backends.RealBackend):
         import cupy
 
         prev = cupy.cuda.get_current_stream()

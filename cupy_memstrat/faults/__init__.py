@@ -74,7 +74,7 @@ SOURCES = ("driver", "cupti", "fake")
 
 
 def _real_backend():
-    from ..cuda import get_backend
+    from ..backends import get_backend
 
     return get_backend()
 
@@ -154,7 +154,7 @@ class FaultCounter:
             The counts always cover the whole process: the driver counts per
             address space, not per device.
         backend: the backend used to synchronise (default: the process's
-            :func:`cupy_memstrat.cuda.get_backend`; with
+            :func:`cupy_memstrat.backends.get_backend`; with
             ``CUPY_MEMSTRAT_BACKEND=fake`` that is a fake, whose simulated
             counters are then used).
 

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import TYPE_CHECKING
 
-from .. import cuda as _cuda
+from .. import backends as _backends
 from ..sizes import format_size
 from . import _support
 from ._support import SIZE_T_LIMIT, check_size, hot_path_status
 
-if TYPE_CHECKING:
-    from .base import Strategy
 
 __all__ = ["cupy_malloc_over"]
 
@@ -60,7 +57,7 @@ def cupy_malloc_over(backend, malloc, free, granule: int = 1):
     memory = _cupy_memory()
     gc_safe = _support.c_hotpath is not None and hot_path_status()["setting"] != "python"
     mask = -granule
-    if isinstance(backend, _cuda.RealBackend):
+    if isinstance(backend, _backends.RealBackend):
         # CuPy reads the current device, calls malloc(size, device) for
         # size > 0 and, when the array's memory dies, free(ptr, device), all
         # in Cython.
@@ -124,22 +121,20 @@ class _CupyMixin:
         :meth:`malloc` for the ``ValueError`` / ``TypeError`` checks. With the
         fake backend it is :meth:`malloc`.
         """
-        if not isinstance(self.backend, _cuda.RealBackend):
+        if not isinstance(self.backend, _backends.RealBackend):
             return self.malloc
         if self._cupy_malloc is None:
             self._make_cupy_malloc()
         return self._cupy_malloc
 
     @staticmethod
-    def _owner_of(allocator) -> "Strategy | None":
+    def _owner_of(allocator):
         """The strategy behind a callable from :meth:`cupy_allocator` or :meth:`malloc`."""
-        from .base import Strategy  # base imports this module
-
         owner = getattr(allocator, "__self__", None)
-        if isinstance(owner, Strategy):
+        if isinstance(owner, _CupyMixin):
             return owner
         recorded = getattr(allocator, "_memstrat_strategy", None)  # cupy_memstrat.history's recorder
-        if isinstance(recorded, Strategy):
+        if isinstance(recorded, _CupyMixin):
             return recorded
         ref = _pfa_owners.get(id(owner))
         s = ref() if ref is not None else None

@@ -11,12 +11,9 @@ which trims every reachable strategy.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
 from .._userwarn import warn_at_user
 
-if TYPE_CHECKING:
-    from .base import Strategy
 
 __all__: list[str] = []
 
@@ -54,7 +51,7 @@ class _LifetimeMixin:
             self._pin()
 
     @staticmethod
-    def _owner_of_pointer(ptr: int, device: int) -> "Strategy | None":
+    def _owner_of_pointer(ptr: int, device: int):
         """The strategy whose live table holds ``ptr`` on ``device``; a
         checking layer is preferred to the strategy it wraps (both hold it)."""
         found = None

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import gc
 
-from .. import cuda as _cuda
+from .. import backends as _backends
 from .._userwarn import warn_at_user
 from ..errors import InvalidFreeWarning, out_of_memory_class
+from ..memory_doc import write_oom_snapshot
 from ..sizes import format_count, format_size
 from ._cupy_glue import _cupy_pool_hint, _free_cupy_pool_blocks
 from ._lifetime import _pinned
@@ -49,7 +50,7 @@ class _RecoveryMixin:
         b = self.backend
         for step in (1, 2):
             b.clear_last_error()
-            if getattr(exc, "status", None) != _cuda.ERROR_MEMORY_ALLOCATION:
+            if getattr(exc, "status", None) != _backends.ERROR_MEMORY_ALLOCATION:
                 break
             if step == 2:
                 gc.collect()
@@ -80,7 +81,7 @@ class _RecoveryMixin:
                     other.trim(0, device)
                 except Exception:  # noqa: BLE001 - best effort for someone else's cache
                     self.backend.clear_last_error()
-        if isinstance(self.backend, _cuda.RealBackend):
+        if isinstance(self.backend, _backends.RealBackend):
             _free_cupy_pool_blocks(device)
 
     # -- frees that fail or name no live block (off the hot path) ------------
@@ -117,7 +118,7 @@ class _RecoveryMixin:
         self.backend.clear_last_error()
         with self._fold_lock:
             self._counters[device].n_failed += 1
-        if getattr(exc, "status", None) != _cuda.ERROR_MEMORY_ALLOCATION:
+        if getattr(exc, "status", None) != _backends.ERROR_MEMORY_ALLOCATION:
             raise exc
         self._raise_out_of_memory(size, device, reason="cuda", cause=exc, detail=detail)
 
@@ -136,7 +137,7 @@ class _RecoveryMixin:
             f"{format_size(st.bytes_in_use)} in use in {format_count(st.n_live, 'allocation')} "
             f"(reserved {format_size(st.bytes_reserved)}, peak in use {format_size(st.peak_bytes_in_use)})"
         )
-        if isinstance(self.backend, _cuda.RealBackend):
+        if isinstance(self.backend, _backends.RealBackend):
             msg += _cupy_pool_hint(device)
         if self.oom_context is not None:
             try:
@@ -148,10 +149,8 @@ class _RecoveryMixin:
             h.oom(size, device, free or 0)
         path = self.config.get("oom_snapshot")
         if path:  # the memory at the error, written before raising; a failure to write never hides the error
-            from ..history import write_oom_snapshot
-
             try:
-                write_oom_snapshot(self, path, size=size, device=device, reason=reason, message=msg,
+                write_oom_snapshot(self, path, self._history, size=size, device=device, reason=reason, message=msg,
                                    device_free=free)
             except Exception as exc:  # noqa: BLE001 - the out-of-memory error must still be raised
                 msg += f"; the out-of-memory snapshot could not be written to {path!r}: {exc}"

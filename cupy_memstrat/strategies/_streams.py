@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from .. import cuda as _cuda
+from .. import backends as _backends
 from .._userwarn import warn_at_user
 
 __all__ = ["check_stream"]
@@ -66,7 +66,7 @@ class _StreamsMixin:
         """
         d = self.backend.get_device() if device is None else self._device_or_current(device)
         h = self.backend.current_stream_ptr(d)
-        return -threading.get_ident() if h == _cuda.STREAM_PER_THREAD else h
+        return -threading.get_ident() if h == _backends.STREAM_PER_THREAD else h
 
     # -- record_stream: blocks other streams still use ----------------------------------
     def record_stream(self, ptr: int, stream) -> bool:
@@ -108,7 +108,7 @@ class _StreamsMixin:
         if self.free_waits_for_all_streams:
             return False
         handle = stream.ptr
-        tid = threading.get_ident() if handle == _cuda.STREAM_PER_THREAD else None
+        tid = threading.get_ident() if handle == _backends.STREAM_PER_THREAD else None
         dev = getattr(stream, "device_id", d)
         recs = self._recorded.setdefault(ptr, [])
         if not any(r[1] == handle and r[3] == tid and r[2] == dev for r in recs):

@@ -6,7 +6,7 @@ import threading
 import weakref
 from dataclasses import dataclass, replace
 
-from .. import cuda as _cuda
+from .. import backends as _backends
 from ..options import Option, as_bool, as_size
 from ..sizes import format_size, parse_size
 from ..stats import Record, Stats, origin_capture
@@ -33,8 +33,8 @@ def _as_threshold(value, what: str):
     if value is None:
         return None
     if isinstance(value, str) and value.strip().lower() in _KEEP:
-        return _cuda.RELEASE_THRESHOLD_MAX
-    if value == _cuda.RELEASE_THRESHOLD_MAX and type(value) is int:
+        return _backends.RELEASE_THRESHOLD_MAX
+    if value == _backends.RELEASE_THRESHOLD_MAX and type(value) is int:
         return value
     return as_size(value, what)
 
@@ -93,7 +93,7 @@ class PoolStats(Record):
     n_frees_after_stream_destroyed: int
 
     def __str__(self) -> str:
-        thr = "keep all" if self.release_threshold == _cuda.RELEASE_THRESHOLD_MAX else format_size(
+        thr = "keep all" if self.release_threshold == _backends.RELEASE_THRESHOLD_MAX else format_size(
             self.release_threshold
         )
         return (
@@ -247,10 +247,10 @@ class AsyncPoolStrategy(Strategy):
         n = b.device_count()
         thr, max_size = cfg["release_threshold"], cfg["max_size"]
         if thr is None and cfg["pool"] == "own":
-            thr = _cuda.RELEASE_THRESHOLD_MAX
+            thr = _backends.RELEASE_THRESHOLD_MAX
         cache = cfg["cache"]
         if cache is None:
-            cache = _DEFAULT_CACHE if thr == _cuda.RELEASE_THRESHOLD_MAX else 0
+            cache = _DEFAULT_CACHE if thr == _backends.RELEASE_THRESHOLD_MAX else 0
         self._threshold: list[int | None] = []
         self._max_size: list[int] = []
         self._cache_limit: list[int] = []
@@ -302,7 +302,7 @@ class AsyncPoolStrategy(Strategy):
             else:
                 pool = b.device_current_pool(device)
             if self._threshold[device] is not None:
-                b.pool_set_attribute(pool, _cuda.POOL_ATTR_RELEASE_THRESHOLD, self._threshold[device])
+                b.pool_set_attribute(pool, _backends.POOL_ATTR_RELEASE_THRESHOLD, self._threshold[device])
             self._owned[device] = kind == "own"
             self._pools[device] = pool
             return pool
@@ -636,9 +636,9 @@ class AsyncPoolStrategy(Strategy):
         are the pool's (``cudaMemPoolAttrReservedMemCurrent`` / ``High``)."""
         st = super().stats(device)
         d = st.device
-        peak = max(self._peak_reserved[d], self._pool_attr(d, _cuda.POOL_ATTR_RESERVED_MEM_HIGH))
+        peak = max(self._peak_reserved[d], self._pool_attr(d, _backends.POOL_ATTR_RESERVED_MEM_HIGH))
         self._peak_reserved[d] = peak  # kept when the pool is destroyed (close)
-        return replace(st, bytes_reserved=self._pool_attr(d, _cuda.POOL_ATTR_RESERVED_MEM_CURRENT),
+        return replace(st, bytes_reserved=self._pool_attr(d, _backends.POOL_ATTR_RESERVED_MEM_CURRENT),
                        peak_bytes_reserved=peak)
 
     def pool_stats(self, device: int | None = None) -> PoolStats:
@@ -649,15 +649,15 @@ class AsyncPoolStrategy(Strategy):
         """
         d = self._device_or_current(device)
         pool = self._pools[d]
-        thr = self._pool_attr(d, _cuda.POOL_ATTR_RELEASE_THRESHOLD) if pool else self._threshold[d] or 0
+        thr = self._pool_attr(d, _backends.POOL_ATTR_RELEASE_THRESHOLD) if pool else self._threshold[d] or 0
         return PoolStats(
             device=d,
             pool=self.config["pool"],
             handle=pool,
-            reserved_bytes=self._pool_attr(d, _cuda.POOL_ATTR_RESERVED_MEM_CURRENT),
-            peak_reserved_bytes=self._pool_attr(d, _cuda.POOL_ATTR_RESERVED_MEM_HIGH),
-            used_bytes=self._pool_attr(d, _cuda.POOL_ATTR_USED_MEM_CURRENT),
-            peak_used_bytes=self._pool_attr(d, _cuda.POOL_ATTR_USED_MEM_HIGH),
+            reserved_bytes=self._pool_attr(d, _backends.POOL_ATTR_RESERVED_MEM_CURRENT),
+            peak_reserved_bytes=self._pool_attr(d, _backends.POOL_ATTR_RESERVED_MEM_HIGH),
+            used_bytes=self._pool_attr(d, _backends.POOL_ATTR_USED_MEM_CURRENT),
+            peak_used_bytes=self._pool_attr(d, _backends.POOL_ATTR_USED_MEM_HIGH),
             release_threshold=thr,
             max_size=self._max_size[d],
             cached_bytes=sum(cls * len(lst) for cls, lst in list(self._cache[d].items()))
@@ -678,8 +678,8 @@ class AsyncPoolStrategy(Strategy):
         pool = self._pools[d]
         self._peak_reserved[d] = 0
         if pool:
-            self.backend.pool_set_attribute(pool, _cuda.POOL_ATTR_RESERVED_MEM_HIGH, 0)
-            self.backend.pool_set_attribute(pool, _cuda.POOL_ATTR_USED_MEM_HIGH, 0)
+            self.backend.pool_set_attribute(pool, _backends.POOL_ATTR_RESERVED_MEM_HIGH, 0)
+            self.backend.pool_set_attribute(pool, _backends.POOL_ATTR_USED_MEM_HIGH, 0)
 
     def trim(self, keep_bytes=0, device: int | None = None) -> int:
         """Give idle pool memory back to CUDA (``cudaMemPoolTrimTo``).
@@ -710,11 +710,11 @@ class AsyncPoolStrategy(Strategy):
             pool = self._pools[d]
             if not pool:
                 continue
-            before = self._pool_attr(d, _cuda.POOL_ATTR_RESERVED_MEM_CURRENT)
+            before = self._pool_attr(d, _backends.POOL_ATTR_RESERVED_MEM_CURRENT)
             self._release_cached(d)
             self.backend.device_synchronize(d)
             self.backend.pool_trim_to(pool, keep)
-            released += before - self._pool_attr(d, _cuda.POOL_ATTR_RESERVED_MEM_CURRENT)
+            released += before - self._pool_attr(d, _backends.POOL_ATTR_RESERVED_MEM_CURRENT)
         return released
 
     def close(self) -> None:
@@ -736,7 +736,7 @@ class AsyncPoolStrategy(Strategy):
                         waiting = True  # destroyed by the close() its last free calls
                         continue
                     self._peak_reserved[d] = max(self._peak_reserved[d],
-                                                 self._pool_attr(d, _cuda.POOL_ATTR_RESERVED_MEM_HIGH))
+                                                 self._pool_attr(d, _backends.POOL_ATTR_RESERVED_MEM_HIGH))
                     self.backend.device_synchronize(d)
                     self.backend.pool_destroy(pool)
                     self._pools[d] = 0
@@ -750,7 +750,7 @@ def _resolve(value, total: int, device: int, what: str, allow_max: bool = False)
     ``total``; anything above the device's memory refused."""
     if value is None:
         return None
-    if allow_max and value == _cuda.RELEASE_THRESHOLD_MAX:
+    if allow_max and value == _backends.RELEASE_THRESHOLD_MAX:
         return value
     if isinstance(value, str):  # "N%"
         value = parse_size(value, total=total, what=f"async: option {what}")

@@ -55,8 +55,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from .. import backend as _seam
-from .. import cuda as _cuda
+from .. import backends as _backends
 from ..options import Option, as_frames, as_output_file
 from .._userwarn import warn_at_user
 from ._contract import _ContractMixin
@@ -88,7 +87,7 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
     (by name), or directly (``DeviceStrategy(track_origins=True)``).
 
     Args:
-        backend: the CUDA seam (:mod:`cupy_memstrat.cuda`); default: the real
+        backend: the CUDA seam (:mod:`cupy_memstrat.backends`); default: the real
             CUDA backend. Pass a :class:`cupy_memstrat.testing.FakeBackend` to
             run without a GPU.
         **options: the options of :attr:`option_specs`. Every strategy has
@@ -159,9 +158,9 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
             self.config["oom_snapshot"] = as_output_file(env, f"environment variable {OOM_SNAPSHOT_ENV}")
         hot_path_status()  # a bad CUPY_MEMSTRAT_HOT_PATH is refused here, before anything is made
         if backend is None:
-            backend = _cuda.get_backend()
+            backend = _backends.get_backend()
         else:
-            _seam.require(backend, _seam.CoreBackend)  # TypeError naming what it lacks
+            _backends.require(backend, _backends.CoreBackend)  # TypeError naming what it lacks
         self.backend = backend
         self._track_origins = self.config["track_origins"]
         self._Error = backend.Error

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 
-from .. import cuda as _cuda
+from .. import backends as _backends
 from .._userwarn import warn_at_user
 from ..options import Option
 from ._foreign_reserve import ForeignReserved
@@ -138,7 +138,7 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
         self._init_foreign_reserved(n)
         self._direct = None  # route="direct": the extension's PoolDirect, once CuPy's allocator is made
         self._held: dict = {}  # route="direct": ptr -> CuPy's memory object of a record_stream'd block
-        real = isinstance(self.backend, _cuda.RealBackend)
+        real = isinstance(self.backend, _backends.RealBackend)
         if real:
             import cupy
 
@@ -171,7 +171,7 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
         self._Device = cupy.cuda.Device
         blocks: dict = {}  # ptr -> MemoryPointer: holds the pool's block
         self._blocks = blocks
-        pool_malloc, Error, status = pool.malloc, self._Error, _cuda.ERROR_MEMORY_ALLOCATION
+        pool_malloc, Error, status = pool.malloc, self._Error, _backends.ERROR_MEMORY_ALLOCATION
 
         def take(size):
             try:
@@ -191,7 +191,7 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
         class docstring for when ``"direct"`` falls back). Asking makes the
         CuPy allocator if :func:`cupy_memstrat.use` has not yet (no memory is
         allocated)."""
-        if isinstance(self.backend, _cuda.RealBackend) and self._cupy_malloc is None:
+        if isinstance(self.backend, _backends.RealBackend) and self._cupy_malloc is None:
             self._make_cupy_malloc()
         return "direct" if self._direct is not None else "wrap"
 
@@ -298,7 +298,7 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
         error."""
         __tracebackhide__ = True  # pytest shows the user's frames, not ours
         pool_malloc, OOM, Error = self._pool.malloc, self._OutOfMemoryError, self._Error
-        status = _cuda.ERROR_MEMORY_ALLOCATION
+        status = _backends.ERROR_MEMORY_ALLOCATION
         got = []
 
         def retry():

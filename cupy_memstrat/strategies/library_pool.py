@@ -6,7 +6,7 @@ fake backend the blocks come from the simulator."""
 
 from __future__ import annotations
 
-from .. import cuda as _cuda
+from .. import backends as _backends
 from ..errors import CuPyNotInstalledError, NoDeviceError
 from ._contract import ProvidedHooks
 from .base import Strategy
@@ -38,11 +38,11 @@ class LibraryPoolStrategy(ProvidedHooks, Strategy):
     def __init__(self, *, backend=None, **options):
         if backend is None:
             try:
-                backend = _cuda.get_backend()
+                backend = _backends.get_backend()
             except (NoDeviceError, CuPyNotInstalledError):
                 self._import_library()  # a missing library is named first
                 raise
-        real = isinstance(backend, _cuda.RealBackend)
+        real = isinstance(backend, _backends.RealBackend)
         lib = self._import_library() if real else None  # before any state: nothing to undo
         if real:
             self._check_library(lib, backend)

@@ -10,7 +10,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 
-from .. import cuda as _cuda
+from .. import backends as _backends
 from ..errors import ManagedMemoryWarning
 from ..options import Option, as_bool, as_size
 from ..sizes import format_count, format_size, parse_size
@@ -331,19 +331,19 @@ class ManagedStrategy(Strategy):
 
     # -- policies ---------------------------------------------------------------
     def _location(self, loc, device: int) -> int:
-        return _cuda.HOST if loc == "host" else (device if loc == "device" else loc)
+        return _backends.HOST if loc == "host" else (device if loc == "device" else loc)
 
     def _apply_policies(self, ptr: int, nbytes: int, device: int) -> None:
         """The advice options on a new chunk (or run of chunks), once. (The
         ``prefetch`` option is applied per allocation by the caller.)"""
         b, cfg = self.backend, self.config
         if cfg["preferred_location"] is not None:
-            b.mem_advise(ptr, nbytes, _cuda.ADVISE_SET_PREFERRED_LOCATION,
+            b.mem_advise(ptr, nbytes, _backends.ADVISE_SET_PREFERRED_LOCATION,
                          self._location(cfg["preferred_location"], device))
         for loc in cfg["accessed_by"]:
-            b.mem_advise(ptr, nbytes, _cuda.ADVISE_SET_ACCESSED_BY, self._location(loc, device))
+            b.mem_advise(ptr, nbytes, _backends.ADVISE_SET_ACCESSED_BY, self._location(loc, device))
         if cfg["read_mostly"]:
-            b.mem_advise(ptr, nbytes, _cuda.ADVISE_SET_READ_MOSTLY, device)
+            b.mem_advise(ptr, nbytes, _backends.ADVISE_SET_READ_MOSTLY, device)
 
     def _prefetch_to(self, ptr: int, nbytes: int, device: int, size: int, undo) -> None:
         """``prefetch="on_alloc"`` / ``"on_new"``: ``cudaMemPrefetchAsync`` of a
@@ -360,7 +360,7 @@ class ManagedStrategy(Strategy):
             undo()
             with self._fold_lock:
                 self._counters[device].n_failed += 1
-            name = _cuda.error_name(getattr(exc, "status", None))
+            name = _backends.error_name(getattr(exc, "status", None))
             raise RuntimeError(
                 f"managed: prefetch={self.config['prefetch']!r} of {format_size(nbytes)} at 0x{ptr:x} to device "
                 f"{device} on stream 0x{stream.ptr:x} failed ({name}); the allocation of {size} bytes was not made "
@@ -797,7 +797,7 @@ class ManagedStrategy(Strategy):
     def _stream_source(self):
         """``(capsule or None, callable)`` giving the hot path the handle of
         the current stream of a device (see ``current_stream_ptr`` in
-        :mod:`cupy_memstrat.cuda`)."""
+        :mod:`cupy_memstrat.backends`)."""
         b = self.backend
         return b.current_stream_ptr_capsule(), b.current_stream_ptr
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import cuda as _cuda
+from .. import backends as _backends
 from ..errors import MemstratError
 from ..options import Option
 from ..stats import Stats
@@ -119,7 +119,7 @@ class RMMStrategy(LibraryPoolStrategy):
 
         resource = self.config["resource"]
         buffers: dict = {}  # ptr -> DeviceBuffer: holds the block
-        Error, status = self._Error, _cuda.ERROR_MEMORY_ALLOCATION
+        Error, status = self._Error, _backends.ERROR_MEMORY_ALLOCATION
 
         def allocate_on(size, device, stream):
             try:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import weakref
 
-from .. import cuda as _cuda
+from .. import backends as _backends
 
 __all__ = ["DeadStreamGuard", "shared_guard"]
 
@@ -38,7 +38,7 @@ def shared_guard(key, backend, n_devices: int) -> "DeadStreamGuard":
     the same cache. With a simulated backend the table is kept on the
     backend, and goes with it."""
     with _registry_lock:
-        if isinstance(backend, _cuda.RealBackend):
+        if isinstance(backend, _backends.RealBackend):
             table = _registry
         else:
             table = backend.__dict__.setdefault("_memstrat_dead_stream_guards", {})

@@ -4,7 +4,7 @@ so CuPy and PyTorch share one pool, with the statistics every strategy keeps."""
 from __future__ import annotations
 
 
-from .. import cuda as _cuda
+from .. import backends as _backends
 from ..errors import MemstratError
 from ._foreign_reserve import ForeignReserved
 from .library_pool import LibraryPoolStrategy
@@ -96,7 +96,7 @@ class TorchStrategy(ForeignReserved, LibraryPoolStrategy):
 
     def _library_hooks(self, torch):
         alloc, OutOfMemory = torch.cuda.caching_allocator_alloc, torch.cuda.OutOfMemoryError
-        Error, status = self._Error, _cuda.ERROR_MEMORY_ALLOCATION
+        Error, status = self._Error, _backends.ERROR_MEMORY_ALLOCATION
 
         def allocate_on(size, device, stream):
             try:

@@ -17,7 +17,7 @@ def _short_reason(exc: BaseException) -> str:
 
 
 try:
-    from cupy_memstrat.cuda import get_backend
+    from cupy_memstrat.backends import get_backend
 
     get_backend()
     _NO_GPU = None

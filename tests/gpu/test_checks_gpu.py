@@ -212,7 +212,7 @@ def test_bug4_legacy_stream_passes_by_default_is_exposed_by_a_fresh_stream_and_c
 
 
 def test_verify_kernel_reads_damage_exactly(cp):
-    b = cupy_memstrat.cuda.get_backend()
+    b = cupy_memstrat.backends.get_backend()
     kern = b.check_kernels()
     buf = cp.empty(1 << 20, dtype=cp.uint8)
     ptr, dev = buf.data.ptr, cp.cuda.Device().id
@@ -232,7 +232,7 @@ def test_verify_kernel_reads_damage_exactly(cp):
 
 
 def test_stream_queries_do_not_disturb_cupy(cp, k):
-    b = cupy_memstrat.cuda.get_backend()
+    b = cupy_memstrat.backends.get_backend()
     s = cp.cuda.Stream(non_blocking=True)
     x = cp.zeros(N, dtype=cp.float32)
     with s:

@@ -18,7 +18,7 @@ import time
 import pytest
 
 import cupy_memstrat
-from cupy_memstrat import cuda as C
+from cupy_memstrat import backends as C
 from cupy_memstrat.bench import streams as S
 
 GiB = 1 << 30

@@ -1,98 +1,34 @@
-"""CUDA for cupy_memstrat: :class:`RealBackend`, the CUDA error codes and
-constants, and :func:`get_backend`, the process's backend.
+"""The real backend: :class:`RealBackend`, CUDA through CuPy's Cython runtime
+wrappers on the allocation hot path (``cupy.cuda.runtime.malloc`` / ``free``
+cost no Python frame of their own) and ``cuda.bindings`` where CuPy has no
+wrapper; :class:`CheckKernels`, the checking layer's kernels compiled through
+CuPy (NVRTC).
 
-Strategies never call CUDA themselves: they call a *backend* object. The
-interface, its methods' units, errors and the CUDA calls behind them, is
-:mod:`cupy_memstrat.backend` (one protocol per capability). Two backends
-implement it:
-
-* :class:`RealBackend` (this module): CuPy's Cython runtime wrappers on the
-  allocation hot path (``cupy.cuda.runtime.malloc`` / ``free`` cost no Python
-  frame of their own), ``cuda.bindings`` where CuPy has no wrapper.
-* :class:`cupy_memstrat.testing.FakeBackend`: a simulator of the CUDA
-  behaviour this project relies on, for machines without a GPU.
+The interface it implements, with its methods' units, errors and the CUDA calls
+behind them, is :mod:`cupy_memstrat.backends.protocols`; the simulator beside it
+is :mod:`cupy_memstrat.backends.sim`.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import threading
 from typing import Any, Callable
 
-from .backend import BACKEND_ENV, from_env as _backend_from_env  # noqa: F401 - BACKEND_ENV: an old name here
-from .errors import CuPyNotInstalledError, NoDeviceError
+from ..errors import CuPyNotInstalledError, NoDeviceError
+from .codes import (
+    ERROR_SUCCESS,
+    ERROR_NOT_READY,
+    HOST,
+    MEMORY_TYPES,
+)
 
-__all__ = [
-    "ERROR_SUCCESS",
-    "ERROR_INVALID_VALUE",
-    "ERROR_MEMORY_ALLOCATION",
-    "ERROR_INVALID_DEVICE",
-    "ERROR_INVALID_RESOURCE_HANDLE",
-    "ERROR_NOT_READY",
-    "ERROR_NO_DEVICE",
-    "ERROR_INSUFFICIENT_DRIVER",
-    "HOST",
-    "STREAM_PER_THREAD",
-    "RealBackend",
-    "CheckKernels",
-    "kernel_source",
-    "get_backend",
-    "error_name",
-]
-
-# cudaError_t values (CUDA runtime API, driver_types.h); the same in CUDA 12 and 13.
-ERROR_SUCCESS = 0
-ERROR_INVALID_VALUE = 1
-ERROR_MEMORY_ALLOCATION = 2
-ERROR_INSUFFICIENT_DRIVER = 35
-ERROR_NO_DEVICE = 100
-ERROR_INVALID_DEVICE = 101
-ERROR_INVALID_RESOURCE_HANDLE = 400
-ERROR_NOT_READY = 600
-
-_ERROR_NAMES = {
-    ERROR_SUCCESS: "cudaSuccess",
-    ERROR_INVALID_VALUE: "cudaErrorInvalidValue",
-    ERROR_MEMORY_ALLOCATION: "cudaErrorMemoryAllocation",
-    ERROR_INSUFFICIENT_DRIVER: "cudaErrorInsufficientDriver",
-    ERROR_NO_DEVICE: "cudaErrorNoDevice",
-    ERROR_INVALID_DEVICE: "cudaErrorInvalidDevice",
-    ERROR_INVALID_RESOURCE_HANDLE: "cudaErrorInvalidResourceHandle",
-    ERROR_NOT_READY: "cudaErrorNotReady",
-}
-
-# cudaMemPoolAttr values (CUDA runtime API, driver_types.h).
-POOL_ATTR_RELEASE_THRESHOLD = 4
-POOL_ATTR_RESERVED_MEM_CURRENT = 5
-POOL_ATTR_RESERVED_MEM_HIGH = 6
-POOL_ATTR_USED_MEM_CURRENT = 7
-POOL_ATTR_USED_MEM_HIGH = 8
-#: cudaStreamPerThread: the per-thread default stream's handle, the same value in every thread
-STREAM_PER_THREAD = 2
-#: largest release threshold: the pool keeps all freed memory (cudaMemPoolAttrReleaseThreshold is a cuuint64_t).
-RELEASE_THRESHOLD_MAX = (1 << 64) - 1
-
-# Managed memory: cudaCpuDeviceId, the host as a location, and cudaMemoryAdvise values.
-HOST = -1
-ADVISE_SET_READ_MOSTLY = 1
-ADVISE_UNSET_READ_MOSTLY = 2
-ADVISE_SET_PREFERRED_LOCATION = 3
-ADVISE_UNSET_PREFERRED_LOCATION = 4
-ADVISE_SET_ACCESSED_BY = 5
-ADVISE_UNSET_ACCESSED_BY = 6
-#: cudaMemoryType -> name (cudaPointerGetAttributes)
-MEMORY_TYPES = {0: "unregistered", 1: "host", 2: "device", 3: "managed"}
+__all__ = ["RealBackend", "CheckKernels", "kernel_source"]
 
 # cudaDeviceAttr values (CUDA runtime API).
 _ATTR_PAGEABLE_MEMORY_ACCESS = 88
 _ATTR_CONCURRENT_MANAGED_ACCESS = 89
 _ATTR_MEMORY_POOLS_SUPPORTED = 115
-
-
-def error_name(status: int) -> str:
-    """Name of a ``cudaError_t`` code, e.g. ``2 -> "cudaErrorMemoryAllocation"``."""
-    return _ERROR_NAMES.get(status, f"cudaError({status})")
 
 
 def _import_runtime():
@@ -137,7 +73,7 @@ class RealBackend:
     """
 
     name = "cuda"
-    # Bound in __init__ to CuPy's Cython wrappers (cupy_memstrat.backend says
+    # Bound in __init__ to CuPy's Cython wrappers (cupy_memstrat.backends.protocols says
     # what each does); declared here so that the class shows the whole seam.
     Error: type[BaseException]
     malloc: Callable[[int], int]
@@ -441,8 +377,8 @@ def kernel_source(name: str) -> str:
     Raises:
         FileNotFoundError: neither has it (a broken install).
     """
-    here = os.path.dirname(os.path.abspath(__file__))
-    for path in (os.path.join(here, "csrc", name), os.path.join(os.path.dirname(here), "csrc", name)):
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # cupy_memstrat/
+    for path in (os.path.join(package, "csrc", name), os.path.join(os.path.dirname(package), "csrc", name)):
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 return f.read()
@@ -583,39 +519,3 @@ def _no_device_hint() -> str:
             "backend=cupy_memstrat.testing.FakeBackend())"
         )
     return ""
-
-
-_backend = None
-_backend_lock = threading.Lock()
-
-
-def get_backend() -> RealBackend:
-    """The process's backend, created on first call: the :class:`RealBackend`,
-    or a :class:`cupy_memstrat.testing.FakeBackend` when the environment
-    variable ``CUPY_MEMSTRAT_BACKEND`` says so.
-
-    ``CUPY_MEMSTRAT_BACKEND``:
-
-    * unset, empty or ``cuda``: the real backend;
-    * ``fake``: one process-wide simulated device (the fake's defaults);
-    * ``fake:devices=2,memory=1GiB``: with options (``devices`` from 1 to
-      64, ASCII digits); ``memory`` is one size for
-      every device or ``memory=1GiB/2GiB`` one per device, and ``name`` sets
-      the device name. For running code, and the pytest plugin, on a machine
-      without a GPU (CI); arrays can be made but kernels cannot run.
-
-    Raises:
-        CuPyNotInstalledError, NoDeviceError: as :class:`RealBackend`. A failed
-        attempt is not cached: a later call tries again.
-        ValueError: ``CUPY_MEMSTRAT_BACKEND`` has a value not described above
-            (the message names the variable and the valid values).
-
-    The variable is read by :func:`cupy_memstrat.backend.from_env`, a fake's
-    options by :func:`cupy_memstrat.testing.backend_from_env`.
-    """
-    global _backend
-    if _backend is None:
-        with _backend_lock:
-            if _backend is None:
-                _backend = _backend_from_env() or RealBackend()
-    return _backend

@@ -1,10 +1,10 @@
 """The fake's stream-ordered pools (``cudaMemPool_t``; docs/async.md)
-(:class:`cupy_memstrat.backend.PoolBackend`)."""
+(:class:`cupy_memstrat.backends.PoolBackend`)."""
 
 from __future__ import annotations
 
-from .. import cuda as _cuda
-from ._core import _ALIGN, _UINT64_MAX, _round_up
+from .. import codes as _codes
+from .core import _ALIGN, _UINT64_MAX, _round_up
 
 _POOL_GRANULE = 32 << 20  # a pool reserves device memory in 32 MiB steps (docs/claims.md)
 
@@ -23,11 +23,11 @@ class _FakePool:
 
 
 _POOL_ATTRS = {
-    _cuda.POOL_ATTR_RELEASE_THRESHOLD: "release_threshold",
-    _cuda.POOL_ATTR_RESERVED_MEM_CURRENT: "reserved",
-    _cuda.POOL_ATTR_RESERVED_MEM_HIGH: "reserved_high",
-    _cuda.POOL_ATTR_USED_MEM_CURRENT: "used",
-    _cuda.POOL_ATTR_USED_MEM_HIGH: "used_high",
+    _codes.POOL_ATTR_RELEASE_THRESHOLD: "release_threshold",
+    _codes.POOL_ATTR_RESERVED_MEM_CURRENT: "reserved",
+    _codes.POOL_ATTR_RESERVED_MEM_HIGH: "reserved_high",
+    _codes.POOL_ATTR_USED_MEM_CURRENT: "used",
+    _codes.POOL_ATTR_USED_MEM_HIGH: "used_high",
 }
 
 
@@ -71,14 +71,14 @@ class _PoolMixin:
     def _pool(self, handle: int) -> _FakePool:
         pool = self._pools.get(handle)
         if pool is None or pool.destroyed:
-            self._fail(_cuda.ERROR_INVALID_VALUE)
+            self._fail(_codes.ERROR_INVALID_VALUE)
         return pool
 
     def pool_create(self, device: int, max_size: int = 0) -> int:
         if not 0 <= device < len(self._capacity):
-            self._fail(_cuda.ERROR_INVALID_DEVICE)
+            self._fail(_codes.ERROR_INVALID_DEVICE)
         if max_size < 0:
-            self._fail(_cuda.ERROR_INVALID_VALUE)
+            self._fail(_codes.ERROR_INVALID_VALUE)
         self._contexts.add(device)
         with self._lock:
             return self._new_pool(device, max_size).handle
@@ -87,7 +87,7 @@ class _PoolMixin:
         with self._lock:
             p = self._pool(pool)
             if p.is_default:
-                self._fail(_cuda.ERROR_INVALID_VALUE)
+                self._fail(_codes.ERROR_INVALID_VALUE)
             p.destroyed = True
             if not p.live:  # else CUDA releases it once the last block is freed
                 self._release_pool(p)
@@ -104,7 +104,7 @@ class _PoolMixin:
         p = self._pool(pool)
         for d in devices:
             if d == p.device or not 0 <= d < len(self._capacity):
-                self._fail(_cuda.ERROR_INVALID_DEVICE)
+                self._fail(_codes.ERROR_INVALID_DEVICE)
         p.access.update(devices)
 
     def pool_access(self, pool: int) -> set:
@@ -124,7 +124,7 @@ class _PoolMixin:
 
     def malloc_from_pool_async(self, size: int, pool: int, stream: int) -> int:
         if size < 0:
-            self._fail(_cuda.ERROR_INVALID_VALUE)
+            self._fail(_codes.ERROR_INVALID_VALUE)
         with self._lock:
             p = self._pool(pool)
             key = self._stream_key(stream)
@@ -135,7 +135,7 @@ class _PoolMixin:
             ptr = self._reuse(p, rounded, key)
             if ptr is None:
                 if not self._make_room(p, rounded):
-                    self._fail(_cuda.ERROR_MEMORY_ALLOCATION)
+                    self._fail(_codes.ERROR_MEMORY_ALLOCATION)
                 ptr = self._next[p.device]
                 self._next[p.device] += rounded
             p.used += rounded
@@ -200,7 +200,7 @@ class _PoolMixin:
                 if size is not None:
                     break
             else:
-                self._fail(_cuda.ERROR_INVALID_VALUE)
+                self._fail(_codes.ERROR_INVALID_VALUE)
             del self._live[ptr]
             p.used -= size
             p.free.append([ptr, size, key])
@@ -217,19 +217,19 @@ class _PoolMixin:
         try:
             name = _POOL_ATTRS[attr]
         except KeyError:
-            self._fail(_cuda.ERROR_INVALID_VALUE)
+            self._fail(_codes.ERROR_INVALID_VALUE)
         return getattr(p, name)
 
     def pool_set_attribute(self, pool: int, attr: int, value: int) -> None:
         p = self._pool(pool)
         if not 0 <= value <= _UINT64_MAX:
-            self._fail(_cuda.ERROR_INVALID_VALUE)
-        if attr == _cuda.POOL_ATTR_RELEASE_THRESHOLD:
+            self._fail(_codes.ERROR_INVALID_VALUE)
+        if attr == _codes.POOL_ATTR_RELEASE_THRESHOLD:
             p.release_threshold = value
-        elif attr in (_cuda.POOL_ATTR_RESERVED_MEM_HIGH, _cuda.POOL_ATTR_USED_MEM_HIGH) and value == 0:
-            if attr == _cuda.POOL_ATTR_RESERVED_MEM_HIGH:
+        elif attr in (_codes.POOL_ATTR_RESERVED_MEM_HIGH, _codes.POOL_ATTR_USED_MEM_HIGH) and value == 0:
+            if attr == _codes.POOL_ATTR_RESERVED_MEM_HIGH:
                 p.reserved_high = p.reserved
             else:
                 p.used_high = p.used
         else:
-            self._fail(_cuda.ERROR_INVALID_VALUE)
+            self._fail(_codes.ERROR_INVALID_VALUE)

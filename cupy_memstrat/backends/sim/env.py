@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from ..backend import BACKEND_ENV, ENV_VALUES
-from ._backend import FakeBackend
+from ..protocols import BACKEND_ENV, ENV_VALUES
+from .fake import FakeBackend
 
 
 def backend_from_env(value: str | None = None) -> FakeBackend:
@@ -14,7 +14,7 @@ def backend_from_env(value: str | None = None) -> FakeBackend:
     ``fake:devices=2,memory=1GiB,name=NAME`` (``devices`` from 1 to 64, ASCII
     digits; ``memory`` one size for every device or ``memory=1GiB/2GiB`` one
     per device, which also sets ``devices``). Case and spaces around the parts
-    do not matter. :func:`cupy_memstrat.cuda.get_backend` makes the process's
+    do not matter. :func:`cupy_memstrat.backends.get_backend` makes the process's
     backend with it.
 
     Raises:

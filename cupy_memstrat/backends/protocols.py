@@ -1,13 +1,10 @@
-"""The seam between cupy_memstrat and CUDA: what a *backend* is.
+"""What a *backend* is: the interface between cupy_memstrat and CUDA.
 
 Strategies, the checking layer and the fault counters never call CUDA
 themselves: they call a backend object. Two implement every protocol below:
-
-* :class:`cupy_memstrat.cuda.RealBackend`: CUDA through CuPy's Cython runtime
-  wrappers (on the allocation hot path) and ``cuda.bindings`` where CuPy has no
-  wrapper;
-* :class:`cupy_memstrat.testing.FakeBackend`: a simulator of the CUDA behaviour
-  this project relies on, for machines without a GPU (docs/development.md).
+:class:`cupy_memstrat.backends.RealBackend` (CUDA) and
+:class:`cupy_memstrat.testing.FakeBackend` (the simulator,
+:mod:`cupy_memstrat.backends.sim`).
 
 The interface is split by capability, one :class:`typing.Protocol` each:
 
@@ -28,17 +25,12 @@ The interface is split by capability, one :class:`typing.Protocol` each:
 Handles (``pool``, ``stream``, ``event``) are raw CUDA handles as ints, and
 sizes are in bytes. Errors from CUDA are raised as the backend's ``Error``
 class with ``status`` set to the ``cudaError_t`` code (the codes are
-``cupy_memstrat.cuda.ERROR_*``).
-
-The backend a process uses by default is chosen by
-:func:`cupy_memstrat.cuda.get_backend`, from the environment variable
-``CUPY_MEMSTRAT_BACKEND`` (:func:`from_env`).
+``cupy_memstrat.backends.ERROR_*``, :mod:`cupy_memstrat.backends.codes`).
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any, Protocol
 
 __all__ = [
@@ -56,7 +48,6 @@ __all__ = [
     "require",
     "BACKEND_ENV",
     "ENV_VALUES",
-    "from_env",
 ]
 
 
@@ -68,7 +59,7 @@ class CoreBackend(Protocol):
 
     #: exception class raised by ``malloc``/``free`` and the other calls;
     #: instances carry ``status``, the CUDA runtime error code (``cudaError_t``),
-    #: e.g. ``cupy_memstrat.cuda.ERROR_MEMORY_ALLOCATION``.
+    #: e.g. ``cupy_memstrat.backends.ERROR_MEMORY_ALLOCATION``.
     Error: type[BaseException]
 
     def malloc(self, size: int) -> int:
@@ -157,7 +148,7 @@ class StreamBackend(Protocol):
     def current_stream_ptr(self, device: int) -> int:
         """The handle of CuPy's current stream on ``device`` (``.ptr`` of
         :meth:`current_stream`): 0 for the legacy default stream,
-        ``cupy_memstrat.cuda.STREAM_PER_THREAD`` (2) for the per-thread default
+        ``cupy_memstrat.backends.STREAM_PER_THREAD`` (2) for the per-thread default
         stream (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``) in every thread."""
 
     def current_stream_ptr_capsule(self) -> Any:
@@ -245,7 +236,7 @@ class PoolBackend(Protocol):
 
     def pool_get_attribute(self, pool: int, attr: int) -> int:
         """``cudaMemPoolGetAttribute``; ``attr`` is one of
-        ``cupy_memstrat.cuda.POOL_ATTR_*`` (bytes for each of them).
+        ``cupy_memstrat.backends.POOL_ATTR_*`` (bytes for each of them).
 
         Raises:
             Error: ``cudaErrorInvalidValue`` for an unknown ``attr``.
@@ -253,7 +244,7 @@ class PoolBackend(Protocol):
 
     def pool_set_attribute(self, pool: int, attr: int, value: int) -> None:
         """``cudaMemPoolSetAttribute``; ``attr`` is one of
-        ``cupy_memstrat.cuda.POOL_ATTR_*``: the release threshold (bytes, up to
+        ``cupy_memstrat.backends.POOL_ATTR_*``: the release threshold (bytes, up to
         ``RELEASE_THRESHOLD_MAX``), or a high-water mark reset by setting it to 0.
 
         Raises:
@@ -265,7 +256,7 @@ class ManagedBackend(Protocol):
     """Managed memory (``cudaMallocManaged``), used by the ``managed`` strategy
     and :func:`cupy_memstrat.prefetch` / :func:`~cupy_memstrat.advise`
     (docs/managed.md); a *location* is a device ordinal or
-    ``cupy_memstrat.cuda.HOST`` (-1, ``cudaCpuDeviceId``)."""
+    ``cupy_memstrat.backends.HOST`` (-1, ``cudaCpuDeviceId``)."""
 
     def malloc_managed(self, size: int) -> int:
         """``cudaMallocManaged(..., cudaMemAttachGlobal)``; ``size`` in bytes;
@@ -282,7 +273,7 @@ class ManagedBackend(Protocol):
 
     def mem_advise(self, ptr: int, size: int, advice: int, location: int) -> None:
         """``cudaMemAdvise`` of ``size`` bytes at ``ptr`` with a ``cudaMemLocation``;
-        ``advice`` is one of ``cupy_memstrat.cuda.ADVISE_*``.
+        ``advice`` is one of ``cupy_memstrat.backends.ADVISE_*``.
 
         Raises:
             Error: ``cudaErrorInvalidValue`` (a range outside a managed
@@ -369,7 +360,7 @@ class CheckBackend(Protocol):
 
 
 class Backend(CoreBackend, DeviceBackend, StreamBackend, PoolBackend, ManagedBackend, CheckBackend, Protocol):
-    """Every capability: what :class:`cupy_memstrat.cuda.RealBackend` and
+    """Every capability: what :class:`cupy_memstrat.backends.RealBackend` and
     :class:`cupy_memstrat.testing.FakeBackend` implement."""
 
 
@@ -409,7 +400,7 @@ def require(backend: Any, protocol: type = CoreBackend) -> None:
     lacks = missing(backend, protocol)
     if isinstance(backend, type) or lacks:
         why = (
-            f"it lacks {', '.join(lacks)} of cupy_memstrat.backend.{protocol.__name__}"
+            f"it lacks {', '.join(lacks)} of cupy_memstrat.backends.{protocol.__name__}"
             if lacks
             else "pass an instance, not the class"
         )
@@ -419,28 +410,7 @@ def require(backend: Any, protocol: type = CoreBackend) -> None:
         )
 
 
-#: the environment variable that chooses the process's backend
+#: the environment variable that chooses a process's backend (:func:`cupy_memstrat.backends.from_env`)
 BACKEND_ENV = "CUPY_MEMSTRAT_BACKEND"
 #: the values ``CUPY_MEMSTRAT_BACKEND`` takes, for error messages
 ENV_VALUES = "'cuda' (the default), 'fake' or 'fake:devices=N,memory=SIZE[/SIZE...],name=NAME'"
-
-
-def from_env():
-    """The backend ``CUPY_MEMSTRAT_BACKEND`` asks for, or None for the real
-    one (unset, empty, ``cuda`` or ``real``). ``fake[:options]`` is a
-    :class:`cupy_memstrat.testing.FakeBackend`, its options parsed by
-    :func:`cupy_memstrat.testing.backend_from_env`.
-
-    Raises:
-        ValueError: another value, or bad options (the message names the
-            variable and the valid values).
-    """
-    raw = os.environ.get(BACKEND_ENV, "")
-    value = raw.strip()
-    if value.lower() in ("", "cuda", "real"):
-        return None
-    if value.partition(":")[0].strip().lower() != "fake":
-        raise ValueError(f"environment variable {BACKEND_ENV}={raw!r}: unknown backend; expected {ENV_VALUES}")
-    from .testing import backend_from_env  # the simulator parses its own options
-
-    return backend_from_env(raw)

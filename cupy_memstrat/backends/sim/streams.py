@@ -1,16 +1,14 @@
 """The fake's streams: CuPy's current stream per thread and device, stream
 handles reused after a destroy as CUDA reuses them
-(:class:`cupy_memstrat.backend.StreamBackend`)."""
+(:class:`cupy_memstrat.backends.StreamBackend`)."""
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
-from .. import cuda as _cuda
+from .. import codes as _codes
+from ..protocols import Backend
 
-if TYPE_CHECKING:
-    from ._backend import FakeBackend
 
 
 class FakeStream:
@@ -21,7 +19,7 @@ class FakeStream:
     owns_handle = True  # destroys its handle when it dies (cupy.cuda.Stream)
     simulated_stream = True  # what check_stream takes in place of CuPy's BaseStream
 
-    def __init__(self, backend: "FakeBackend", device: int, ptr: int, non_blocking: bool = False):
+    def __init__(self, backend: Backend, device: int, ptr: int, non_blocking: bool = False):
         self._backend = backend
         self.device_id = device
         self.ptr = ptr
@@ -78,7 +76,7 @@ class _StreamMixin:
         # CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1: CuPy's default stream is then
         # cudaStreamPerThread, handle 2 in every thread, one stream per thread
         self.per_thread_default_stream = bool(per_thread_default_stream)
-        self._ptds = [FakeStream(self, d, _cuda.STREAM_PER_THREAD) for d in range(devices)]
+        self._ptds = [FakeStream(self, d, _codes.STREAM_PER_THREAD) for d in range(devices)]
         self._destroyed_streams: set[int] = set()
         self._destroyed_order: list[int] = []  # handles a new stream may get back (see stream())
         self._n_ghosts = 0
@@ -93,7 +91,7 @@ class _StreamMixin:
         ordering with the legacy default stream)."""
         device = self.get_device() if device is None else device
         if not 0 <= device < len(self._capacity):
-            self._fail(_cuda.ERROR_INVALID_DEVICE)
+            self._fail(_codes.ERROR_INVALID_DEVICE)
         with self._lock:
             handle = self._reusable_handle(device)
             if not handle:
@@ -143,7 +141,7 @@ class _StreamMixin:
             return n
 
     def _work_key(self, stream: int):
-        if stream == _cuda.STREAM_PER_THREAD:  # one stream per thread behind the one handle
+        if stream == _codes.STREAM_PER_THREAD:  # one stream per thread behind the one handle
             return (self.get_device(), 2, threading.get_ident())
         return (self.get_device(), 0) if stream <= 2 else stream
 
@@ -193,7 +191,7 @@ class _StreamMixin:
 
     def _stream_key(self, stream: int):
         if stream in self._destroyed_streams:
-            self._fail(_cuda.ERROR_INVALID_RESOURCE_HANDLE)
+            self._fail(_codes.ERROR_INVALID_RESOURCE_HANDLE)
         # handles 0-2 (legacy / per-thread default) mean the current device's;
         # cudaStreamPerThread (2) is the calling thread's own stream
         return self._work_key(stream)

@@ -1,17 +1,15 @@
 """The fake's side of the checking layer (:mod:`cupy_memstrat.checks`):
 queued work, events, a model of memory contents and the verification kernels
-(:class:`cupy_memstrat.backend.CheckBackend`)."""
+(:class:`cupy_memstrat.backends.CheckBackend`)."""
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
-from .. import cuda as _cuda
-from ._core import _UINT64_MAX
+from .. import codes as _codes
+from ..protocols import Backend
+from .core import _UINT64_MAX
 
-if TYPE_CHECKING:
-    from ._backend import FakeBackend
 
 
 class _Contents:
@@ -92,13 +90,13 @@ class _Contents:
         return bad, first
 
 
-class _FakeCheckKernels:
-    """The fake's :class:`cupy_memstrat.cuda.CheckKernels`: the same
+class FakeCheckKernels:
+    """The fake's :class:`cupy_memstrat.backends.CheckKernels`: the same
     interface, checking the contents model at once."""
 
     SLOTS = 1 << 14
 
-    def __init__(self, backend: "FakeBackend"):
+    def __init__(self, backend: Backend):
         self._backend = backend
         self._flag = False
         self._bad: dict[int, dict[int, tuple[int, int]]] = {}
@@ -175,7 +173,7 @@ class _CheckMixin:
         key = self._stream_key(stream)  # a destroyed stream fails
         with self._lock:
             if event not in self._events:
-                self._fail(_cuda.ERROR_INVALID_RESOURCE_HANDLE)
+                self._fail(_codes.ERROR_INVALID_RESOURCE_HANDLE)
             self._events[event] = (key, self._submitted.get(key, 0))
 
     def event_done(self, event: int) -> bool:
@@ -205,7 +203,7 @@ class _CheckMixin:
         """The simulated bytes at ``ptr`` (None where nothing was written)."""
         return [self._contents.get(ptr + i) for i in range(nbytes)]
 
-    def check_kernels(self) -> "_FakeCheckKernels":
+    def check_kernels(self) -> "FakeCheckKernels":
         if self._check_kernels is None:
-            self._check_kernels = _FakeCheckKernels(self)
+            self._check_kernels = FakeCheckKernels(self)
         return self._check_kernels

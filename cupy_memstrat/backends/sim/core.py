@@ -1,12 +1,12 @@
 """The fake's core: device memory, devices and CUDA's sticky last error
-(:class:`cupy_memstrat.backend.CoreBackend` and
-:class:`~cupy_memstrat.backend.DeviceBackend`)."""
+(:class:`cupy_memstrat.backends.CoreBackend` and
+:class:`~cupy_memstrat.backends.DeviceBackend`)."""
 
 from __future__ import annotations
 
 import threading
 
-from .. import cuda as _cuda
+from .. import codes as _codes
 
 _ALIGN = 256
 _UINT64_MAX = (1 << 64) - 1
@@ -26,7 +26,7 @@ class FakeCUDAError(RuntimeError):
 
     def __init__(self, status: int):
         self.status = status
-        super().__init__(f"{_cuda.error_name(status)} (simulated by FakeBackend)")
+        super().__init__(f"{_codes.error_name(status)} (simulated by FakeBackend)")
 
 
 class _CoreMixin:
@@ -59,13 +59,13 @@ class _CoreMixin:
         raise FakeCUDAError(status)
 
     def clear_last_error(self) -> int:
-        status = getattr(self._last_error, "status", _cuda.ERROR_SUCCESS)
-        self._last_error.status = _cuda.ERROR_SUCCESS
+        status = getattr(self._last_error, "status", _codes.ERROR_SUCCESS)
+        self._last_error.status = _codes.ERROR_SUCCESS
         return status
 
     def peek_last_error(self) -> int:
         """``cudaPeekAtLastError``: the sticky error, without clearing it."""
-        return getattr(self._last_error, "status", _cuda.ERROR_SUCCESS)
+        return getattr(self._last_error, "status", _codes.ERROR_SUCCESS)
 
     # -- devices --------------------------------------------------------------
     def device_count(self) -> int:
@@ -78,7 +78,7 @@ class _CoreMixin:
         if isinstance(device, bool) or not isinstance(device, int):
             raise TypeError(f"device: expected an int device ordinal, got {type(device).__name__} {device!r}")
         if not 0 <= device < len(self._capacity):
-            self._fail(_cuda.ERROR_INVALID_DEVICE)
+            self._fail(_codes.ERROR_INVALID_DEVICE)
         self._local.device = device
         self._contexts.add(device)
 
@@ -89,12 +89,12 @@ class _CoreMixin:
 
     def mem_get_info(self, device: int) -> tuple[int, int]:
         if not 0 <= device < len(self._capacity):
-            self._fail(_cuda.ERROR_INVALID_DEVICE)
+            self._fail(_codes.ERROR_INVALID_DEVICE)
         return self._capacity[device] - self._used[device], self._capacity[device]
 
     def device_properties(self, device: int) -> dict:
         if not 0 <= device < len(self._capacity):
-            self._fail(_cuda.ERROR_INVALID_DEVICE)
+            self._fail(_codes.ERROR_INVALID_DEVICE)
         return dict(self._props, total_memory=self._capacity[device])
 
     def versions(self) -> dict:
@@ -104,7 +104,7 @@ class _CoreMixin:
     def malloc(self, size: int) -> int:
         __tracebackhide__ = True  # pytest shows the user's frames, not ours
         if size < 0:
-            self._fail(_cuda.ERROR_INVALID_VALUE)
+            self._fail(_codes.ERROR_INVALID_VALUE)
         if size == 0:
             return 0
         device = self.get_device()
@@ -113,7 +113,7 @@ class _CoreMixin:
         with self._lock:
             self.n_malloc_calls += 1
             if self._used[device] + rounded > self._capacity[device]:
-                self._fail(_cuda.ERROR_MEMORY_ALLOCATION)
+                self._fail(_codes.ERROR_MEMORY_ALLOCATION)
             ptr = self._next[device]
             self._next[device] += rounded
             self._used[device] += rounded
@@ -129,7 +129,7 @@ class _CoreMixin:
                 return
             entry = self._live.pop(ptr, None)
             if entry is None:
-                self._fail(_cuda.ERROR_INVALID_VALUE)
+                self._fail(_codes.ERROR_INVALID_VALUE)
             rounded, device = entry
             if self._free_pool_block(ptr, rounded):  # cudaFree of a pool block: synchronous, back to its pool
                 return

@@ -1,19 +1,19 @@
 """The :class:`FakeBackend` class: one mixin per capability of
-:mod:`cupy_memstrat.backend`, each in its module of this package."""
+:mod:`cupy_memstrat.backends.protocols`, each in its module of this package."""
 
 from __future__ import annotations
 
-from ..sizes import parse_size
-from ._checks import _CheckMixin
-from ._core import MAX_DEVICES, FakeCUDAError, _CoreMixin
-from ._managed import _ManagedMixin
-from ._pools import _PoolMixin
-from ._streams import _StreamMixin
+from ...sizes import parse_size
+from .checks import _CheckMixin
+from .core import MAX_DEVICES, FakeCUDAError, _CoreMixin
+from .managed import _ManagedMixin
+from .pools import _PoolMixin
+from .streams import _StreamMixin
 
 
 class FakeBackend(_CoreMixin, _StreamMixin, _PoolMixin, _ManagedMixin, _CheckMixin):
-    """Simulated CUDA devices: every protocol of :mod:`cupy_memstrat.backend`
-    (:class:`~cupy_memstrat.backend.Backend`), one mixin per capability, and
+    """Simulated CUDA devices: every protocol of :mod:`cupy_memstrat.backends.protocols`
+    (:class:`~cupy_memstrat.backends.Backend`), one mixin per capability, and
     the test helpers named in :mod:`cupy_memstrat.testing`.
 
     Args:

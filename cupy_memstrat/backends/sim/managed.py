@@ -1,11 +1,11 @@
 """The fake's managed memory: residency per 64 KiB page, faults, migrations
 and the driver's counters (docs/managed.md)
-(:class:`cupy_memstrat.backend.ManagedBackend`)."""
+(:class:`cupy_memstrat.backends.ManagedBackend`)."""
 
 from __future__ import annotations
 
-from .. import cuda as _cuda
-from ._core import _round_up
+from .. import codes as _codes
+from .core import _round_up
 
 _MANAGED_BASE = 1 << 46  # managed memory lives in its own range, 2 MiB aligned
 _MANAGED_ALIGN = 2 << 20
@@ -48,14 +48,14 @@ class _ManagedMixin:
         """``cudaMallocManaged``: 2 MiB-aligned; no device memory until populated."""
         __tracebackhide__ = True  # pytest shows the user's frames, not ours
         if size < 0:
-            self._fail(_cuda.ERROR_INVALID_VALUE)
+            self._fail(_codes.ERROR_INVALID_VALUE)
         if size == 0:
-            self._fail(_cuda.ERROR_INVALID_VALUE)  # CUDA refuses a 0-byte managed allocation
+            self._fail(_codes.ERROR_INVALID_VALUE)  # CUDA refuses a 0-byte managed allocation
         self._contexts.add(self.get_device())
         with self._lock:
             self.n_malloc_calls += 1
             if size > sum(self._capacity) * 4:  # beyond any host + device memory
-                self._fail(_cuda.ERROR_MEMORY_ALLOCATION)
+                self._fail(_codes.ERROR_MEMORY_ALLOCATION)
             ptr = self._next_managed
             self._next_managed += _round_up(size, _MANAGED_ALIGN)
             self._managed[ptr] = _Managed(ptr, size)
@@ -69,11 +69,11 @@ class _ManagedMixin:
                     break
                 off = ptr - m.ptr
                 return m, off // _PAGE, -(-(off + size) // _PAGE)
-        self._fail(_cuda.ERROR_INVALID_VALUE)
+        self._fail(_codes.ERROR_INVALID_VALUE)
 
     def _check_location(self, location: int) -> None:
-        if type(location) is not int or not (location == _cuda.HOST or 0 <= location < len(self._capacity)):
-            self._fail(_cuda.ERROR_INVALID_DEVICE)
+        if type(location) is not int or not (location == _codes.HOST or 0 <= location < len(self._capacity)):
+            self._fail(_codes.ERROR_INVALID_DEVICE)
 
     def memory_type(self, ptr: int) -> str:
         """``cudaPointerGetAttributes(ptr).type`` as a name."""
@@ -121,7 +121,7 @@ class _ManagedMixin:
                     self._counters["bytes_dtoh"] += _PAGE
                     if self._used[device] + _PAGE <= self._capacity[device]:
                         return
-        self._fail(_cuda.ERROR_MEMORY_ALLOCATION)
+        self._fail(_codes.ERROR_MEMORY_ALLOCATION)
 
     def touch(self, ptr: int, size: int, processor="device") -> None:
         """Simulate ``processor`` (a device ordinal, ``"device"`` for the
@@ -143,16 +143,16 @@ class _ManagedMixin:
             self._stream_key(stream)
             self.n_prefetch_calls += 1
             m, first, end = self._managed_range(ptr, size)
-            to = _HOST_RES if location == _cuda.HOST else location
+            to = _HOST_RES if location == _codes.HOST else location
             if to >= 0 and not self._props["concurrent_managed_access"]:
-                self._fail(_cuda.ERROR_INVALID_DEVICE)
+                self._fail(_codes.ERROR_INVALID_DEVICE)
             for page in range(first, end):
                 self._move(m, page, to, fault=False)
 
     def mem_advise(self, ptr: int, size: int, advice: int, location: int) -> None:
         """``cudaMemAdvise``: checked and recorded (see :meth:`advice`)."""
         if advice not in range(1, 7):
-            self._fail(_cuda.ERROR_INVALID_VALUE)
+            self._fail(_codes.ERROR_INVALID_VALUE)
         self._check_location(location)
         with self._lock:
             self.n_advise_calls += 1
