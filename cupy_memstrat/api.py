@@ -725,6 +725,6 @@ def _owner_of_block(ptr: int, device: int):
     (a checking layer before the strategy it wraps), or None: the calling
     thread's current strategy first."""
     s = current()
-    if s is not None and 0 <= device < len(s._live) and ptr in s._live[device]:
+    if s is not None and s.accounts.is_live(ptr, device):
         return s
     return Strategy._owner_of_pointer(ptr, device)

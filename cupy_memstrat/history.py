@@ -142,7 +142,7 @@ def _recording_allocator(strategy, h: History) -> _RecordingAllocator:
     from .strategies import base
 
     malloc, free = strategy._hot_path()
-    events, clock, origins, live = h.events, time.perf_counter_ns, h.origins, strategy._live
+    events, clock, origins, live = h.events, time.perf_counter_ns, h.origins, strategy.accounts.live
     # the strategy's track_origins=N frames (as configured: the checking layer tracks one frame
     # on its own whatever it was given), else one
     capture = origin_capture(strategy.config.get("track_origins")) or capture_origin

@@ -159,7 +159,7 @@ def test_tables_changed_behind_the_hot_paths_back_raise_instead_of_crashing(fake
     would take the interpreter down)."""
     s = cupy_memstrat.create(name, backend=fake)
     s.raw_free(s.raw_malloc(8))
-    s._live.clear()
+    s.accounts.live.clear()
     with pytest.raises((RuntimeError, IndexError)):
         s.raw_malloc(4096)
 
@@ -173,7 +173,7 @@ def test_a_pointer_whose_comparison_swaps_the_live_table_does_not_crash(fake):
         __hash__ = int.__hash__
 
         def __eq__(self, other):
-            s._live[0] = {}
+            s.accounts.live[0] = {}
             gc.collect()
             return int(self) == other
 
@@ -273,7 +273,7 @@ def test_threads_making_a_strategys_first_allocations_at_once_build_one_hot_path
     threads[1].start()
     for t in threads:
         t.join()
-    assert len(builders) == 1 and len(s._drains) == 1
+    assert len(builders) == 1 and s.accounts.n_drains == 1
     st = s.stats()
     assert st.n_allocs == 2 and st.bytes_in_use == st.peak_bytes_in_use == 2 * MiB
     for p in ptrs:

@@ -133,8 +133,8 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
         self._inner_free = inner_free
         b = self.backend
         current_stream, memset = b.current_stream, b.memset_async
-        events, live, origins, meta = self._events, self._live, self._origins, self._meta
-        fold, unknown_free = self._fold, self._unknown_free
+        events, live, origins, meta = self.accounts.events, self.accounts.live, self.accounts.origins, self._meta
+        fold, unknown_free = self.accounts.fold, self._unknown_free
         streams_on, pad, rz, redzone_on = self._streams, self._pad, self._redzone, bool(self._redzone)
         flagged = b.check_kernels().flagged if pad else None
         get_ident, seen_tables, next_seq, ref = threading.get_ident, self._seen, self._next_seq, weakref.ref
@@ -233,8 +233,7 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
                 return self.inner._hot_malloc(padded, device)
             except (MemoryError, OverflowError) as again:
                 exc = again
-        with self._fold_lock:
-            self._counters[device].n_failed += 1
+        self.accounts.count_failed(device)
         self._raise_out_of_memory(
             size, device, reason=getattr(exc, "reason", "cuda"), cause=exc,
             detail=f" ({padded:,} bytes with the checks' padding; {type(exc).__name__}: {exc})",

@@ -159,10 +159,8 @@ class StreamChecks:
         Raises:
             ValueError: ``ptr`` is not a live allocation of this layer.
         """
-        for d, live in enumerate(self._live):
-            if ptr in live:
-                break
-        else:
+        d = self.accounts.device_of(ptr)
+        if d is None:
             raise ValueError(f"{self.name}: 0x{ptr:x} is not the start of a live allocation of this strategy")
         if not self.inner.record_stream(ptr, stream):
             # the inner strategy's frees wait for every stream: kept for the check only

@@ -67,13 +67,10 @@ class _ContractMixin:
             if isinstance(v, bool) or not hasattr(v, "__index__"):
                 raise TypeError(f"record_reserved: {what}: expected an int, got {type(v).__name__} {v!r}")
         device, delta = operator.index(device), operator.index(delta)
-        if not 0 <= device < len(self._counters):
-            raise ValueError(f"record_reserved: device: expected 0 <= device < {len(self._counters)}, got {device}")
-        with self._fold_lock:
-            c = self._counters[device]
-            c.reserved += delta
-            if c.reserved > c.peak_reserved:
-                c.peak_reserved = c.reserved
+        n = self.accounts.n_devices
+        if not 0 <= device < n:
+            raise ValueError(f"record_reserved: device: expected 0 <= device < {n}, got {device}")
+        self.accounts.add_reserved(device, delta)
 
     def _hooks(self):
         """``(allocate, deallocate)`` as the hot path calls them: for each, the

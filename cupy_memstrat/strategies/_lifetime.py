@@ -58,15 +58,14 @@ class _LifetimeMixin:
         with _pinned_lock:
             candidates = list(_pinned)
         for s in candidates:
-            live = s._live
-            if 0 <= device < len(live) and ptr in live[device]:
+            if s.accounts.is_live(ptr, device):
                 if getattr(s, "inner", None) is not None:
                     return s  # the layer: the program's view
                 found = s
         return found
 
     def _check_empty(self) -> None:
-        if any(self._live):
+        if self.accounts.any_live():
             return
         self._watch[0] = None
         try:

@@ -61,8 +61,7 @@ class _RecoveryMixin:
             except self._Error as exc2:
                 exc = exc2
                 continue
-            with self._fold_lock:
-                self._counters[device].n_oom_recoveries += 1
+            self.accounts.count_recovery(device)
             return ptr
         self._allocation_failed(size, device, exc, detail=detail() if detail else "")
 
@@ -96,28 +95,16 @@ class _RecoveryMixin:
         """A free whose device hint was wrong: (device, size) of the live
         block, popped; else counts and warns an invalid free, (-1, None)."""
         __tracebackhide__ = True  # pytest shows the user's frames under -W error
-        device, size = self._find_live(ptr)
+        device, size = self.accounts.pop_live(ptr)
         if size is None and not (ptr == 0 and type(ptr) is int):
             self._invalid_free(ptr, 4 + stacklevel)
         return device, size
-
-    def _find_live(self, ptr) -> tuple[int, int | None]:
-        """(device, size) of a live pointer freed without its device, or (-1, None)."""
-        for device, live in enumerate(self._live):
-            try:
-                size = live.pop(ptr, None)
-            except TypeError:  # unhashable: not a pointer
-                return -1, None
-            if size is not None:
-                return device, size
-        return -1, None
 
     # -- failure paths (off the hot path) ------------------------------------
     def _allocation_failed(self, size: int, device: int, exc: BaseException, detail: str = ""):
         __tracebackhide__ = True  # pytest shows the user's frames, not ours
         self.backend.clear_last_error()
-        with self._fold_lock:
-            self._counters[device].n_failed += 1
+        self.accounts.count_failed(device)
         if getattr(exc, "status", None) != _backends.ERROR_MEMORY_ALLOCATION:
             raise exc
         self._raise_out_of_memory(size, device, reason="cuda", cause=exc, detail=detail)
@@ -165,8 +152,7 @@ class _RecoveryMixin:
 
     def _invalid_free(self, ptr, stacklevel: int) -> None:
         __tracebackhide__ = True  # pytest shows the user's frames under -W error
-        with self._fold_lock:
-            self._n_invalid_frees += 1
+        self.accounts.count_invalid_free()
         shown = f"0x{ptr:x}" if type(ptr) is int and ptr >= 0 else repr(ptr)
         warn_at_user(
             f"{self.name}: free of pointer {shown} that this strategy does not own "

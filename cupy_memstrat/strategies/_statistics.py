@@ -19,23 +19,6 @@ from ._layout import block, segment
 __all__: list[str] = []
 
 
-class _Counters:
-    __slots__ = (
-        "in_use",
-        "peak_in_use",
-        "reserved",
-        "peak_reserved",
-        "n_allocs",
-        "n_frees",
-        "n_failed",
-        "n_oom_recoveries",
-    )
-
-    def __init__(self):
-        self.in_use = self.peak_in_use = self.reserved = self.peak_reserved = 0
-        self.n_allocs = self.n_frees = self.n_failed = self.n_oom_recoveries = 0
-
-
 class _StatisticsMixin:
     """``Strategy``'s statistics, live tables and ``trim`` (no state of its own)."""
 
@@ -74,8 +57,7 @@ class _StatisticsMixin:
         counters under the fold lock, so that what it reads is one moment's."""
         device = self._device_or_current(device)
         self._settle()
-        with self._fold_lock:
-            return device, read(self._fold(device))
+        return device, self.accounts.read(device, read)
 
     def stats(self, device: int | None = None) -> Stats:
         """This strategy's :class:`~cupy_memstrat.Stats` for ``device``
@@ -93,7 +75,7 @@ class _StatisticsMixin:
             n_frees=c.n_frees,
             n_live=c.n_allocs - c.n_frees,
             n_failed=c.n_failed,
-            n_invalid_frees=self._n_invalid_frees,
+            n_invalid_frees=self.accounts.n_invalid_frees,
             n_oom_recoveries=c.n_oom_recoveries,
         ))
         if self.reserved_is_in_use:
@@ -101,10 +83,7 @@ class _StatisticsMixin:
             # memory until that stream's work is done (record_stream): reserved, not in use
             held = sum(p[2] for p in list(self._pending) if p[3] == device)
             reserved = fields["bytes_in_use"] + held
-            with self._fold_lock:
-                c = self._counters[device]
-                c.peak_reserved = max(c.peak_reserved, reserved)  # the highest seen at reads (reset_peak)
-                peak = c.peak_reserved
+            peak = self.accounts.note_reserved_seen(device, reserved)  # the highest seen at reads (reset_peak)
             fields["bytes_reserved"] = reserved
             fields["peak_bytes_reserved"] = max(fields["peak_bytes_in_use"], peak)
         return Stats(device=device, strategy=self.name, **fields)
@@ -133,11 +112,7 @@ class _StatisticsMixin:
             raise TypeError(f"reset_peak: reserved must be True or False, got {reserved!r}")
         device = self._device_or_current(device)
         self._settle()
-        with self._fold_lock:
-            c = self._fold(device)
-            c.peak_in_use = c.in_use
-            if reserved:
-                c.peak_reserved = c.reserved
+        self.accounts.reset_peak(device, reserved)
 
     def live_allocations(self, device: int | None = None) -> list[Allocation]:
         """Live allocations, largest first, on ``device`` or on every device
@@ -145,10 +120,10 @@ class _StatisticsMixin:
         if device is not None:
             device = self._device_or_current(device)
         self._settle()
-        origins = self._origins
+        origins = self.accounts.origins
         rows = [
             Allocation(ptr=p, size=s, device=d, origin=origins.get(p))
-            for d, live in enumerate(self._live)
+            for d, live in enumerate(self.accounts.live)
             if device is None or d == device
             for p, s in list(live.items())
         ]
@@ -179,12 +154,12 @@ class _StatisticsMixin:
         Raises:
             TypeError, ValueError: ``device`` is not a valid device ordinal.
         """
-        devices = range(len(self._live)) if device is None else [self._device_or_current(device)]
+        devices = range(len(self.accounts.live)) if device is None else [self._device_or_current(device)]
         self._settle()
-        origins = self._origins
+        origins = self.accounts.origins
         out = []
         for d in devices:
-            for ptr, size in sorted(list(self._live[d].items())):
+            for ptr, size in sorted(list(self.accounts.live[d].items())):
                 blk = block(ptr, size, size, True, origins.get(ptr))
                 out.append(segment(d, ptr, size, [blk]))
         return out
@@ -200,14 +175,7 @@ class _StatisticsMixin:
         live (a block that reuses the address *and* size of one freed in
         between is indistinguishable from it)."""
         self._settle()
-        if device is not None:
-            return dict(self._live[self._device_or_current(device)])
-        if len(self._live) == 1:
-            return dict(self._live[0])
-        out: dict[int, int] = {}
-        for live in self._live:
-            out.update(live)
-        return out
+        return self.accounts.sizes(None if device is None else self._device_or_current(device))
 
     def _trim_devices(self, keep_bytes, device) -> list[tuple[int, int]]:
         """``[(device, bytes to keep)]`` for :meth:`trim`: every value checked

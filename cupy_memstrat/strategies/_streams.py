@@ -95,10 +95,8 @@ class _StreamsMixin:
         check_stream(stream)
         if isinstance(ptr, bool) or not isinstance(ptr, int):
             raise TypeError(f"ptr: expected an int pointer, got {type(ptr).__name__} {ptr!r}")
-        for d, live in enumerate(self._live):
-            if ptr in live:
-                break
-        else:
+        d = self.accounts.device_of(ptr)
+        if d is None:
             raise ValueError(f"{self.name}: {ptr:#x} is not the start of a live allocation of this strategy")
         sdev = getattr(stream, "device_id", -1)
         if isinstance(sdev, int) and not isinstance(sdev, bool) and sdev >= 0 and sdev != d:

@@ -319,7 +319,7 @@ class AsyncPoolStrategy(Strategy):
             size, device, exc, lambda: b.malloc_from_pool_async(alloc_size or size, pool, sptr),
             detail=lambda: self._oom_detail(size, device),
         )
-        with self._fold_lock:
+        with self.accounts.lock:
             self._n_recoveries[device] += 1
         return ptr
 
@@ -409,7 +409,7 @@ class AsyncPoolStrategy(Strategy):
             except IndexError:
                 break
             self._quarantine_bytes[device] -= cls
-            with self._fold_lock:
+            with self.accounts.lock:
                 self._n_orphan_frees[device] += 1
             self._free_off_path(ptr, cls, device, 0)
             released += cls
@@ -450,10 +450,12 @@ class AsyncPoolStrategy(Strategy):
             return acc.malloc, acc.free
         current_stream, pool_malloc, free_async = b.current_stream, b.malloc_from_pool_async, b.free_async
         get_device, Error = b.get_device, self._Error
-        events, live, stream_of, pools = self._events, self._live, self._stream_of, self._pools
-        origins, track = self._origins, self._track_origins
+        accounts = self.accounts
+        events, live, stream_of, pools = accounts.events, accounts.live, self._stream_of, self._pools
+        origins, track = accounts.origins, self._track_origins
         capture = origin_capture(track)  # the first frame, or track_origins=N frames
-        ensure_pool, recover, fold, unknown_free = self._ensure_pool, self._recover_pool, self._fold, self._unknown_free
+        ensure_pool, recover, unknown_free = self._ensure_pool, self._recover_pool, self._unknown_free
+        fold = accounts.fold
         free_off_path, ref, get_ident = self._free_off_path, weakref.ref, threading.get_ident
         recorded, pending, poll, defer, watch = (self._recorded, self._pending, self._poll_pending, self._defer,
                                                  self._watch)
@@ -611,7 +613,7 @@ class AsyncPoolStrategy(Strategy):
                     # The stream's handle is gone; its queued work may still use
                     # the block. Wait for all of it, then free on the null stream.
                     b.device_synchronize(device)
-                    with self._fold_lock:
+                    with self.accounts.lock:
                         self._n_orphan_frees[device] += 1
                     b.free_async(ptr, 0)
                 else:
@@ -732,7 +734,7 @@ class AsyncPoolStrategy(Strategy):
                 self._cache_limit[d] = 0
                 self._release_cached(d)
                 if pool and self._owned[d]:
-                    if self._live[d]:
+                    if self.accounts.live[d]:
                         waiting = True  # destroyed by the close() its last free calls
                         continue
                     self._peak_reserved[d] = max(self._peak_reserved[d],

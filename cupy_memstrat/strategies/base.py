@@ -53,8 +53,6 @@ import os
 import threading
 from typing import ClassVar
 
-import numpy as np
-
 from .. import backends as _backends
 from ..options import Option, as_frames, as_output_file
 from .._userwarn import warn_at_user
@@ -62,7 +60,8 @@ from ._contract import _ContractMixin
 from ._cupy_glue import _CupyMixin
 from ._lifetime import _LifetimeMixin
 from ._recovery import _RecoveryMixin
-from ._statistics import _Counters, _StatisticsMixin
+from ._statistics import _StatisticsMixin
+from .accounts import Accounts
 from ._streams import _StreamsMixin, check_stream
 from ._support import FOLD_AT, c_accounting, check_size, hot_path_status
 from ..stats import origin_capture
@@ -165,23 +164,14 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
         self._track_origins = self.config["track_origins"]
         self._Error = backend.Error
         n = backend.device_count()
-        # Per device: live pointer -> size, and the Python hot path's +size / -size
-        # events appended lock-free, folded into the counters by _fold() (stats,
-        # reset_peak, or a long buffer; the C hot path's counts are drained there
-        # too). Origins (track_origins=True) are kept aside.
-        self._live: list[dict[int, int]] = [{} for _ in range(n)]
-        self._origins: dict[int, object] = {}
-        self._events: list[list[int]] = [[] for _ in range(n)]
-        self._counters = [_Counters() for _ in range(n)]
-        self._drains: list = []  # drain(device) of each C hot path's counts (_new_accounting)
-        self._fold_lock = threading.RLock()
+        #: the live tables and counters (:class:`~cupy_memstrat.strategies.accounts.Accounts`)
+        self.accounts = Accounts(n)
         self._cupy_malloc = self._pfa = None
         self._hot_malloc = self._hot_free = None  # the hot path, built on first use (_hot_path)
         self._build_lock = threading.RLock()  # one build, whichever threads allocate first
         #: "c" or "python": the hot path built on first use (None before).
         self.hot_path: str | None = None
         self._pinned = False
-        self._n_invalid_frees = 0  # not per device: a bad pointer names none
         # record_stream: live ptr -> [(stream object, handle, device, thread ident)];
         # blocks freed with recorded streams wait in _pending, oldest first, as
         # [events, ptr, size, device], until those streams' work queued at the free is done
@@ -289,7 +279,7 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
                 self._invalid_free(ptr, 3)  # a float equal to a pointer would hash like it
                 return
             ptr = operator.index(ptr)
-        if device is not None and (type(device) is not int or not 0 <= device < len(self._live)):
+        if device is not None and (type(device) is not int or not 0 <= device < self.accounts.n_devices):
             device = None  # a bad hint: the block is found by its pointer
         (self._hot_free or self._hot_path()[1])(ptr, device, 2)
 
@@ -318,8 +308,9 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
         an ``Accounting`` from :meth:`_new_accounting`).
         """
         (allocate, deallocate), Error = self._hooks(), self._Error
-        events, live, origins = self._events, self._live, self._origins
-        recover, fold, track = self._recover_hook, self._fold, self._track_origins
+        accounts = self.accounts
+        events, live, origins = accounts.events, accounts.live, accounts.origins
+        recover, fold, track = self._recover_hook, accounts.fold, self._track_origins
         capture = origin_capture(track)  # the first frame, or track_origins=N frames
         unknown_free, name = self._unknown_free, self.name
         recorded, pending, poll = self._recorded, self._pending, self._poll_pending
@@ -381,35 +372,10 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
     def _new_accounting(self, Accounting, unknown_free, failed, **tables):
         """The C hot path's ``Accounting`` over this strategy's live tables
         (``csrc/hotpath.c``), its counts drained into the counters by
-        :meth:`_fold`."""
-        acc = Accounting(self._live, unknown_free, failed, self._Error, **tables)
-        self._drains.append(acc.drain)
+        :meth:`Accounts.fold <cupy_memstrat.strategies.accounts.Accounts.fold>`."""
+        acc = Accounting(self.accounts.live, unknown_free, failed, self._Error, **tables)
+        self.accounts.add_drain(acc.drain)
         return acc
-
-    def _fold(self, device: int) -> _Counters:
-        with self._fold_lock:
-            c = self._counters[device]
-            for drain in self._drains:  # the C hot path's counts (one C call each)
-                total, top, n_allocs, n_frees = drain(device)
-                if n_allocs or n_frees:
-                    c.peak_in_use = max(c.peak_in_use, c.in_use + top)
-                    c.in_use += total
-                    c.n_allocs += n_allocs
-                    c.n_frees += n_frees
-            ev = self._events[device]
-            # Only _fold removes (under the lock) and only the first n items;
-            # appends racing with us land after them. Both are single C calls.
-            n = len(ev)
-            if n:
-                deltas = np.array(ev[:n], dtype=np.int64)
-                del ev[:n]
-                running = np.cumsum(deltas)
-                c.peak_in_use = max(c.peak_in_use, c.in_use + int(running.max()))
-                c.in_use += int(running[-1])
-                n_allocs = int(np.count_nonzero(deltas > 0))
-                c.n_allocs += n_allocs
-                c.n_frees += n - n_allocs
-            return c
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.config.items())

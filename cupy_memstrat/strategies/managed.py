@@ -358,8 +358,7 @@ class ManagedStrategy(Strategy):
         except self._Error as exc:
             b.clear_last_error()
             undo()
-            with self._fold_lock:
-                self._counters[device].n_failed += 1
+            self.accounts.count_failed(device)
             name = _backends.error_name(getattr(exc, "status", None))
             raise RuntimeError(
                 f"managed: prefetch={self.config['prefetch']!r} of {format_size(nbytes)} at 0x{ptr:x} to device "
@@ -388,8 +387,7 @@ class ManagedStrategy(Strategy):
             room = free - self._headroom[device]
             if need <= room:
                 if attempt:
-                    with self._fold_lock:
-                        self._counters[device].n_oom_recoveries += 1
+                    self.accounts.count_recovery(device)
                 return
             if attempt == 2 or nbytes > total - self._headroom[device]:
                 break  # (more than the whole device could hold: nothing given back can help)
@@ -398,8 +396,7 @@ class ManagedStrategy(Strategy):
                 gc.collect()
             self._give_back(device)
         self._n_refused[device] += 1
-        with self._fold_lock:
-            self._counters[device].n_failed += 1
+        self.accounts.count_failed(device)
         self._raise_out_of_memory(
             size,
             device,
@@ -808,10 +805,11 @@ class ManagedStrategy(Strategy):
         # events append before the live insert. A cached allocation finds
         # its arena by stream key, then its free list by the size in 512-byte
         # units: a list for small sizes, a dict (filled on first use) above.
-        events, live, origins, track = self._events, self._live, self._origins, self._track_origins
+        accounts = self.accounts
+        events, live, origins, track = accounts.events, accounts.live, accounts.origins, self._track_origins
         capture = origin_capture(track)  # the first frame, or track_origins=N frames
         arenas, owner, arena_of = self._arenas, self._owner, self._arena_of
-        miss, fold, unknown_free = self._miss, self._fold, self._unknown_free
+        miss, fold, unknown_free = self._miss, accounts.fold, self._unknown_free
         recorded, pending, poll, defer, watch = (self._recorded, self._pending, self._poll_pending, self._defer,
                                                  self._watch)
         prefetch_to = self._prefetch_to if self.config["prefetch"] == "on_alloc" else None
@@ -932,10 +930,10 @@ class ManagedStrategy(Strategy):
         (live ones active, runs of free ones merged), a large block's run of
         chunks is one segment with one block."""
         devices = range(len(self._chunks)) if device is None else [self._device_or_current(device)]
-        origins = self._origins
+        origins = self.accounts.origins
         out = []
         for d in devices:
-            live = self._live[d]
+            live = self.accounts.live[d]
             for base, (nbytes, ci) in sorted(list(self._chunks[d].items())):
                 if ci < 0:
                     size = live.get(base)
