@@ -254,7 +254,7 @@ def test_route_direct_accounts_nothing_for_cupys_empty_memory_and_passes_recorde
     s, d, pool, calls = _direct()
     mp = d(2048)
     ptr = mp.ptr
-    s._recorded[ptr] = [("stream", 7, 0, None)]  # as record_stream leaves it
+    s.deferred.recorded[ptr] = [("stream", 7, 0, None)]  # as record_stream leaves it
     del mp
     assert calls == [("recorded", ptr, 2048, 0, False)] and s.stats().bytes_in_use == 0
 
@@ -299,11 +299,11 @@ def test_route_direct_keeps_each_block_apart_when_the_pool_reuses_a_pointer_earl
     s, d, pool, calls = _direct()
     a = d(4096)
     ptr = a.ptr
-    s._recorded[ptr] = [("stream A", 7, 0, None)]
+    s.deferred.recorded[ptr] = [("stream A", 7, 0, None)]
     pool.free.append(ptr)  # as PooledMemory.free() while `a` lives
     b = d(4096)
     assert b.ptr == ptr and calls == [("recorded", ptr, 4096, 0, False)]  # a's free, counted at b's malloc
-    del s._recorded[ptr]  # as the strategy's recorded_freed does once it has waited
+    del s.deferred.recorded[ptr]  # as the strategy's recorded_freed does once it has waited
     assert s.live_sizes() == {ptr: 4096} and s.stats().bytes_in_use == 4096
     del b
     assert s.live_sizes() == {} and s.stats().bytes_in_use == 0
@@ -404,12 +404,12 @@ def test_route_direct_keeps_a_recorded_block_from_the_pool_until_the_recorded_st
     if through == "Strategy.record_stream":
         assert busy == [True] and pool.free == [ptr]  # the control: the pool had it back while B ran
         return
-    assert busy == [] and pool.free == [] and s._held == {} and len(s._pending[0]) == 5  # kept while B runs
+    assert busy == [] and pool.free == [] and s._held == {} and len(s.deferred.pending[0]) == 5  # kept while B runs
     y = d(4096)
     assert y.ptr != ptr  # B still runs: the block is out of reach
     fake.finish(B)
     z = d(4096)  # B is done: the block goes back to the pool, and is handed out again
-    assert busy == [False] and z.ptr == ptr and s._held == {} and not s._pending
+    assert busy == [False] and z.ptr == ptr and s._held == {} and not s.deferred.pending
     del y, z
     st = s.stats()
     assert st.bytes_in_use == 0 and st.n_allocs == st.n_frees == 4
@@ -568,7 +568,7 @@ def test_route_direct_letting_go_never_hands_a_waiting_block_to_the_pool_early()
     busy = []
     pool.on_free = lambda: busy.append(fake.stream_busy(B.ptr))
     cupy_memstrat.use("device", backend=fake)
-    assert busy == [False] and P in pool.free and s._held == {} and not s._pending
+    assert busy == [False] and P in pool.free and s._held == {} and not s.deferred.pending
 
 
 def test_on_the_fake_backend_blocks_that_wait_for_recorded_streams_are_reserved_and_trimmed():
@@ -583,8 +583,8 @@ def test_on_the_fake_backend_blocks_that_wait_for_recorded_streams_are_reserved_
     s.raw_free(p)
     st = s.stats()
     assert (st.bytes_in_use, st.bytes_reserved, st.peak_bytes_reserved) == (0, 1 << 20, 1 << 20)
-    assert len(s._pending) == 1
-    assert s.trim() == 1 << 20 and not s._pending
+    assert len(s.deferred.pending) == 1
+    assert s.trim() == 1 << 20 and not s.deferred.pending
     assert s.trim() == 0
     assert (s.stats().bytes_in_use, s.stats().bytes_reserved) == (0, 0)
     s.reset_peak()
@@ -617,12 +617,12 @@ def test_route_direct_a_pointer_only_free_left_pending_never_gives_back_what_is_
     P = x.ptr
     s.record_stream(P, B)
     fake.launch(B)
-    s._poll_lock.acquire()  # another thread is polling
+    s.deferred.lock.acquire()  # another thread is polling
     del x  # the pool has P; the free synchronised; its entry stays pending
     p = s.raw_malloc(4096)
-    s._poll_lock.release()
+    s.deferred.lock.release()
     assert p == P and P in blocks
-    s._poll_pending()
+    s.deferred.poll()
     assert P not in pool.free and s.live_sizes() == {P: 4096}  # the raw block lives on
     s.raw_free(p)
     assert P in pool.free

@@ -283,7 +283,7 @@ def test_record_stream_keeps_a_block_from_its_own_stream_until_the_other_is_done
     for x in (q, r):
         with A:
             s.raw_free(x)
-    assert s.stats(0).n_live == 0 and not s._pending
+    assert s.stats(0).n_live == 0 and not s.deferred.pending
 
 
 @pytest.mark.parametrize("name", POOLING)
@@ -316,9 +316,9 @@ def test_trim_and_close_give_back_blocks_waiting_for_recorded_streams(fake, name
     s.record_stream(p, B)
     fake.launch(B)
     s.raw_free(p)
-    assert len(s._pending) == 1
+    assert len(s.deferred.pending) == 1
     s.trim()  # synchronises: B's work is done
-    assert not s._pending
+    assert not s.deferred.pending
     s.close()
 
 
@@ -330,7 +330,7 @@ def test_a_destroyed_recorded_stream_makes_the_free_synchronise(fake):
     B.destroy()
     syncs = fake.n_device_synchronize_calls
     s.raw_free(p)  # no event can be recorded on B: wait for the whole device instead
-    assert fake.n_device_synchronize_calls > syncs and not s._pending
+    assert fake.n_device_synchronize_calls > syncs and not s.deferred.pending
     assert s.raw_malloc(MiB) == p
 
 
@@ -371,7 +371,7 @@ def test_record_stream_on_arrays(restore_cupy_allocator, fake, name):
     assert cupy_memstrat.record_stream(x, B) is (name != "device")
     assert cupy_memstrat.record_stream(x[10:], B) is (name != "device")  # a view marks its allocation
     if name != "device":
-        assert list(s._recorded) == [x.data.mem.ptr] and len(s._recorded[x.data.mem.ptr]) == 1
+        assert list(s.deferred.recorded) == [x.data.mem.ptr] and len(s.deferred.recorded[x.data.mem.ptr]) == 1
     assert cupy_memstrat.record_stream(cupy.empty(0), B) is False  # nothing allocated
 
 
@@ -394,7 +394,7 @@ def test_record_stream_refuses_bad_input_and_changes_nothing(restore_cupy_alloca
     dead.destroy()
     with pytest.raises(ValueError, match=r"is not a live stream on device 0: it was destroyed"):
         cupy_memstrat.record_stream(x, dead)
-    assert s._recorded == {} and s.stats(0).n_live == 1
+    assert s.deferred.recorded == {} and s.stats(0).n_live == 1
 
 
 def test_record_stream_of_memory_no_strategy_owns_returns_false(restore_cupy_allocator, fake):
@@ -403,7 +403,7 @@ def test_record_stream_of_memory_no_strategy_owns_returns_false(restore_cupy_all
 
     mp = memory.MemoryPointer(memory.UnownedMemory(0x1234000, 512, None, 0), 0)
     assert cupy_memstrat.record_stream(mp, fake.stream()) is False
-    assert s._recorded == {}
+    assert s.deferred.recorded == {}
 
 
 # -- out of memory: CuPy's order ------------------------------------------------------------------------
@@ -544,7 +544,7 @@ def test_record_stream_with_using_gives_everything_back(restore_cupy_allocator, 
         if when == "after":
             del x
         fake.finish(B)
-        assert not s._pending
+        assert not s.deferred.pending
     assert fake.used_bytes(0) == 0
 
 
@@ -609,7 +609,7 @@ def test_flush_gives_back_only_what_was_pending_before_its_synchronisation(fake)
     fake.device_synchronize = sync_then_other_thread_frees
     s.trim()
     fake.device_synchronize = sync
-    assert [e[1] for e in s._pending] == [p2]  # still waiting for B
+    assert [e[1] for e in s.deferred.pending] == [p2]  # still waiting for B
     assert s.raw_malloc(MiB) not in (p2,)
 
 
@@ -618,7 +618,7 @@ def test_strategy_record_stream_refuses_a_bad_pointer(fake, bad, err):
     s = cupy_memstrat.create("managed", backend=fake)
     with pytest.raises(err, match="ptr: expected an int pointer"):
         s.record_stream(bad, fake.stream())
-    assert s._recorded == {}
+    assert s.deferred.recorded == {}
 
 
 class _Duck:
@@ -649,7 +649,7 @@ def test_both_record_streams_refuse_a_bad_stream(restore_cupy_allocator, fake, s
         cupy_memstrat.record_stream(x, stream)
     with pytest.raises(err, match=match):
         s.record_stream(x.data.mem.ptr, stream)
-    assert s._recorded == {}
+    assert s.deferred.recorded == {}
 
 
 @pytest.mark.parametrize("name", ["managed", "async", "device"])
@@ -666,7 +666,7 @@ def test_an_arrays_memory_is_refused_as_a_stream(restore_cupy_allocator, fake, n
             cupy_memstrat.record_stream(x, not_a_stream)
         with pytest.raises(TypeError, match="stream: expected a cupy.cuda.Stream .*" + what):
             s.record_stream(x.data.mem.ptr, not_a_stream)
-    assert s._recorded == {} and s.stats().n_live == 2
+    assert s.deferred.recorded == {} and s.stats().n_live == 2
 
 
 def test_strategy_record_stream_refuses_another_devices_or_a_destroyed_stream(fake2):
@@ -678,14 +678,14 @@ def test_strategy_record_stream_refuses_another_devices_or_a_destroyed_stream(fa
     dead.destroy()
     with pytest.raises(ValueError, match="was destroyed"):
         s.record_stream(p, dead)
-    assert s._recorded == {}
+    assert s.deferred.recorded == {}
 
 
 def test_an_empty_view_records_nothing(restore_cupy_allocator, fake):
     cupy = restore_cupy_allocator
     s = cupy_memstrat.use("managed", backend=fake)
     x = cupy.empty(10, dtype=cupy.float32)
-    assert cupy_memstrat.record_stream(x[5:5], fake.stream()) is False and s._recorded == {}
+    assert cupy_memstrat.record_stream(x[5:5], fake.stream()) is False and s.deferred.recorded == {}
 
 
 @pytest.mark.parametrize("bad", ["512.9", "1.99", "2.5"])

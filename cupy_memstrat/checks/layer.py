@@ -189,7 +189,7 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
                 fold(device)
             return ptr
 
-        inner_recorded, own_recorded, watch = inner._recorded, self._recorded, self._watch
+        inner_recorded, own_recorded, watch = inner.deferred.recorded, self.deferred.recorded, self._watch
 
         def free(ptr, device, stacklevel=1):
             try:

@@ -164,8 +164,7 @@ class StreamChecks:
             raise ValueError(f"{self.name}: 0x{ptr:x} is not the start of a live allocation of this strategy")
         if not self.inner.record_stream(ptr, stream):
             # the inner strategy's frees wait for every stream: kept for the check only
-            tid = threading.get_ident() if stream.ptr == 2 else None
-            self._recorded.setdefault(ptr, []).append((stream, stream.ptr, getattr(stream, "device_id", d), tid))
+            self.deferred.record(ptr, stream, d)
         return True
 
     def _check_free_streams(self, ptr, size, device, origin, ent, tid, seq, recorded=None) -> None:

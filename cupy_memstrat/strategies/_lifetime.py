@@ -88,7 +88,7 @@ class _LifetimeMixin:
         given back first (after a synchronisation).
         """
         self._watch[0] = None
-        self._flush_pending()
+        self.deferred.flush()
         with _pinned_lock:
             _pinned.discard(self)
             self._pinned = False

@@ -81,7 +81,7 @@ class _StatisticsMixin:
         if self.reserved_is_in_use:
             # nothing cached, but a block freed while a recorded stream still used it is CUDA's
             # memory until that stream's work is done (record_stream): reserved, not in use
-            held = sum(p[2] for p in list(self._pending) if p[3] == device)
+            held = self.deferred.waiting_bytes(device)
             reserved = fields["bytes_in_use"] + held
             peak = self.accounts.note_reserved_seen(device, reserved)  # the highest seen at reads (reset_peak)
             fields["bytes_reserved"] = reserved
@@ -213,5 +213,5 @@ class _StatisticsMixin:
         if device is not None:
             self._device_or_current(device)
         parse_size(keep_bytes, total=100, what="keep_bytes")  # validated; nothing to keep
-        self._flush_pending()
+        self.deferred.flush()
         return 0

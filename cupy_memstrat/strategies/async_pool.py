@@ -436,8 +436,8 @@ class AsyncPoolStrategy(Strategy):
         if Accounting is not None:
             acc = self._new_accounting(
                 Accounting, self._unknown_free, self._recover,
-                capsule=b.current_stream_ptr_capsule(), recorded=self._recorded, defer=self._defer,
-                pending=self._pending, poll=self._poll_pending, watch=self._watch,
+                capsule=b.current_stream_ptr_capsule(), recorded=self.deferred.recorded, defer=self.deferred.defer,
+                pending=self.deferred.pending, poll=self.deferred.poll, watch=self._watch,
                 pool_malloc=b.malloc_from_pool_async, free_async=b.free_async, pools=self._pools,
                 ensure_pool=self._ensure_pool, current_stream=b.current_stream, get_device=b.get_device,
                 caches=self._cache, cache_limits=self._cache_limit, stream_of=self._stream_of,
@@ -457,7 +457,8 @@ class AsyncPoolStrategy(Strategy):
         ensure_pool, recover, unknown_free = self._ensure_pool, self._recover_pool, self._unknown_free
         fold = accounts.fold
         free_off_path, ref, get_ident = self._free_off_path, weakref.ref, threading.get_ident
-        recorded, pending, poll, defer, watch = (self._recorded, self._pending, self._poll_pending, self._defer,
+        deferred = self.deferred
+        recorded, pending, poll, defer, watch = (deferred.recorded, deferred.pending, deferred.poll, deferred.defer,
                                                  self._watch)
 
         caches, limits = self._cache, self._cache_limit
@@ -706,7 +707,7 @@ class AsyncPoolStrategy(Strategy):
         for d in devices:  # every value checked before anything is released
             total = self.backend.device_properties(d)["total_memory"] if isinstance(keep_bytes, str) else None
             keeps.append(parse_size(keep_bytes, total=total, what="keep_bytes"))
-        self._flush_pending()  # blocks waiting for recorded streams are idle memory too
+        self.deferred.flush()  # blocks waiting for recorded streams are idle memory too
         released = 0
         for d, keep in zip(devices, keeps):
             pool = self._pools[d]

@@ -62,6 +62,7 @@ from ._lifetime import _LifetimeMixin
 from ._recovery import _RecoveryMixin
 from ._statistics import _StatisticsMixin
 from .accounts import Accounts
+from .deferred import DeferredFrees
 from ._streams import _StreamsMixin, check_stream
 from ._support import FOLD_AT, c_accounting, check_size, hot_path_status
 from ..stats import origin_capture
@@ -172,12 +173,9 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
         #: "c" or "python": the hot path built on first use (None before).
         self.hot_path: str | None = None
         self._pinned = False
-        # record_stream: live ptr -> [(stream object, handle, device, thread ident)];
-        # blocks freed with recorded streams wait in _pending, oldest first, as
-        # [events, ptr, size, device], until those streams' work queued at the free is done
-        self._recorded: dict[int, list] = {}
-        self._pending: list[list] = []
-        self._poll_lock = threading.Lock()
+        #: record_stream's recorded streams and the frees waiting for them
+        #: (:class:`~cupy_memstrat.strategies.deferred.DeferredFrees`)
+        self.deferred = DeferredFrees(backend, lambda: self.name, self._give_back_pending, self._settle)
         # _watch[0]: called when the last live allocation is freed (using() lets go)
         self._watch: list = [None]
         # the recording (cupy_memstrat.record_history) that wants segment and out-of-memory
@@ -313,8 +311,9 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
         recover, fold, track = self._recover_hook, accounts.fold, self._track_origins
         capture = origin_capture(track)  # the first frame, or track_origins=N frames
         unknown_free, name = self._unknown_free, self.name
-        recorded, pending, poll = self._recorded, self._pending, self._poll_pending
-        defer, watch = self._defer, self._watch
+        deferred = self.deferred
+        recorded, pending, poll, defer, watch = (deferred.recorded, deferred.pending, deferred.poll, deferred.defer,
+                                                 self._watch)
         Accounting = c_accounting(track)
         if Accounting is not None:
             acc = self._new_accounting(

@@ -267,10 +267,10 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
         streams here (a synchronisation) and go back to CuPy's pool, and the
         others are let go: their frees then wait for the recorded streams as
         those of a block recorded through :meth:`Strategy.record_stream` do."""
-        if not self._held and not self._pending:
+        if not self._held and not self.deferred.pending:
             return
         try:
-            self._flush_pending()  # blocks freed early go back after a synchronisation, never before
+            self.deferred.flush()  # blocks freed early go back after a synchronisation, never before
         except Exception as exc:  # noqa: BLE001 - use() has installed the next strategy already
             self.backend.clear_last_error()
             warn_at_user(f"pool: waiting for the streams of blocks held for record_stream failed: {exc}",
@@ -285,10 +285,6 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
         if self._held:
             self._reap_held()  # as the direct route's allocations do
         return super().raw_malloc(size, device)
-
-    def _poll_pending(self, wait=None) -> None:
-        self._reap_held()
-        super()._poll_pending(wait)
 
     def _direct_failed(self, size, exc):
         """route="direct": CuPy's pool raised ``OutOfMemoryError`` for
@@ -323,11 +319,11 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
         # the pending entry keeps CuPy's memory object of a block freed early (dropped with the
         # entry, once the streams are done: the pool has the block then), or None: the pool has it
         if early:
-            self._defer(ptr, size, device, self._held.pop(ptr, None))
+            self.deferred.defer(ptr, size, device, self._held.pop(ptr, None))
             return
-        self._defer(ptr, size, device, None)
+        self.deferred.defer(ptr, size, device, None)
         try:
-            self._flush_pending()
+            self.deferred.flush()
         except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
             self.backend.clear_last_error()
             warn_at_user(f"pool: waiting for the streams recorded on 0x{ptr:x} failed: {exc}", RuntimeWarning)
@@ -341,10 +337,6 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
         if len(entry) > 4:
             return  # a block of CuPy's arrays (direct route): its memory object, if any, goes with the entry
         super()._give_back_pending(entry)
-
-    def _flush_pending(self) -> None:
-        self._reap_held()
-        super()._flush_pending()
 
     def close(self) -> None:
         """As :meth:`Strategy.close`; held blocks whose arrays still live
@@ -386,10 +378,10 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
             TypeError, ValueError: a bad ``keep_bytes`` or ``device``.
         """
         devices = self._trim_devices(keep_bytes, device)  # every value checked before anything is released
-        waiting = sum(p[2] for p in self._pending) if self._pool is None else 0
-        self._flush_pending()  # blocks waiting for recorded streams go back to the pool first
+        waiting = self.deferred.waiting_bytes() if self._pool is None else 0
+        self.deferred.flush()  # blocks waiting for recorded streams go back to the pool first
         # without CuPy's pool (the fake backend) they went back to the backend: released now
-        released = waiting - sum(p[2] for p in self._pending) if self._pool is None else 0
+        released = waiting - self.deferred.waiting_bytes() if self._pool is None else 0
         for d, keep in devices:
             if self._pool is None:
                 continue

@@ -810,7 +810,8 @@ class ManagedStrategy(Strategy):
         capture = origin_capture(track)  # the first frame, or track_origins=N frames
         arenas, owner, arena_of = self._arenas, self._owner, self._arena_of
         miss, fold, unknown_free = self._miss, accounts.fold, self._unknown_free
-        recorded, pending, poll, defer, watch = (self._recorded, self._pending, self._poll_pending, self._defer,
+        deferred = self.deferred
+        recorded, pending, poll, defer, watch = (deferred.recorded, deferred.pending, deferred.poll, deferred.defer,
                                                  self._watch)
         prefetch_to = self._prefetch_to if self.config["prefetch"] == "on_alloc" else None
         capsule, stream_ptr = self._stream_source()
@@ -999,7 +1000,7 @@ class ManagedStrategy(Strategy):
         for d in devices:  # every value checked before anything is released
             total = self.backend.device_properties(d)["total_memory"] if isinstance(keep_bytes, str) else None
             keeps.append(parse_size(keep_bytes, total=total, what="keep_bytes"))
-        self._flush_pending()  # blocks waiting for recorded streams are cache too
+        self.deferred.flush()  # blocks waiting for recorded streams are cache too
         return sum(self._release(d, keep) for d, keep in zip(devices, keeps))
 
     def close(self) -> None:

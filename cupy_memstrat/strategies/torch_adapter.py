@@ -128,7 +128,7 @@ class TorchStrategy(ForeignReserved, LibraryPoolStrategy):
             TypeError, ValueError: a bad ``keep_bytes`` or ``device``.
         """
         devices = self._trim_devices(keep_bytes, device)
-        self._flush_pending()  # blocks waiting for recorded streams go back first
+        self.deferred.flush()  # blocks waiting for recorded streams go back first
         if self.library is None:
             return 0
         before = {d: self._reserved(d) for d, _ in devices}

@@ -243,7 +243,7 @@ def test_record_stream_refuses_bad_input_on_the_gpu(cp):
             cupy_memstrat.record_stream(x, cp.cuda.Stream().ptr)
         with pytest.raises(TypeError, match="array: expected a CuPy array"):
             cupy_memstrat.record_stream(x.get(), cp.cuda.Stream())
-        assert s._recorded == {} and float(x.sum()) == 1000.0
+        assert s.deferred.recorded == {} and float(x.sum()) == 1000.0
         assert cupy_memstrat.record_stream(x, cp.cuda.Stream.null) is True
     finally:
         S.release(cp, s)
