@@ -139,7 +139,7 @@ class _RecordingAllocator:
 
 
 def _recording_allocator(strategy, h: History) -> _RecordingAllocator:
-    from .strategies import base
+    from .strategies.cupy_route import cupy_malloc_over
 
     malloc, free = strategy._hot_path()
     events, clock, origins, live = h.events, time.perf_counter_ns, h.origins, strategy.accounts.live
@@ -172,7 +172,7 @@ def _recording_allocator(strategy, h: History) -> _RecordingAllocator:
             h.n_events += 1
             events.append((clock(), "free", ptr, size, device, stream(device), None))
 
-    cupy_malloc, pfa, _ = base.cupy_malloc_over(strategy.backend, rec_malloc, rec_free, strategy.block_granule)
+    cupy_malloc, pfa, _ = cupy_malloc_over(strategy.backend, rec_malloc, rec_free, strategy.block_granule)
     return _RecordingAllocator(cupy_malloc, strategy, pfa)
 
 
@@ -253,8 +253,8 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins:
         if h is not None:
             h.segments_at_end = h.strategy.memory_segments()  # what the last events left
             h.enabled = False
-            if h.strategy._history is h:
-                h.strategy._history = None
+            if h.strategy.history is h:
+                h.strategy.history = None
             if cupy.cuda.get_allocator() is h.allocator:
                 cupy.cuda.set_allocator(h.previous_allocator)
             _active, _last = None, h
@@ -266,7 +266,7 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, origins:
         h.allocator = _recording_allocator(s, h)
         cupy.cuda.set_allocator(h.allocator)
         api.log_install(s, "record_history")
-        s._history = h  # segment and out-of-memory events
+        s.history = h  # segment and out-of-memory events
         _active = h
         return h
 

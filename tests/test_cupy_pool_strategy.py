@@ -5,6 +5,7 @@ import weakref
 import pytest
 
 import cupy_memstrat
+from cupy_memstrat.strategies.reachable import REACHABLE
 from cupy_memstrat import CuPyPoolStrategy
 from cupy_memstrat.strategies import _support, base
 from cupy_memstrat.testing import FakeBackend
@@ -498,7 +499,7 @@ def test_route_direct_using_exit_and_use_of_another_let_go_of_held_blocks():
     assert s._held == {}
     fake.finish(B)
     del x
-    assert P in pool.free and s not in base._pinned
+    assert P in pool.free and s not in REACHABLE
 
 
 @needs_c

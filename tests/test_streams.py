@@ -14,6 +14,7 @@ import warnings
 import pytest
 
 import cupy_memstrat
+from cupy_memstrat.strategies.reachable import REACHABLE
 from cupy_memstrat import backends as C
 from cupy_memstrat.testing import FakeBackend
 from helpers import stream_on_handle
@@ -466,14 +467,13 @@ def test_a_hopeless_request_still_fails_clearly(fake, name):
 def test_using_lets_go_of_its_strategy_when_the_last_array_that_outlived_it_dies(restore_cupy_allocator, name):
     cupy = restore_cupy_allocator
     fake = FakeBackend(memory="1GiB")
-    from cupy_memstrat.strategies import base
 
     for _ in range(5):
         with cupy_memstrat.using(name, backend=fake) as s:
             x = cupy.empty(MiB, dtype=cupy.uint8)
-        assert s in base._pinned  # x still lives
+        assert s in REACHABLE  # x still lives
         del x
-        assert s not in base._pinned  # closed: out of reach of nothing, holding nothing
+        assert s not in REACHABLE  # closed: out of reach of nothing, holding nothing
     assert fake.used_bytes(0) == 0  # no pool, chunk or cache left behind
 
 
@@ -568,13 +568,12 @@ def test_a_closed_strategy_installed_again_is_reachable_again(restore_cupy_alloc
     with cupy_memstrat.using("managed", backend=fake) as s:
         del_me = cupy.empty(10)
         del del_me
-    from cupy_memstrat.strategies import base
 
-    assert s not in base._pinned
+    assert s not in REACHABLE
     cupy_memstrat.use(s)
     x = cupy.empty(1 << 18, dtype=cupy.float32)
     cupy_memstrat.use("device", backend=fake)
-    assert s in base._pinned  # reachable again: record_stream finds it, recovery trims it
+    assert s in REACHABLE  # reachable again: record_stream finds it, recovery trims it
     B = fake.stream()
     assert s.record_stream(x.data.mem.ptr, B) is True
 

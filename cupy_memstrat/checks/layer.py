@@ -234,7 +234,7 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
             except (MemoryError, OverflowError) as again:
                 exc = again
         self.accounts.count_failed(device)
-        self._raise_out_of_memory(
+        self.recovery.raise_out_of_memory(
             size, device, reason=getattr(exc, "reason", "cuda"), cause=exc,
             detail=f" ({padded:,} bytes with the checks' padding; {type(exc).__name__}: {exc})",
         )

@@ -23,7 +23,7 @@ and frees, with many threads and no lock:
   are queued;
 * a free pops the pointer from ``live[device]`` *then* appends ``-size``;
 * in C, an ``Accounting`` made by ``Strategy._new_accounting`` does the same
-  with C integers, drained by ``Strategy._fold``.
+  with C integers, drained by ``Accounts.fold`` (``strategies/accounts.py``).
 
 Each inlined copy says so where it appends; this is the one place the rule
 is written.

@@ -315,7 +315,7 @@ class AsyncPoolStrategy(Strategy):
         and every other strategy's; then the same after ``gc.collect()``
         twice) and retry, or raise."""
         b = self.backend
-        ptr = self._recover(
+        ptr = self.recovery.recover(
             size, device, exc, lambda: b.malloc_from_pool_async(alloc_size or size, pool, sptr),
             detail=lambda: self._oom_detail(size, device),
         )
@@ -435,7 +435,7 @@ class AsyncPoolStrategy(Strategy):
         Accounting = c_accounting(self._track_origins)
         if Accounting is not None:
             acc = self._new_accounting(
-                Accounting, self._unknown_free, self._recover,
+                Accounting, self._unknown_free, self.recovery.recover,
                 capsule=b.current_stream_ptr_capsule(), recorded=self.deferred.recorded, defer=self.deferred.defer,
                 pending=self.deferred.pending, poll=self.deferred.poll, watch=self._watch,
                 pool_malloc=b.malloc_from_pool_async, free_async=b.free_async, pools=self._pools,

@@ -1,4 +1,4 @@
-"""The :class:`Strategy` base class: CuPy glue, accounting, errors.
+"""The :class:`Strategy` base class: the interface every strategy has, over parts it holds.
 
 A strategy subclass provides two hooks, the strategy contract
 (docs/strategies.md, "Writing a strategy"):
@@ -11,13 +11,21 @@ A strategy subclass provides two hooks, the strategy contract
 and, if it caches, calls ``record_reserved(device, delta)`` when it takes
 memory from CUDA or gives it back.
 
-Everything else is shared, here and in the classes :class:`Strategy` is
-composed of (the private modules of this package: ``_statistics``,
-``_streams``, ``_recovery``, ``_cupy_glue``, ``_lifetime``; their state is set
-in ``Strategy.__init__``): size validation, the live-allocation table, the
-:class:`~cupy_memstrat.Stats` counters (exact under threads), origin
-tracking, out-of-memory errors, invalid frees, and the CuPy allocator
-callable.
+Everything else is shared. :class:`Strategy` is the public interface (size
+validation, the pointer-level calls, the hot path built once, statistics,
+``record_stream``, ``close``, CuPy's allocator callable) over parts that own
+their state, each a class of its own module in this package:
+
+* ``accounts`` (:class:`~cupy_memstrat.strategies.accounts.Accounts`): the
+  live tables, origins and counters, folded from the hot path's reports;
+* ``deferred`` (:class:`~cupy_memstrat.strategies.deferred.DeferredFrees`):
+  ``record_stream``'s recorded streams and the frees waiting for them;
+* ``recovery`` (:class:`~cupy_memstrat.strategies.recovery.Recovery`): out of
+  memory in CuPy's order, the error and its snapshot;
+* :data:`~cupy_memstrat.strategies.reachable.REACHABLE`: the strategies kept
+  reachable while they have handed out memory;
+* :mod:`~cupy_memstrat.strategies.cupy_route`: CuPy's allocator callable over
+  a hot path.
 
 The hot path takes no lock. In C (below) each allocation is one dict insert
 and an update of the device's counts, C integers (the running sum of sizes,
@@ -51,36 +59,34 @@ import importlib.util
 import operator
 import os
 import threading
+import weakref
 from typing import ClassVar
 
 from .. import backends as _backends
-from ..options import Option, as_frames, as_output_file
 from .._userwarn import warn_at_user
-from ._contract import _ContractMixin
-from ._cupy_glue import _CupyMixin
-from ._lifetime import _LifetimeMixin
-from ._recovery import _RecoveryMixin
-from ._statistics import _StatisticsMixin
+from ..errors import InvalidFreeWarning
+from ..options import Option, as_frames, as_output_file
+from ..sizes import parse_size
+from ..stats import Allocation, Stats, origin_capture
+from ._contract import HOOKS, NOT_HOOKS, ProvidedHooks
+from ._layout import block, segment
+from ._support import FOLD_AT, SIZE_T_LIMIT, c_accounting, check_size, hot_path_status
 from .accounts import Accounts
-from .deferred import DeferredFrees
-from ._streams import _StreamsMixin, check_stream
-from ._support import FOLD_AT, c_accounting, check_size, hot_path_status
-from ..stats import origin_capture
-
-# importable from here too (tests read base._pinned and base._pfa_owners, cupy_memstrat.history
-# calls base.cupy_malloc_over)
-from ._cupy_glue import _FakeOwner, _cupy_memory, _cupy_pool_hint, _free_cupy_pool_blocks  # noqa: F401
-from ._cupy_glue import _pfa_owners, cupy_malloc_over  # noqa: F401
-from ._lifetime import _pinned, _pinned_lock  # noqa: F401
-from ._support import SIZE_T_LIMIT  # noqa: F401
+from .cupy_route import cupy_malloc_over
+from .deferred import DeferredFrees, check_stream
+from .reachable import REACHABLE
+from .recovery import Recovery
 
 __all__ = ["Strategy", "check_size", "check_stream", "hot_path_status"]
+
+#: id(CuPy's PythonFunctionAllocator) -> a weak reference to the strategy that made it (_owner_of)
+_pfa_owners: dict = {}
 
 #: the default of every strategy's ``oom_snapshot`` option
 OOM_SNAPSHOT_ENV = "CUPY_MEMSTRAT_OOM_SNAPSHOT"
 
 
-class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, _CupyMixin, _LifetimeMixin):
+class Strategy:
     """A named allocator policy that CuPy can use as its allocator.
 
     Create one with :func:`cupy_memstrat.use` / :func:`~cupy_memstrat.using`
@@ -175,12 +181,16 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
         self._pinned = False
         #: record_stream's recorded streams and the frees waiting for them
         #: (:class:`~cupy_memstrat.strategies.deferred.DeferredFrees`)
+        #: the out-of-memory path (:class:`~cupy_memstrat.strategies.recovery.Recovery`)
+        self.recovery = Recovery(self)
         self.deferred = DeferredFrees(backend, lambda: self.name, self._give_back_pending, self._settle)
         # _watch[0]: called when the last live allocation is freed (using() lets go)
         self._watch: list = [None]
         # the recording (cupy_memstrat.record_history) that wants segment and out-of-memory
         # events, off the hot path; None when nothing records
-        self._history = None
+        #: the recording (:func:`cupy_memstrat.record_history`) that takes this strategy's segment and
+        #: out-of-memory events, off the hot path; None when nothing records
+        self.history = None
         #: None, or a callable returning text added to this strategy's out-of-memory messages
         #: (cupy_memstrat.dask's plugin names the worker and the task)
         self.oom_context = None
@@ -376,6 +386,506 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
         self.accounts.add_drain(acc.drain)
         return acc
 
+    # -- the contract: the hooks a subclass provides -----------------------------
+
+    #: True for a strategy that builds a hot path of its own (managed, async): it has no hooks
+    own_hot_path = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        hooks = [n for n in (*HOOKS, *NOT_HOOKS) if n in vars(cls)]
+        if hooks and super(cls, cls).own_hot_path:  # (the value cls inherits)
+            raise TypeError(f"{cls.__name__}: {', '.join(hooks)} would never be called: {cls.__mro__[1].__name__} "
+                            "builds a hot path of its own; subclass cupy_memstrat.Strategy (or DeviceStrategy) to "
+                            "provide hooks (docs/strategies.md)")
+        for wrong, hook in NOT_HOOKS.items():  # refused at the class statement, not ignored at every call
+            if wrong in vars(cls) and any(getattr(cls, hook) is vars(k)[hook] for k in (Strategy, ProvidedHooks)):
+                raise TypeError(f"{cls.__name__}.{wrong} is not a hook: name it {hook} (docs/strategies.md, "
+                                "'Writing your own strategy')")
+
+    def allocate(self, size: int) -> int:
+        """The subclass's hook: obtain ``size`` bytes (> 0) on the current
+        device and return the pointer (an int).
+
+        Called by the hot path only, after the size was checked; the base
+        class counts it. Raise the backend's ``Error`` (CUDA's
+        ``cudaErrorMemoryAllocation`` for out of memory): the base class
+        then recovers in CuPy's order (gives cached memory back, collects,
+        retries) or raises :class:`~cupy_memstrat.OutOfMemoryError`.
+        ``managed`` and ``async`` build hot paths of their own and have no
+        hook to override.
+        """
+        if self.own_hot_path:
+            raise NotImplementedError(f"{type(self).__name__} builds a hot path of its own and has no allocate "
+                                      "hook: allocate with raw_malloc(size)")
+        raise NotImplementedError(f"{type(self).__name__} defines no allocate(size) -> ptr")
+
+    def deallocate(self, ptr: int) -> None:
+        """The subclass's hook: give back a pointer :meth:`allocate` returned.
+        Called once per pointer, after the accounting; an exception is
+        turned into a ``RuntimeWarning`` (CuPy frees from finalisers)."""
+        if self.own_hot_path:
+            raise NotImplementedError(f"{type(self).__name__} builds a hot path of its own and has no deallocate "
+                                      "hook: free with raw_free(ptr)")
+        raise NotImplementedError(f"{type(self).__name__} defines no deallocate(ptr)")
+
+    def record_reserved(self, device: int, delta: int) -> None:
+        """For caching strategies: ``delta`` bytes (an int) were taken from
+        (> 0) or given back to (< 0) CUDA on ``device`` (``bytes_reserved``
+        and its peak). Off the hot path (pool growth and trims): it takes a lock.
+
+        Raises:
+            TypeError: ``device`` or ``delta`` is not an int (bool included).
+            ValueError: ``device`` is not a device of this strategy's backend.
+        """
+        for what, v in (("device", device), ("delta", delta)):
+            if isinstance(v, bool) or not hasattr(v, "__index__"):
+                raise TypeError(f"record_reserved: {what}: expected an int, got {type(v).__name__} {v!r}")
+        device, delta = operator.index(device), operator.index(delta)
+        n = self.accounts.n_devices
+        if not 0 <= device < n:
+            raise ValueError(f"record_reserved: device: expected 0 <= device < {n}, got {device}")
+        self.accounts.add_reserved(device, delta)
+
+    def _hooks(self):
+        """``(allocate, deallocate)`` as the hot path calls them: for each, the
+        most derived definition, the instance's own first."""
+        return tuple(getattr(self, n) for n in HOOKS)
+
+    # -- statistics and the live table, read off the hot path --------------------
+
+    # -- statistics ------------------------------------------------------------
+    def _settle(self) -> None:
+        """Before the statistics or the live table are read: account frees
+        that a strategy sees only by looking (``pool``'s route ``"direct"``
+        holds a block :func:`cupy_memstrat.record_stream` recorded until its
+        arrays are gone). Nothing here."""
+
+    def _hold_recorded(self, mem) -> None:
+        """:func:`cupy_memstrat.record_stream` recorded a stream on the block
+        of CuPy's memory object ``mem`` (this strategy's): a strategy whose
+        memory objects are not its own may keep ``mem`` (``pool``'s route
+        ``"direct"``). Nothing here."""
+
+    def _stop_holding(self) -> None:
+        """No longer CuPy's allocator (:func:`cupy_memstrat.use` installed
+        another): let go of anything kept for :meth:`_hold_recorded`. Nothing
+        here."""
+
+    def _device_or_current(self, device):
+        if device is None:
+            return self.backend.get_device()
+        if isinstance(device, bool) or not hasattr(device, "__index__"):
+            raise TypeError(f"device: expected an int device ordinal, got {type(device).__name__} {device!r}")
+        device = operator.index(device)
+        n = self.backend.device_count()
+        if not 0 <= device < n:
+            raise ValueError(f"device: expected 0 <= device < {n}, got {device}")
+        return device
+
+    def _read_counters(self, device, read):
+        """``(device, read(counters))``: ``device`` checked (default: current),
+        the recorded events folded in, and ``read`` called on the device's
+        counters under the fold lock, so that what it reads is one moment's."""
+        device = self._device_or_current(device)
+        self._settle()
+        return device, self.accounts.read(device, read)
+
+    def stats(self, device: int | None = None) -> Stats:
+        """This strategy's :class:`~cupy_memstrat.Stats` for ``device``
+        (default: CuPy's current device).
+
+        Raises:
+            TypeError, ValueError: ``device`` is not a valid device ordinal.
+        """
+        device, fields = self._read_counters(device, lambda c: dict(
+            bytes_in_use=c.in_use,
+            peak_bytes_in_use=c.peak_in_use,
+            bytes_reserved=c.reserved,
+            peak_bytes_reserved=c.peak_reserved,
+            n_allocs=c.n_allocs,
+            n_frees=c.n_frees,
+            n_live=c.n_allocs - c.n_frees,
+            n_failed=c.n_failed,
+            n_invalid_frees=self.accounts.n_invalid_frees,
+            n_oom_recoveries=c.n_oom_recoveries,
+        ))
+        if self.reserved_is_in_use:
+            # nothing cached, but a block freed while a recorded stream still used it is CUDA's
+            # memory until that stream's work is done (record_stream): reserved, not in use
+            held = self.deferred.waiting_bytes(device)
+            reserved = fields["bytes_in_use"] + held
+            peak = self.accounts.note_reserved_seen(device, reserved)  # the highest seen at reads (reset_peak)
+            fields["bytes_reserved"] = reserved
+            fields["peak_bytes_reserved"] = max(fields["peak_bytes_in_use"], peak)
+        return Stats(device=device, strategy=self.name, **fields)
+
+    def in_use(self, device: int | None = None) -> tuple[int, int]:
+        """``(bytes in use, peak bytes in use)`` on ``device`` (default:
+        current), the two numbers of :meth:`stats` a per-task hook needs,
+        without reading anything from CUDA (the Dask plugin reads them at
+        every task's start and end).
+
+        Raises:
+            TypeError, ValueError: ``device`` is not a valid device ordinal.
+        """
+        return self._read_counters(device, lambda c: (c.in_use, c.peak_in_use))[1]
+
+    def reset_peak(self, device: int | None = None, *, reserved: bool = True) -> None:
+        """Set the peaks of ``device`` (default: current) to the present
+        values: the peak in use, and with ``reserved`` (default) the peak
+        reserved too (``reserved=False`` touches nothing in CUDA).
+
+        Raises:
+            TypeError: ``reserved`` is not True or False (nothing is reset).
+            ValueError, TypeError: ``device`` is not a device ordinal.
+        """
+        if reserved is not True and reserved is not False:
+            raise TypeError(f"reset_peak: reserved must be True or False, got {reserved!r}")
+        device = self._device_or_current(device)
+        self._settle()
+        self.accounts.reset_peak(device, reserved)
+
+    def live_allocations(self, device: int | None = None) -> list[Allocation]:
+        """Live allocations, largest first, on ``device`` or on every device
+        (default). ``origin`` is set when ``track_origins=True``."""
+        if device is not None:
+            device = self._device_or_current(device)
+        self._settle()
+        origins = self.accounts.origins
+        rows = [
+            Allocation(ptr=p, size=s, device=d, origin=origins.get(p))
+            for d, live in enumerate(self.accounts.live)
+            if device is None or d == device
+            for p, s in list(live.items())
+        ]
+        rows.sort(key=lambda a: (-a.size, a.ptr))
+        return rows
+
+    #: how :meth:`memory_segments` maps this strategy's memory: ``"blocks"``,
+    #: each live block is its own segment (what CUDA keeps behind a pool is
+    #: not visible); ``"chunks"``, segments are the strategy's own chunks.
+    segment_kind: ClassVar[str] = "blocks"
+
+    def memory_segments(self, device: int | None = None) -> list[dict]:
+        """The memory held on ``device`` (default: every device) as segments
+        in the layout of PyTorch's memory snapshot (``torch.cuda.memory._snapshot()``;
+        :func:`cupy_memstrat.snapshot` with ``format="torch"`` writes them).
+
+        Each segment is a dict with ``device``, ``address``, ``total_size``
+        (bytes), ``stream``, ``segment_type`` (``"small"`` up to 1 MiB, else
+        ``"large"``), ``allocated_size``, ``active_size`` and ``blocks``,
+        which tile the segment in address order: ``address``, ``size``,
+        ``requested_size`` (bytes), ``state`` (``"active_allocated"`` or
+        ``"inactive"``: free) and ``frames`` (``{"filename", "line",
+        "name"}`` dicts, innermost first, when ``track_origins`` is on).
+        Here each live block is its own segment (:attr:`segment_kind`
+        ``"blocks"``): cached memory does not show. ``managed`` overrides it
+        with its chunks.
+
+        Raises:
+            TypeError, ValueError: ``device`` is not a valid device ordinal.
+        """
+        devices = range(len(self.accounts.live)) if device is None else [self._device_or_current(device)]
+        self._settle()
+        origins = self.accounts.origins
+        out = []
+        for d in devices:
+            for ptr, size in sorted(list(self.accounts.live[d].items())):
+                blk = block(ptr, size, size, True, origins.get(ptr))
+                out.append(segment(d, ptr, size, [blk]))
+        return out
+
+    def live_sizes(self, device: int | None = None) -> dict[int, int]:
+        """A snapshot of the live allocations as ``{ptr: size in bytes}``, in
+        allocation order, on ``device`` or on every device (default).
+
+        Cheap (a dict copy per device: no sorting, no :class:`Allocation`
+        rows, no origins): for code that compares the live set at two points,
+        such as the pytest plugin's leak check. ``live_sizes().items() -
+        before.items()`` are the allocations made in between that are still
+        live (a block that reuses the address *and* size of one freed in
+        between is indistinguishable from it)."""
+        self._settle()
+        return self.accounts.sizes(None if device is None else self._device_or_current(device))
+
+    def _trim_devices(self, keep_bytes, device) -> list[tuple[int, int]]:
+        """``[(device, bytes to keep)]`` for :meth:`trim`: every value checked
+        before anything is released (``"N%"`` of each device's memory).
+
+        Raises:
+            TypeError, ValueError: a bad ``keep_bytes`` or ``device``.
+        """
+        devices = range(self.backend.device_count()) if device is None else [self._device_or_current(device)]
+        out = []
+        for d in devices:
+            total = None
+            if isinstance(keep_bytes, str) and keep_bytes.strip().endswith("%"):
+                total = self.backend.device_properties(d)["total_memory"]
+            out.append((d, parse_size(keep_bytes, total=total, what="keep_bytes")))
+        return out
+
+    def trim(self, keep_bytes=0, device: int | None = None) -> int:
+        """Give memory the strategy caches but does not use back to CUDA.
+
+        A strategy that caches nothing (``reserved_is_in_use``, e.g.
+        ``device``) has nothing to give back: this is a no-op that returns 0
+        (the arguments are still checked). Caching strategies override it.
+
+        Args:
+            keep_bytes: bytes to keep cached (int, size string or ``"N%"``).
+            device: a device ordinal, or ``None`` for every device.
+
+        Returns:
+            int: bytes given back to CUDA.
+
+        Raises:
+            TypeError, ValueError: a bad ``keep_bytes`` or ``device``.
+        """
+        if device is not None:
+            self._device_or_current(device)
+        parse_size(keep_bytes, total=100, what="keep_bytes")  # validated; nothing to keep
+        self.deferred.flush()
+        return 0
+
+    # -- streams: stream keys, record_stream -----------------------------------------
+
+    def stream_key(self, device: int | None = None) -> int:
+        """CuPy's identifier of the current stream of ``device`` (default:
+        the current device): the stream's handle, or, for the per-thread
+        default stream (handle ``cudaStreamPerThread`` in every thread),
+        minus the calling thread's ident, as CuPy's pool keys its arenas
+        (``_get_stream_identifier`` in cupy/cuda/memory.pyx, cupy#5069).
+
+        A strategy that caches freed blocks keys its cache by it: remember
+        the key at ``allocate``, put the block back under that key at
+        ``deallocate``, and hand it out again only to an allocation under
+        the same key (docs/streams.md); the built-in ``managed`` does so.
+        """
+        d = self.backend.get_device() if device is None else self._device_or_current(device)
+        h = self.backend.current_stream_ptr(d)
+        return -threading.get_ident() if h == _backends.STREAM_PER_THREAD else h
+
+    # -- record_stream: blocks other streams still use ----------------------------------
+    def record_stream(self, ptr: int, stream) -> bool:
+        """Mark the live block at ``ptr`` (the start of an allocation of this
+        strategy) as used by ``stream`` too, as PyTorch's
+        ``Tensor.record_stream``: when the block is freed, no stream, its own
+        included, gets it again until the work queued on ``stream`` at the
+        free is done (an event recorded there at the free).
+
+        :func:`cupy_memstrat.record_stream` validates its arguments and calls
+        this on the strategy that owns the array.
+
+        Args:
+            ptr: the allocation's pointer (``array.data.mem.ptr``).
+            stream: a ``cupy.cuda.Stream`` (or ``ExternalStream``); it is
+                kept alive until the block is freed.
+
+        Returns:
+            bool: True if recorded; False if this strategy's frees already
+            wait for every stream (``device``: ``cudaFree`` synchronises the
+            device), so there is nothing to record.
+
+        Raises:
+            ValueError: ``ptr`` is not a live allocation of this strategy.
+        """
+        check_stream(stream)
+        if isinstance(ptr, bool) or not isinstance(ptr, int):
+            raise TypeError(f"ptr: expected an int pointer, got {type(ptr).__name__} {ptr!r}")
+        d = self.accounts.device_of(ptr)
+        if d is None:
+            raise ValueError(f"{self.name}: {ptr:#x} is not the start of a live allocation of this strategy")
+        sdev = getattr(stream, "device_id", -1)
+        if isinstance(sdev, int) and not isinstance(sdev, bool) and sdev >= 0 and sdev != d:
+            raise ValueError(f"stream: {stream!r} is on device {sdev}, but the block at {ptr:#x} is on device {d}")
+        if self.backend.stream_destroyed(stream.ptr):
+            raise ValueError(f"stream: {stream!r} (handle {stream.ptr:#x}) was destroyed")
+        if self.free_waits_for_all_streams:
+            return False
+        self.deferred.record(ptr, stream, d)
+        return True
+
+    def _give_back_pending(self, entry: list) -> None:
+        """A pending entry of :meth:`_defer` whose recorded streams are done
+        (or were synchronised): its block goes back (:meth:`_give_back_block`).
+        Must not raise."""
+        self._give_back_block(entry[1], entry[2], entry[3])
+
+    def _give_back_block(self, ptr: int, size: int, device: int) -> None:
+        """What a free does after the accounting: give the block to the
+        strategy's cache or back to CUDA (here: ``deallocate``). Caching
+        strategies override it. Must not raise."""
+        try:
+            self._hooks()[1](ptr)
+        except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
+            self.backend.clear_last_error()
+            warn_at_user(f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}",
+                         RuntimeWarning)
+
+    # -- frees that fail or name no live block; out of memory (off the hot path) --
+    def _recover_hook(self, size: int, device: int, exc: BaseException) -> int:
+        """The hot path's ``allocate(size)`` raised ``exc``: recover and
+        retry (:meth:`_recover`), returning the pointer, or raise."""
+        __tracebackhide__ = True  # pytest shows the user's frames, not ours
+        allocate = self._hooks()[0]
+        return self.recovery.recover(size, device, exc, lambda: allocate(size))
+
+    def _deallocation_failed(self, ptr: int, size: int, device: int, exc: BaseException, stacklevel: int) -> None:
+        """The C hot path's free: ``_deallocate`` raised. A finaliser must not
+        raise, so this warns (as the Python free does, same stack level)."""
+        warn_at_user(
+            f"{self.name}: freeing 0x{ptr:x} ({size} bytes) on device {device} failed: {exc}",
+            RuntimeWarning)
+
+    def _unknown_free(self, ptr, stacklevel: int = 1) -> tuple[int, int | None]:
+        """A free whose device hint was wrong: (device, size) of the live
+        block, popped; else counts and warns an invalid free, (-1, None)."""
+        __tracebackhide__ = True  # pytest shows the user's frames under -W error
+        device, size = self.accounts.pop_live(ptr)
+        if size is None and not (ptr == 0 and type(ptr) is int):
+            self._invalid_free(ptr, 4 + stacklevel)
+        return device, size
+
+    def _invalid_free(self, ptr, stacklevel: int) -> None:
+        __tracebackhide__ = True  # pytest shows the user's frames under -W error
+        self.accounts.count_invalid_free()
+        shown = f"0x{ptr:x}" if type(ptr) is int and ptr >= 0 else repr(ptr)
+        warn_at_user(
+            f"{self.name}: free of pointer {shown} that this strategy does not own "
+            "(unknown, already freed, or not a pointer); ignored",
+            InvalidFreeWarning)
+
+    # -- lifetime: reachable while it has handed out memory, close, using()'s let-go --
+
+    def _pin(self) -> None:
+        # A strategy that has handed out memory stays reachable from this
+        # module until close(): CuPy frees through it from finalisers, and the
+        # garbage collector must never clear it while arrays that are garbage
+        # in the same cycle still have to be freed (a test's traceback cycle
+        # can hold both).
+        REACHABLE.add(self)
+        self._pinned = True
+
+    # -- using(): let go once empty ----------------------------------------------------
+    def _let_go_when_empty(self) -> None:
+        """Close this strategy (giving its cache back) once its last live
+        allocation is freed, or now if there is none: what :func:`using`
+        does for a strategy it made when arrays outlive the block."""
+        self._watch[0] = self._check_empty
+        self._check_empty()
+
+    def _keep(self) -> None:
+        """Installed again (use() / using() of this object): stay open, and
+        reachable again if it was closed (record_stream, other strategies'
+        out-of-memory recovery)."""
+        self._watch[0] = None
+        if not self._pinned:
+            self._pin()
+
+    @staticmethod
+    def _owner_of_pointer(ptr: int, device: int):
+        """The strategy whose live table holds ``ptr`` on ``device`` (a checking layer before
+        the strategy it wraps), or None."""
+        return REACHABLE.owner_of_pointer(ptr, device)
+
+    def _check_empty(self) -> None:
+        if self.accounts.any_live():
+            return
+        self._watch[0] = None
+        try:
+            self.close()
+        except Exception as exc:  # noqa: BLE001 - called from a finaliser
+            self.backend.clear_last_error()
+            warn_at_user(f"{self.name}: closing after its last array was freed failed: {exc}", RuntimeWarning)
+
+    # -- close -----------------------------------------------------------------
+    def close(self) -> None:
+        """Let the strategy be garbage-collected once unreachable, and release
+        what it holds beyond live allocations (nothing for ``device``).
+
+        A strategy that has allocated stays referenced by cupy_memstrat until
+        closed, because CuPy's finalisers free through it. Close it only once
+        its arrays are gone and it is no longer CuPy's allocator (allocations
+        through an allocator that is still installed do not pin it again;
+        :meth:`raw_malloc` does). Closing twice is harmless. Blocks freed
+        with :func:`cupy_memstrat.record_stream`'d streams still pending are
+        given back first (after a synchronisation).
+        """
+        self._watch[0] = None
+        self.deferred.flush()
+        REACHABLE.discard(self)
+        self._pinned = False
+
+
+    # -- CuPy -------------------------------------------------------------------
+    def malloc(self, size) -> "cupy.cuda.MemoryPointer":  # noqa: F821
+        """CuPy's allocator interface, with size checks: ``size`` bytes ->
+        ``cupy.cuda.MemoryPointer`` on CuPy's current device. Usable with
+        ``cupy.cuda.set_allocator``; :func:`cupy_memstrat.use` installs the
+        faster :meth:`cupy_allocator`, which skips these checks.
+
+        Raises:
+            TypeError, ValueError: ``size`` is not an int >= 0 (CuPy's own
+                pool raises ``OverflowError`` for a negative size).
+            cupy.cuda.memory.OutOfMemoryError: as :meth:`raw_malloc`.
+        """
+        __tracebackhide__ = True  # pytest shows the user's frames, not ours
+        if size.__class__ is not int or size < 0 or size >= SIZE_T_LIMIT:
+            size = check_size(size)
+        cupy_malloc = self._cupy_malloc
+        if cupy_malloc is None:
+            cupy_malloc = self._make_cupy_malloc()
+        return cupy_malloc(size)
+
+    def cupy_allocator(self):
+        """The callable :func:`cupy_memstrat.use` passes to ``cupy.cuda.set_allocator``.
+
+        With CUDA it is the ``malloc`` of a ``cupy.cuda.PythonFunctionAllocator``
+        over this strategy's hot path, with no Python wrapper in between (one
+        Python frame less per allocation). Bad sizes then fail as they do with
+        CuPy's own pool: ``cupy.cuda.alloc(-1)`` raises ``OverflowError``; call
+        :meth:`malloc` for the ``ValueError`` / ``TypeError`` checks. With the
+        fake backend it is :meth:`malloc`.
+        """
+        if not isinstance(self.backend, _backends.RealBackend):
+            return self.malloc
+        if self._cupy_malloc is None:
+            self._make_cupy_malloc()
+        return self._cupy_malloc
+
+    @staticmethod
+    def _owner_of(allocator):
+        """The strategy behind a callable from :meth:`cupy_allocator` or :meth:`malloc`."""
+        owner = getattr(allocator, "__self__", None)
+        if isinstance(owner, Strategy):
+            return owner
+        recorded = getattr(allocator, "_memstrat_strategy", None)  # cupy_memstrat.history's recorder
+        if isinstance(recorded, Strategy):
+            return recorded
+        ref = _pfa_owners.get(id(owner))
+        s = ref() if ref is not None else None
+        return s if s is not None and s._pfa is owner else None
+
+    def _cupy_route(self, malloc, free):
+        """CuPy's ``malloc(size) -> MemoryPointer`` over the hot path's
+        ``malloc`` / ``free``, and the object that callable names as its
+        ``__self__`` (None if it names none; :meth:`_owner_of` finds the
+        strategy through it). A strategy with a route of its own into CuPy
+        overrides this (``pool``'s ``route="direct"``)."""
+        cupy_malloc, pfa, self._gc_safe = cupy_malloc_over(self.backend, malloc, free, self.block_granule)
+        return cupy_malloc, pfa
+
+    def _make_cupy_malloc(self):
+        malloc, free = self._hot_path()
+        cupy_malloc, pfa = self._cupy_route(malloc, free)
+        if pfa is not None:
+            self._pfa = pfa
+            _pfa_owners[id(pfa)] = weakref.ref(self)
+        self._pin()
+        self._cupy_malloc = cupy_malloc
+        return cupy_malloc
+
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
         return f"<{type(self).__name__} {self.name!r} ({opts}) on {self.backend.name}>"
@@ -391,18 +901,3 @@ class Strategy(_ContractMixin, _StreamsMixin, _RecoveryMixin, _StatisticsMixin, 
             "holds CUDA memory and state of this process; send its spec string and create it where it runs "
             "(cupy_memstrat.use(spec)), or send what it reports (stats().as_dict(), cupy_memstrat.snapshot())"
         )
-
-
-
-
-def _bind_public(cls) -> None:
-    """Bind the public methods and attributes of ``cls``'s mixins in ``cls`` too (the same
-    objects; a subclass's override still comes first), so that the API reference (docs/api.md,
-    Sphinx's autodoc, which lists no inherited member) documents them as ``Strategy``'s own."""
-    for mixin in cls.__mro__[1:-1]:
-        for name, value in list(vars(mixin).items()):
-            if not name.startswith("_"):
-                setattr(cls, name, value)
-
-
-_bind_public(Strategy)

@@ -305,7 +305,7 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
             got.append(mp)
             return mp.ptr
 
-        self._recover(size, self.backend.get_device(), Error(status), retry)
+        self.recovery.recover(size, self.backend.get_device(), Error(status), retry)
         return got[-1]
 
     def _recorded_freed(self, ptr: int, size: int, device: int, early: bool) -> None:

@@ -13,12 +13,42 @@ allocation, and call :meth:`DeferredFrees.defer` and :meth:`DeferredFrees.poll`.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 from .. import backends as _backends
 from .._userwarn import warn_at_user
 
-__all__ = ["DeferredFrees"]
+__all__ = ["DeferredFrees", "check_stream"]
+
+
+def check_stream(stream) -> None:
+    """A stream object: a ``cupy.cuda.Stream`` or ``ExternalStream``, or a
+    stream of the simulated GPU, whose ``.ptr`` is an int handle (``cudaStream_t``) from 0 to
+    2**64 - 1.
+
+    Raises:
+        TypeError: not a stream object (a raw handle, None, a str, an array or a
+            ``MemoryPointer``, whose ``.ptr`` is memory: recorded as a stream, a device pointer
+            crashes the process at the free under ``pool`` and ``async``).
+        ValueError: a handle outside that range.
+    """
+    cs = sys.modules.get("cupy.cuda.stream")  # CuPy 14: Stream and ExternalStream derive from _BaseStream
+    cupy_streams = tuple(c for c in (getattr(cs, n, None) for n in ("Stream", "ExternalStream", "_BaseStream",
+                                                                   "BaseStream")) if isinstance(c, type))
+    if not (cupy_streams and isinstance(stream, cupy_streams)
+            or getattr(type(stream), "simulated_stream", False) is True):
+        # the value itself only where its repr is short and safe (an array's would copy it to the host)
+        shown = f" {stream!r}" if stream is None or isinstance(stream, (bool, int, float, str, bytes)) else ""
+        kind = type(stream)
+        name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        raise TypeError(f"stream: expected a cupy.cuda.Stream (or ExternalStream), got {name}{shown}")
+    handle = getattr(stream, "ptr", None)
+    if isinstance(handle, bool) or not isinstance(handle, int):
+        raise TypeError(f"stream: expected a stream object whose .ptr is an int handle, got {stream!r} "
+                        f"(.ptr = {handle!r})")
+    if not 0 <= handle < 1 << 64:
+        raise ValueError(f"stream: {stream!r} has the handle {handle}, which is no cudaStream_t")
 
 
 class DeferredFrees:

@@ -394,10 +394,10 @@ class ManagedStrategy(Strategy):
             if attempt == 1:
                 gc.collect()
                 gc.collect()
-            self._give_back(device)
+            self.recovery.give_back(device)
         self._n_refused[device] += 1
         self.accounts.count_failed(device)
-        self._raise_out_of_memory(
+        self.recovery.raise_out_of_memory(
             size,
             device,
             reason="oversubscription_guard",
@@ -422,7 +422,7 @@ class ManagedStrategy(Strategy):
             try:
                 ptr = b.malloc_managed(nbytes)
             except self._Error as exc:
-                ptr = self._recover(size, device, exc, lambda: b.malloc_managed(nbytes))
+                ptr = self.recovery.recover(size, device, exc, lambda: b.malloc_managed(nbytes))
             try:
                 self._apply_policies(ptr, nbytes, device)
             except Exception:
@@ -434,7 +434,7 @@ class ManagedStrategy(Strategy):
                 bisect.insort(self._small_bases[device], ptr)
             self._reserved[device] += nbytes
             self.record_reserved(device, nbytes)
-            h = self._history
+            h = self.history
             if h is not None:
                 h.segment("segment_alloc", ptr, nbytes, device)
             return ptr
@@ -733,7 +733,7 @@ class ManagedStrategy(Strategy):
             del bases[bisect.bisect_left(bases, ptr)]
         self._reserved[device] -= nbytes
         self.record_reserved(device, -nbytes)
-        h = self._history
+        h = self.history
         if h is not None:
             h.segment("segment_free", ptr, nbytes, device)
         try:
@@ -818,7 +818,7 @@ class ManagedStrategy(Strategy):
         Accounting = c_accounting(track)
         if Accounting is not None:  # the same steps in C (csrc/hotpath.c, "classes" mode)
             acc = self._new_accounting(
-                Accounting, unknown_free, self._allocation_failed,
+                Accounting, unknown_free, self.recovery.allocation_failed,
                 arenas=arenas, owner=owner, arena_of=arena_of, chunk_bytes=CHUNK_BYTES,
                 stream_ptr=stream_ptr, capsule=capsule,
                 small_max=SMALL_MAX, miss=miss,

@@ -18,6 +18,7 @@ import time
 import pytest
 
 import cupy_memstrat
+from cupy_memstrat.strategies.reachable import REACHABLE
 from cupy_memstrat import backends as C
 from cupy_memstrat.bench import streams as S
 
@@ -396,7 +397,6 @@ def test_the_control_without_collection_runs_out_of_memory(cp):
 
 @pytest.mark.parametrize("spec", ["managed", "async", "pool"])
 def test_using_in_a_loop_gives_everything_back_once_the_arrays_die(cp, spec):
-    from cupy_memstrat.strategies import base
 
     cp.cuda.Device().synchronize()
     gc.collect()
@@ -405,9 +405,9 @@ def test_using_in_a_loop_gives_everything_back_once_the_arrays_die(cp, spec):
     for _ in range(10):
         with cupy_memstrat.using(spec) as s:
             x = cp.ones(64 << 20, dtype=cp.uint8)
-        assert s in base._pinned
+        assert s in REACHABLE
         del x
-        assert s not in base._pinned
+        assert s not in REACHABLE
     cp.get_default_memory_pool().free_all_blocks()
     free1, _ = cp.cuda.runtime.memGetInfo()
     assert free0 - free1 < 64 << 20  # ten strategies' pools and caches are gone
