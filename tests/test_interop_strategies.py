@@ -14,7 +14,7 @@ import pytest
 import cupy_memstrat
 from cupy_memstrat import MemstratError
 from cupy_memstrat.strategies import RMMStrategy, TorchStrategy
-from cupy_memstrat.strategies.stream_guard import DeadStreamGuard
+from cupy_memstrat.strategies.stream_deaths import DeadStreamGuard
 from cupy_memstrat.testing import FakeBackend
 from helpers import stream_on_handle
 

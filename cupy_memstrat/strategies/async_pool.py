@@ -13,6 +13,7 @@ from ..stats import Record, Stats, origin_capture
 from .._userwarn import warn_at_user
 from ._support import FOLD_AT, c_accounting
 from .base import Strategy
+from .stream_deaths import Quarantine, watch_object
 
 __all__ = ["AsyncPoolStrategy", "PoolStats"]
 
@@ -276,8 +277,8 @@ class AsyncPoolStrategy(Strategy):
         # reference stream_of holds: they compare equal while the stream lives) -> class -> ptrs
         self._stream_caches: list[dict] = [{} for _ in range(n)]
         self._dead: list = []  # (device, key) of streams that died with a cache: their blocks wait
-        self._quarantine: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # (ptr, class) to free
-        self._quarantine_bytes = [0] * n
+        # blocks dead streams cached: freed after a synchronisation waited for their work
+        self._quarantine = Quarantine(b, n)
         self._n_recoveries = [0] * n
         self._n_orphan_frees = [0] * n
         self._peak_reserved = [0] * n  # the pools' ReservedMemHigh, as last read
@@ -352,8 +353,7 @@ class AsyncPoolStrategy(Strategy):
                             continue
                         except Exception:  # noqa: BLE001 - CUDA refused the handle (destroyed)
                             self.backend.clear_last_error()
-                    self._quarantine[device].append((ptr, cls))  # freed after a synchronisation
-                    self._quarantine_bytes[device] += cls
+                    self._quarantine.add(device, ptr, cls)  # freed after a synchronisation
             if stream is None:
                 self._stream_caches[device].pop(key, None)
         self._reap(force=True)
@@ -369,7 +369,7 @@ class AsyncPoolStrategy(Strategy):
             dead.append((device, key))
 
         cache: dict[int, list[int]] = {}
-        self._stream_caches[device][weakref.ref(stream, died)] = cache
+        self._stream_caches[device][watch_object(stream, died)] = cache
         return cache
 
     def _reap(self, force: bool = False) -> None:
@@ -387,33 +387,20 @@ class AsyncPoolStrategy(Strategy):
             cache = self._stream_caches[device].pop(key, None) or {}
             for cls, lst in list(cache.items()):
                 for ptr in lst:
-                    self._quarantine[device].append((ptr, cls))
-                    self._quarantine_bytes[device] += cls
-        for device, held in enumerate(self._quarantine_bytes):
+                    self._quarantine.add(device, ptr, cls)
+        for device, held in enumerate(self._quarantine.bytes):
             if held and (force or held > self._cache_limit[device]):
                 self._release_quarantine(device)
 
     def _release_quarantine(self, device: int) -> int:
         """One device synchronisation, then the quarantined blocks go back to
         the pool on the null stream; returns the bytes."""
-        q = self._quarantine[device]
-        if not q:
-            return 0
-        b = self.backend
-        b.clear_last_error()
-        b.device_synchronize(device)  # the dead streams' queued work is done
-        released = 0
-        while q:
-            try:
-                ptr, cls = q.pop()
-            except IndexError:
-                break
-            self._quarantine_bytes[device] -= cls
+        def give(ptr, cls):
             with self.accounts.lock:
                 self._n_orphan_frees[device] += 1
             self._free_off_path(ptr, cls, device, 0)
-            released += cls
-        return released
+
+        return self._quarantine.release(device, give)
 
     def _oom_detail(self, size: int, device: int) -> str:
         detail = " (after synchronizing the device and trimming the pool)"
@@ -665,7 +652,7 @@ class AsyncPoolStrategy(Strategy):
             max_size=self._max_size[d],
             cached_bytes=sum(cls * len(lst) for cls, lst in list(self._cache[d].items()))
             + sum(cls * len(lst) for c in list(self._stream_caches[d].values()) for cls, lst in list(c.items()))
-            + self._quarantine_bytes[d],
+            + self._quarantine.bytes[d],
             n_oom_recoveries=self._n_recoveries[d],
             n_frees_after_stream_destroyed=self._n_orphan_frees[d],
         )

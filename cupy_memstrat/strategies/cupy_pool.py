@@ -20,7 +20,7 @@ from ..options import Option
 from ._foreign_reserve import ForeignReserved
 from ._contract import ProvidedHooks
 from .base import Strategy
-from .stream_guard import shared_guard
+from .stream_deaths import shared_guard
 
 __all__ = ["CuPyPoolStrategy", "route_status"]
 
@@ -89,7 +89,7 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
     alone that stream can get a block they still write (docs/streams.md).
     This strategy watches the streams it allocates on
     (:attr:`guard`, a
-    :class:`~cupy_memstrat.strategies.stream_guard.DeadStreamGuard`): after
+    :class:`~cupy_memstrat.strategies.stream_deaths.DeadStreamGuard`): after
     one dies, the next allocation waits for the device first
     (``cudaDeviceSynchronize``), once per destroyed stream that allocated.
 

@@ -1,7 +1,7 @@
 """The base of strategies that allocate from another library's pool (``rmm``,
 ``torch``): the library is needed only with CUDA, its absence is named before
 anything else, each allocation is made on CuPy's current stream behind the
-:class:`~cupy_memstrat.strategies.stream_guard.DeadStreamGuard`, and with the
+:class:`~cupy_memstrat.strategies.stream_deaths.DeadStreamGuard`, and with the
 fake backend the blocks come from the simulator."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from .. import backends as _backends
 from ..errors import CuPyNotInstalledError, NoDeviceError
 from ._contract import ProvidedHooks
 from .base import Strategy
-from .stream_guard import DeadStreamGuard, shared_guard
+from .stream_deaths import DeadStreamGuard, shared_guard
 
 __all__ = ["LibraryPoolStrategy"]
 

@@ -17,6 +17,7 @@ from ..sizes import format_count, format_size, parse_size
 from ..stats import Record, origin_capture
 from ._layout import block, segment
 from .._userwarn import warn_at_user
+from .stream_deaths import Quarantine, StreamWatch
 from ._support import FOLD_AT, SIZE_T_LIMIT, c_accounting
 from .base import Strategy
 
@@ -313,12 +314,28 @@ class ManagedStrategy(Strategy):
         # go to its arena (_owner). Chunks taken back wait, owned by no arena,
         # in _spare_small[d] (whole shared chunks, any class) and
         # _spare_large[d] (run bytes -> runs) for any stream.
-        self._watched: list[dict[int, weakref.ref]] = [{} for _ in range(n)]
         self._died: list[tuple[int, tuple, tuple]] = []
+        lists_of, arenas_of, died, me = self._lists, self._arenas, self._died, weakref.ref(self)
+
+        def stream_died(device, key):
+            # In the stream's deallocation (from the collector, or right after
+            # Stream.__del__ on the last reference's drop), before the program can
+            # make another stream: dict and list operations only (no lock, nothing CUDA).
+            # me: not the strategy itself, which the watch must not keep alive.
+            mine, view = lists_of[device].pop(key, None), arenas_of[device].pop(key, None)
+            strategy = me()
+            if strategy is not None:
+                strategy._forget_last_owner()  # the C hot path's cached arena of this handle
+            if mine is not None:
+                died.append((device, mine, view))
+
+        self._stream_watch = StreamWatch(self.backend, n, stream_died)
         self._dead: list[dict[int, list]] = [{} for _ in range(n)]
         self._spare_small: list[list[int]] = [[] for _ in range(n)]
         self._empty_arenas: list[list[tuple]] = [[] for _ in range(n)]  # forgotten arenas' tables, empty
         self._spare_large: list[dict[int, list[int]]] = [{} for _ in range(n)]
+        # free blocks taken from destroyed streams' arenas, spare once a synchronisation waited for them
+        self._reclaiming = Quarantine(self.backend, n)
         self._n_reclaims = [0] * n
         self._reclaimed = [0] * n
         # the chunks (base -> (bytes, class index or -1)); shared chunks' bases, sorted
@@ -476,42 +493,18 @@ class ManagedStrategy(Strategy):
 
     # -- destroyed streams' chunks ---------------------------------------------------
     def _watch_stream(self, device: int, key: int) -> None:
-        """Keep a weak reference to the ``cupy.cuda.Stream`` behind stream key
-        ``key`` (a handle > 2) on ``device``, so that its arena can be
-        reclaimed once the stream is gone. Called on the slow path."""
-        r = self._watched[device].get(key)
-        if r is not None and r() is not None:
+        """Watch the ``cupy.cuda.Stream`` behind stream key ``key`` (a handle > 2)
+        on ``device`` (:class:`~cupy_memstrat.strategies.stream_deaths.StreamWatch`),
+        so that its arena is taken out of reach when it dies and its free chunks
+        reclaimed. A wrapper (``cupy.cuda.ExternalStream``) of a stream someone
+        else owns is not watched: its death destroys nothing, and a program may
+        wrap the same live stream anew at every step; the arena stays under the
+        handle, as CuPy's pool keys it. Called on the slow path."""
+        if self._stream_watch.is_watched(device, key):
             return
         stream = self.backend.current_stream(device)
-        if getattr(stream, "ptr", None) != key:
-            return
-        owns = getattr(self.backend, "stream_owns_handle", None)
-        if owns is not None and not owns(stream):
-            # a wrapper (cupy.cuda.ExternalStream) of a stream someone else owns: its death
-            # destroys nothing, and a program may wrap the same live stream anew at every
-            # step; the arena stays under the handle, as CuPy's pool keys it
-            return
-        died, watched, lists, arenas = self._died, self._watched[device], self._lists[device], self._arenas[device]
-        me = weakref.ref(self)  # not the strategy itself: the callback must not keep it alive
-
-        def gone(ref, device=device, key=key):
-            # In the stream's deallocation (from the collector, or right after
-            # Stream.__del__ on the last reference's drop), before the program can
-            # make another stream: dict and list operations only (no lock, nothing CUDA).
-            if watched.get(key) is not ref:
-                return
-            del watched[key]
-            mine, view = lists.pop(key, None), arenas.pop(key, None)
-            strategy = me()
-            if strategy is not None:
-                strategy._forget_last_owner()  # the C hot path's cached arena of this handle
-            if mine is not None:
-                died.append((device, mine, view))
-
-        try:
-            watched[key] = weakref.ref(stream, gone)
-        except TypeError:  # a stream type without weak references: its arena stays as it is
-            return
+        if getattr(stream, "ptr", None) == key:
+            self._stream_watch.watch(device, stream)
 
     def _arena_free_bytes(self, lists: tuple[list, dict]) -> int:
         small, large = lists
@@ -631,20 +624,24 @@ class ManagedStrategy(Strategy):
                         runs.append((nbytes, lst.pop()))
                     except IndexError:
                         break
-        if not whole and not runs:
-            return
-        b = self.backend
-        b.clear_last_error()
-        b.device_synchronize(device)  # the dead streams' queued work is done
-        reclaimed = 0
+        q = self._reclaiming
         for nbytes, ptr in runs:
-            owner.pop(ptr, None)
-            self._spare_large[device].setdefault(nbytes, []).append(ptr)
-            reclaimed += nbytes
+            q.add(device, (ptr, True), nbytes)
         for base in whole:
-            owner.pop(base, None)
-            self._spare_small[device].append(base)
-            reclaimed += CHUNK_BYTES
+            q.add(device, (base, False), CHUNK_BYTES)
+        spare_small, spare_large = self._spare_small[device], self._spare_large[device]
+
+        def spare(item, nbytes):  # after the synchronisation: the dead streams' queued work is done
+            ptr, run = item
+            owner.pop(ptr, None)
+            if run:
+                spare_large.setdefault(nbytes, []).append(ptr)
+            else:
+                spare_small.append(ptr)
+
+        reclaimed = q.release(device, spare)  # nothing taken: no synchronisation
+        if not reclaimed:
+            return
         self._forget_last_owner()
         self._n_reclaims[device] += 1
         self._reclaimed[device] += reclaimed

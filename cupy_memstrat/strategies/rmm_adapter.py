@@ -69,7 +69,7 @@ class RMMStrategy(LibraryPoolStrategy):
     (docs/streams.md), so, as a precaution, after a ``cupy.cuda.Stream``
     that allocated dies, the next allocation on its device first waits for
     the device (one ``cudaDeviceSynchronize`` per such stream;
-    :class:`~cupy_memstrat.strategies.stream_guard.DeadStreamGuard`). RMM's
+    :class:`~cupy_memstrat.strategies.stream_deaths.DeadStreamGuard`). RMM's
     pools are not known to hand out a dead stream's block even without the
     wait: it is a precaution (docs/interop.md).
     :func:`cupy_memstrat.record_stream` works as with every strategy.

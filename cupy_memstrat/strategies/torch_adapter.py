@@ -46,7 +46,7 @@ class TorchStrategy(ForeignReserved, LibraryPoolStrategy):
     work may still run (docs/streams.md), so, as a precaution, after a
     ``cupy.cuda.Stream`` that allocated dies, the next allocation on its
     device first waits for the device (one ``cudaDeviceSynchronize`` per
-    such stream; :class:`~cupy_memstrat.strategies.stream_guard.DeadStreamGuard`).
+    such stream; :class:`~cupy_memstrat.strategies.stream_deaths.DeadStreamGuard`).
     PyTorch's allocator is not known to hand out a dead stream's block even
     without the wait: it is a precaution (docs/interop.md).
 
