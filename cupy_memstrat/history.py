@@ -141,7 +141,7 @@ class _RecordingAllocator:
 def _recording_allocator(strategy, h: History) -> _RecordingAllocator:
     from .strategies.cupy_route import cupy_malloc_over
 
-    malloc, free = strategy._hot_path()
+    malloc, free = strategy.hot_path_functions()
     events, clock, origins, live = h.events, time.perf_counter_ns, h.origins, strategy.accounts.live
     # the strategy's track_origins=N frames (as configured: the checking layer tracks one frame
     # on its own whatever it was given), else one

@@ -175,7 +175,7 @@ def test_a_finaliser_freeing_in_the_middle_of_an_allocation_neither_deadlocks_no
     call that the allocation path makes."""
     s = cupy_memstrat.create("device", backend=fake)
     victims = [s.raw_malloc(100, 0) for _ in range(200)]
-    malloc = s._hot_path()[0]  # the hot path CuPy calls
+    malloc = s.hot_path_functions()[0]  # the hot path CuPy calls
     # At every C call of the Python hot path; the C hot path runs no Python code
     # of its own, so there at the call of the backend's malloc it makes.
     code, event_at = (malloc.__code__, "c_call") if s.hot_path == "python" else (type(fake).malloc.__code__, "call")

@@ -177,6 +177,58 @@ def test_the_checker_sees_an_underscore_import():
     assert [f.split(": ", 1)[1] for f in found] == ["from cupy_memstrat.strategies.base import _pinned", "api._x"]
 
 
+def _private_names(paths, classes_only=True) -> set[str]:
+    """Underscore names the files define: methods and ``self._x`` attributes of their classes
+    (and, with ``classes_only=False``, module-level names and functions too)."""
+    names = set()
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        scopes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)] + ([] if classes_only else [tree])
+        for scope in scopes:
+            for n in ast.walk(scope):
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) or (
+                        not classes_only and isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)):
+                    name = n.name if hasattr(n, "name") else n.id
+                elif (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
+                      and n.value.id == "self"):
+                    name = n.attr
+                else:
+                    continue
+                if name.startswith("_") and not name.startswith("__"):
+                    names.add(name)
+    return names
+
+
+STRATEGY_FILES = [p for p in FILES if p.parent.name in ("strategies", "checks")]
+#: names private to the strategies (and the checking layer over them), less those the backends also
+#: define (tests may look into the simulated GPU: ``fake._pool(handle)``, ``backends._backend``)
+STRATEGY_PRIVATE = _private_names(STRATEGY_FILES) - _private_names(
+    [p for p in FILES if "backends" in p.parts], classes_only=False)
+
+
+def _private_reads(path, text=None) -> list[str]:
+    """``x._name`` in a test file where ``_name`` is private to the strategies (a name the test
+    file's own classes define, as a strategy it writes, is its own)."""
+    tree = ast.parse(path.read_text() if text is None else text)
+    own = _private_names([path]) if text is None else set()
+    return [f"{path.relative_to(ROOT)}:{n.lineno}: .{n.attr}" for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr in STRATEGY_PRIVATE and n.attr not in own]
+
+
+def test_no_test_reads_a_private_attribute_of_a_strategy():
+    """Tests use the strategies' public surfaces and those of their parts (accounts, deferred,
+    recovery, direct_route, ...), so that a strategy's inside can change without them."""
+    found = [f for p in sorted((ROOT / "tests").rglob("*.py")) for f in _private_reads(p)]
+    assert found == [], "\n".join(found)
+
+
+def test_the_private_read_check_sees_one():
+    """The control: a test reading a strategy's hot path through its private name is found."""
+    assert {"_hot_path", "_settle", "_give_back_pending"} <= STRATEGY_PRIVATE
+    found = _private_reads(ROOT / "tests" / "test_api.py", text="malloc = s._hot_path()[0]\n")
+    assert [f.split(": ", 1)[1] for f in found] == ["._hot_path"]
+
+
 def test_the_linter_passes():
     """ruff with pyproject.toml's [tool.ruff] rules, over the whole tree."""
     pytest.importorskip("ruff", reason="ruff is not installed (the test extra has it)")

@@ -20,7 +20,7 @@ def s(fake):
 
 
 def reserved(fake, s, device=0):
-    return fake.pool_get_attribute(s._pools[device], C.POOL_ATTR_RESERVED_MEM_CURRENT)
+    return fake.pool_get_attribute(s.pool_stats(device).handle, C.POOL_ATTR_RESERVED_MEM_CURRENT)
 
 
 def test_spec_string_and_keywords_mean_the_same():
@@ -426,8 +426,12 @@ def test_the_cache_keeps_at_most_its_bytes_per_size_class(fake):
 
 
 def test_a_release_threshold_turns_the_cache_off_unless_asked(fake):
-    assert cupy_memstrat.create("async", backend=fake, release_threshold="1GiB")._cache_limit == [0]
-    assert cupy_memstrat.create("async", backend=fake, release_threshold=0, cache="1MiB")._cache_limit == [1 << 20]
+    off = cupy_memstrat.create("async", backend=fake, release_threshold="1GiB")
+    off.raw_free(off.raw_malloc(4096))
+    assert off.pool_stats(0).cached_bytes == 0  # the pool keeps freed memory itself: no cache of ours
+    on = cupy_memstrat.create("async", backend=fake, release_threshold=0, cache="1MiB")
+    on.raw_free(on.raw_malloc(4096))
+    assert on.pool_stats(0).cached_bytes == 4096
     with pytest.raises(ValueError, match="cache"):
         cupy_memstrat.create("async", backend=fake, cache="2GiB")
 

@@ -1,13 +1,12 @@
 """The 'pool' strategy (CuPy's default pool, measured) on the fake backend."""
 
-import weakref
 
 import pytest
 
 import cupy_memstrat
-from cupy_memstrat.strategies.reachable import REACHABLE
 from cupy_memstrat import CuPyPoolStrategy
-from cupy_memstrat.strategies import _support, base
+from cupy_memstrat.strategies import _support
+from cupy_memstrat.strategies.pool_direct import DirectRoute
 from cupy_memstrat.testing import FakeBackend
 from helpers import stream_on_handle
 
@@ -101,15 +100,24 @@ class _PoolOOM(Exception):
 
 
 class _StandInPool:
-    def __init__(self):
-        self.free, self.next, self.on_free = [], 0x100000, None
+    """A stand-in for CuPy's MemoryPool (which needs CUDA), with its interface: blocks of
+    512-byte multiples, each handed back to ``free`` when its memory object dies."""
+
+    def __init__(self, oom=None):
+        self.free, self.next, self.on_free, self.oom = [], 0x100000, None, oom
 
     def malloc(self, size):
         if size >= 1 << 40:
-            raise _PoolOOM("pool out of memory")
+            raise _PoolOOM("pool out of memory") if self.oom is None else self.oom(size, 0)
         ptr = self.free.pop() if self.free else self.next
         self.next += 1 << 20
         return _MP(_Mem(self, ptr, (size + 511) & -512))
+
+    def total_bytes(self):
+        return 0
+
+    def free_all_blocks(self):
+        pass
 
 
 class _Mem:
@@ -137,7 +145,7 @@ class _MP:
 def _direct(pool_malloc=None, failed=None, recorded_freed=None):
     s = cupy_memstrat.create("pool", backend=FakeBackend())
     s.raw_free(s.raw_malloc(512))  # builds the hot path (hooks mode)
-    acc = s._hot_malloc.__self__
+    acc = s.hot_path_functions()[0].__self__  # the C hot path's tables
     pool = _StandInPool()
     calls = []
 
@@ -265,7 +273,7 @@ def test_route_direct_is_refused_over_anything_but_a_hooks_mode_accounting():
     m = cupy_memstrat.create("managed", backend=FakeBackend())
     m.raw_free(m.raw_malloc(512))
     with pytest.raises(TypeError, match="hooks mode"):
-        _support.c_hotpath.PoolDirect(m._hot_malloc.__self__, print, _PoolOOM, print, print, {})
+        _support.c_hotpath.PoolDirect(m.hot_path_functions()[0].__self__, print, _PoolOOM, print, print, {})
     s, d, pool, _ = _direct()
     with pytest.raises(TypeError, match="expected"):
         _support.c_hotpath.PoolDirect(d.__self__, print, 3, print, print, {})
@@ -329,21 +337,20 @@ def test_route_direct_refuses_a_block_that_is_not_ints_and_a_second_init():
         d.__init__(d.__self__, pool.malloc, _PoolOOM, print, print, {})
 
 
-def _direct_strategy(fake):
-    """A pool strategy on the fake backend whose direct route runs over the
-    stand-in pool, glue included (CuPy's pool needs CUDA)."""
-    s = cupy_memstrat.create("pool", route="direct", backend=fake)
-    s.raw_free(s.raw_malloc(512))  # builds the hot path (hooks mode)
-    pool = _StandInPool()
-    pool.total_bytes = lambda: 0
-    s._pool, s._blocks, s._OutOfMemoryError = pool, {}, _PoolOOM
-    s._direct = s._pool_direct(s._hot_malloc.__self__, pool.malloc, _PoolOOM)
-    # installed as use() installs it on CUDA (cupy_allocator() is the route's PoolDirect there)
-    acc = s._hot_malloc.__self__
-    s._cupy_malloc, s._pfa = s._direct, acc
-    base._pfa_owners[id(acc)] = weakref.ref(s)
-    pytest.importorskip("cupy", reason="CuPy is not installed").cuda.set_allocator(s._direct)
-    return s, s._direct, pool
+def _direct_strategy(fake, guard=True):
+    """A pool strategy on the fake backend over a stand-in pool, on its route "direct" (the C
+    hot path), installed as CuPy's allocator as use() installs it. ``guard=False``: the route
+    without its dead-stream guard (the control of the guard's tests). Returns (s, the route's
+    allocator, the pool)."""
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    pool = _StandInPool(oom=cupy.cuda.memory.OutOfMemoryError)
+    s = CuPyPoolStrategy(backend=fake, memory_pool=pool, route="direct")
+    if not guard:
+        s.direct_route = DirectRoute(s, pool.malloc, cupy.cuda.memory.OutOfMemoryError, None)
+        return s, s.direct_route.allocator, pool
+    cupy_memstrat.use(s)
+    assert s.route == "direct"
+    return s, s.cupy_allocator(), pool
 
 
 def _direct_strategy_and_stream():
@@ -353,6 +360,15 @@ def _direct_strategy_and_stream():
     fake = FakeBackend()
     s, d, pool = _direct_strategy(fake)
     return fake, s, d, pool, fake.stream(non_blocking=True)
+
+
+def test_a_memory_pool_without_the_pools_interface_is_refused_by_name():
+    import types
+
+    half = types.SimpleNamespace(malloc=_StandInPool().malloc)  # no total_bytes, no free_all_blocks
+    for bad, lacks in ((3, "malloc, total_bytes, free_all_blocks"), (half, "total_bytes, free_all_blocks")):
+        with pytest.raises(TypeError, match=f"memory_pool: expected a cupy.cuda.MemoryPool .* which lacks {lacks}$"):
+            CuPyPoolStrategy(backend=FakeBackend(), memory_pool=bad)
 
 
 def test_route_says_which_route_cupys_arrays_take():
@@ -393,9 +409,9 @@ def test_route_direct_keeps_a_recorded_block_from_the_pool_until_the_recorded_st
     ptr = x.ptr
     if through == "record_stream":
         assert cupy_memstrat.record_stream(x, B) is True
-        assert list(s._held) == [ptr]
+        assert list(s.direct_route.held) == [ptr]
     else:
-        assert s.record_stream(ptr, B) is True and s._held == {}
+        assert s.record_stream(ptr, B) is True and s.direct_route.held == {}
     fake.launch(B)  # B still reads the block
     busy = []
     pool.on_free = lambda: busy.append(fake.stream_busy(B.ptr))
@@ -405,15 +421,16 @@ def test_route_direct_keeps_a_recorded_block_from_the_pool_until_the_recorded_st
     if through == "Strategy.record_stream":
         assert busy == [True] and pool.free == [ptr]  # the control: the pool had it back while B ran
         return
-    assert busy == [] and pool.free == [] and s._held == {} and len(s.deferred.pending[0]) == 5  # kept while B runs
+    assert busy == [] and pool.free == [] and s.direct_route.held == {}
+    assert len(s.deferred.pending[0]) == 5  # kept while B runs, with its memory object
     y = d(4096)
     assert y.ptr != ptr  # B still runs: the block is out of reach
     fake.finish(B)
     z = d(4096)  # B is done: the block goes back to the pool, and is handed out again
-    assert busy == [False] and z.ptr == ptr and s._held == {} and not s.deferred.pending
+    assert busy == [False] and z.ptr == ptr and s.direct_route.held == {} and not s.deferred.pending
     del y, z
     st = s.stats()
-    assert st.bytes_in_use == 0 and st.n_allocs == st.n_frees == 4
+    assert st.bytes_in_use == 0 and st.n_allocs == st.n_frees == 3
 
 
 @needs_c
@@ -425,7 +442,7 @@ def test_route_direct_held_block_whose_array_lives_stays_live_and_close_lets_it_
     st = s.stats()
     assert st.bytes_in_use == 2048 and s.live_sizes() == {x.ptr: 2048}  # alive: not reaped
     s.close()
-    assert s._held == {}
+    assert s.direct_route.held == {}
     fake.finish(B)
     del x  # the ptr-only path now: the free is counted and waits for B
     assert s.stats().bytes_in_use == 0 and pool.free
@@ -485,24 +502,6 @@ def test_route_direct_an_allocation_inside_the_reap_is_counted():
 
 
 @needs_c
-def test_route_direct_using_exit_and_use_of_another_let_go_of_held_blocks():
-    """Nothing allocates through the strategy after using() or use() of
-    another: a recorded array that dies later still gives its block back and
-    lets the strategy go, as without record_stream."""
-    fake, s, d, pool, B = _direct_strategy_and_stream()
-    x = d(4096)
-    P = x.ptr
-    cupy_memstrat.record_stream(x, B)
-    fake.launch(B)
-    s.trim()
-    s._let_go_when_empty()  # what using() does at its exit
-    assert s._held == {}
-    fake.finish(B)
-    del x
-    assert P in pool.free and s not in REACHABLE
-
-
-@needs_c
 def test_route_direct_holds_only_its_own_memory_object():
     """record_stream through another memory object at the block's pointer (as
     cupy.cuda.UnownedMemory) holds nothing: the block's free then waits."""
@@ -515,7 +514,7 @@ def test_route_direct_holds_only_its_own_memory_object():
     x = d(4096)
     P = x.ptr
     other = _MP(Unowned(P, 4096))
-    assert cupy_memstrat.record_stream(other, B) is True and s._held == {}
+    assert cupy_memstrat.record_stream(other, B) is True and s.direct_route.held == {}
     fake.launch(B)
     del x  # the pool has the block now; the free synchronises before it returns
     assert not fake.stream_busy(B.ptr)
@@ -545,9 +544,9 @@ def test_route_direct_use_of_another_strategy_lets_go_of_held_blocks():
     P = x.ptr
     assert cupy_memstrat.current() is s  # installed by _direct_strategy, as use(s) does on CUDA
     cupy_memstrat.record_stream(x, B)
-    assert list(s._held) == [P]
+    assert list(s.direct_route.held) == [P]
     other = cupy_memstrat.use("device", backend=fake)
-    assert cupy_memstrat.current() is other and s._held == {}
+    assert cupy_memstrat.current() is other and s.direct_route.held == {}
     fake.launch(B)
     del x  # no longer held: the free waits for B before it returns
     assert not fake.stream_busy(B.ptr) and P in pool.free and s.stats().bytes_in_use == 0
@@ -569,7 +568,7 @@ def test_route_direct_letting_go_never_hands_a_waiting_block_to_the_pool_early()
     busy = []
     pool.on_free = lambda: busy.append(fake.stream_busy(B.ptr))
     cupy_memstrat.use("device", backend=fake)
-    assert busy == [False] and P in pool.free and s._held == {} and not s.deferred.pending
+    assert busy == [False] and P in pool.free and s.direct_route.held == {} and not s.deferred.pending
 
 
 def test_on_the_fake_backend_blocks_that_wait_for_recorded_streams_are_reserved_and_trimmed():
@@ -599,20 +598,7 @@ def test_route_direct_a_pointer_only_free_left_pending_never_gives_back_what_is_
     and giving it back later must not free whatever is at that pointer by
     then (here a raw_malloc block, live)."""
     fake = FakeBackend()
-    s = cupy_memstrat.create("pool", route="direct", backend=fake)
-    pool = _StandInPool()
-    pool.total_bytes = lambda: 0
-    blocks = {}
-
-    def allocate(size):
-        mp = pool.malloc(size)
-        blocks[mp.ptr] = mp
-        return mp.ptr
-
-    s._pool, s._blocks, s._OutOfMemoryError, s.allocate, s.deallocate = pool, blocks, _PoolOOM, allocate, blocks.pop
-    s.raw_free(s.raw_malloc(512))
-    d = s._direct = _support.c_hotpath.PoolDirect(s._hot_malloc.__self__, pool.malloc, _PoolOOM, s._direct_failed,
-                                               s._recorded_freed, s._held)
+    s, d, pool = _direct_strategy(fake)
     B = fake.stream(non_blocking=True)
     x = d(4096)
     P = x.ptr
@@ -622,7 +608,7 @@ def test_route_direct_a_pointer_only_free_left_pending_never_gives_back_what_is_
     del x  # the pool has P; the free synchronised; its entry stays pending
     p = s.raw_malloc(4096)
     s.deferred.lock.release()
-    assert p == P and P in blocks
+    assert p == P and s.live_sizes() == {P: 4096}
     s.deferred.poll()
     assert P not in pool.free and s.live_sizes() == {P: 4096}  # the raw block lives on
     s.raw_free(p)
@@ -634,7 +620,7 @@ def test_route_direct_record_stream_holds_only_while_the_route_is_cupys_allocato
     fake, s, d, pool, B = _direct_strategy_and_stream()
     x = d(4096)
     restore_cupy_allocator.cuda.set_allocator(None)  # another allocator (here CuPy's own, no pool)
-    assert cupy_memstrat.record_stream(x, B) is True and s._held == {}  # recorded, not held
+    assert cupy_memstrat.record_stream(x, B) is True and s.direct_route.held == {}  # recorded, not held
     fake.launch(B)
     del x  # the free waits for B before it returns
     assert not fake.stream_busy(B.ptr) and s.stats().bytes_in_use == 0
@@ -654,8 +640,8 @@ def test_route_direct_letting_go_never_raises_when_the_synchronisation_fails():
 
     fake.device_synchronize = broken
     with pytest.warns(RuntimeWarning, match="device lost"):
-        s._stop_holding()
-    assert s._held == {}
+        s.direct_route.stop_holding()
+    assert s.direct_route.held == {}
 
 
 # -- the dead-stream guard ---------------------------------------------------------------------
@@ -725,7 +711,8 @@ def test_route_direct_waits_for_a_dead_streams_work_before_cupy_gets_its_block(m
     calls = []
     before = s.guard.before_allocation
     monkeypatch.setattr(s.guard, "before_allocation", lambda st, dev: calls.append(st.ptr) or before(st, dev))
-    s._direct = d = s._pool_direct(s._hot_malloc.__self__, pool.malloc, _PoolOOM)  # with the counting guard
+    s.direct_route = DirectRoute(s, pool.malloc, _PoolOOM, s.guard)  # with the counting guard
+    d = s.direct_route.allocator
     held = []
     busy, B = _a_stream_dies_while_its_kernel_runs(fake, lambda: held.append(d(MiB)) or held[-1].ptr,
                                                    lambda p: held.clear())
@@ -741,13 +728,11 @@ def test_route_direct_waits_for_a_dead_streams_work_before_cupy_gets_its_block(m
     del B  # a watched stream died: the next malloc waits, whatever the stream
     d(4096)
     assert s.guard.n_syncs == [2]
-    s._keep_stream_fn = keep  # the C callback stays alive while the route may still be called
+    fake.keep_alive = keep  # the C callback stays alive while the route may still be called
 
     # the control: no guard
     fake2 = FakeBackend()
-    s2, _d2, pool2 = _direct_strategy(fake2)
-    bare = _support.c_hotpath.PoolDirect(s2._hot_malloc.__self__, pool2.malloc, _PoolOOM, s2._direct_failed,
-                                      s2._recorded_freed, s2._held)
+    s2, bare, pool2 = _direct_strategy(fake2, guard=False)
     held2 = []
     assert _a_stream_dies_while_its_kernel_runs(fake2, lambda: held2.append(bare(MiB)) or held2[-1].ptr,
                                                 lambda p: held2.clear())[0] == 1
@@ -756,7 +741,8 @@ def test_route_direct_waits_for_a_dead_streams_work_before_cupy_gets_its_block(m
 @needs_c
 def test_route_direct_refuses_a_guard_without_its_flags_and_a_bad_capsule():
     s, _d, pool = _direct_strategy(FakeBackend())
-    args = (s._hot_malloc.__self__, pool.malloc, _PoolOOM, s._direct_failed, s._recorded_freed, s._held)
+    r = s.direct_route
+    args = (s.hot_path_functions()[0].__self__, pool.malloc, _PoolOOM, r.pool_failed, r.recorded_freed, r.held)
     with pytest.raises(TypeError, match="expected guard\\(device\\) and the guard's lists of deaths and waits"):
         _support.c_hotpath.PoolDirect(*args, lambda device: None, None, [0])
     with pytest.raises(TypeError, match="capsule must hold a C function intptr_t \\(int\\)"):
@@ -771,8 +757,8 @@ def _direct_with_capsule(monkeypatch):
     capsule, keep = _capsule_of(lambda device: fake.current_stream_ptr(device))
     monkeypatch.setattr(fake, "current_stream_ptr_capsule", lambda: capsule)
     s, d, pool = _direct_strategy(fake)
-    s._keep_stream_fn = keep
-    return fake, s, d
+    fake.keep_alive = keep  # the C callback stays alive while the route may still be called
+    return fake, s, d, pool
 
 
 def _dies_with_its_kernel_running(fake, alloc, stream):
@@ -810,7 +796,7 @@ def test_route_direct_watches_a_new_stream_on_a_cached_handle_when_the_wait_came
     B's block while B's kernel runs."""
     import gc
 
-    fake, s, d = _direct_with_capsule(monkeypatch)
+    fake, s, d, pool = _direct_with_capsule(monkeypatch)
     A = fake.stream(non_blocking=True)
     with A:
         m = d(MiB)
@@ -829,11 +815,12 @@ def test_route_direct_switches_between_a_few_watched_streams_without_asking_the_
     there waits for its work). More streams than the route remembers are asked again."""
     import gc
 
-    fake, s, d = _direct_with_capsule(monkeypatch)
+    fake, s, d, pool = _direct_with_capsule(monkeypatch)
     calls = []
     before = s.guard.before_allocation
     monkeypatch.setattr(s.guard, "before_allocation", lambda st, dev: calls.append(st.ptr) or before(st, dev))
-    s._direct = d = s._pool_direct(s._hot_malloc.__self__, s._pool.malloc, _PoolOOM)  # with the counting guard
+    s.direct_route = DirectRoute(s, pool.malloc, _PoolOOM, s.guard)  # with the counting guard
+    d = s.direct_route.allocator
     streams = [fake.stream(non_blocking=True) for _ in range(4)]
     keep = []
     for _ in range(5):
@@ -870,7 +857,7 @@ def test_route_direct_does_not_cache_a_wrapper_of_a_stream_owned_elsewhere(monke
     not take its handle for a watched one when an owned stream gets it later."""
     import gc
 
-    fake, s, d = _direct_with_capsule(monkeypatch)
+    fake, s, d, pool = _direct_with_capsule(monkeypatch)
     owner = fake.stream(non_blocking=True)
     ext = fake.external_stream(owner)
     with ext:
@@ -884,7 +871,7 @@ def test_route_direct_does_not_cache_a_wrapper_of_a_stream_owned_elsewhere(monke
 def _b_at_a_dead_streams_handle(monkeypatch, route):
     """A allocates through the route (or raw_malloc), dies with its kernel running; B gets
     A's handle. Returns (fake, strategy, the allocation function, B)."""
-    fake, s, d = _direct_with_capsule(monkeypatch)
+    fake, s, d, pool = _direct_with_capsule(monkeypatch)
     alloc = d if route == "direct" else s.raw_malloc
     A = fake.stream(non_blocking=True)
     h = A.ptr
@@ -965,7 +952,7 @@ def test_a_stream_made_between_cudastreamdestroy_and_the_weakref_callback(monkey
 
     from cupy_memstrat.testing import FakeStream
 
-    fake, s, d = _direct_with_capsule(monkeypatch)
+    fake, s, d, pool = _direct_with_capsule(monkeypatch)
     alloc = d if route == "direct" else s.raw_malloc
     A = fake.stream(non_blocking=True)
     h = A.ptr
@@ -1052,7 +1039,7 @@ def test_route_direct_python_code_in_the_token_lookup_that_drops_the_memory_obje
     P = x.ptr
     assert cupy_memstrat.record_stream(x, B) is True
     fake.launch(B)
-    mem, held = x.mem, s._held
+    mem, held = x.mem, s.direct_route.held
     (name,) = [k for k, v in vars(mem).items() if type(v).__name__ == "PoolToken"]
 
     class Drops:

@@ -7,7 +7,7 @@ import gc
 import pytest
 
 import cupy_memstrat
-from cupy_memstrat.strategies import _support, base
+from cupy_memstrat.strategies import _support
 from cupy_memstrat.testing import FakeBackend
 
 needs_c = pytest.mark.skipif(_support.c_hotpath is None, reason=_support.C_MISSING or "built")
@@ -75,7 +75,7 @@ def test_c_malloc_refuses_a_bad_device_before_allocating(monkeypatch):
     monkeypatch.delenv(_support.HOT_PATH_ENV, raising=False)
     fake = FakeBackend()
     s = cupy_memstrat.create("device", backend=fake)
-    malloc, free = s._build_hot_path()
+    malloc, free = s.hot_path_functions()
     for bad in (1, -1, "0", None):
         with pytest.raises(ValueError, match=rf"malloc: device {bad!r} is not a device ordinal in range\(1\)"):
             malloc(100, bad)
@@ -128,7 +128,13 @@ def test_gc_safe_malloc_keeps_the_memory_object_off_the_collector():
     mp = wrapped(512)
     assert mp.mem == [512] and not gc.is_tracked(mp.mem)
     assert wrapped.__self__ is a and wrapped.__wrapped__ == a.malloc
-    assert base.Strategy._owner_of(wrapped) is None  # not a strategy's PythonFunctionAllocator
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    previous = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(wrapped)
+    try:
+        assert cupy_memstrat.current() is None  # not a strategy's PythonFunctionAllocator
+    finally:
+        cupy.cuda.set_allocator(previous)
     with pytest.raises(TypeError, match="expected PythonFunctionAllocator.malloc"):
         _support.c_hotpath.GcSafeMalloc(3)
 
@@ -166,7 +172,7 @@ def test_tables_changed_behind_the_hot_paths_back_raise_instead_of_crashing(fake
 
 def test_a_pointer_whose_comparison_swaps_the_live_table_does_not_crash(fake):
     s = cupy_memstrat.create("device", backend=fake)
-    malloc, free = s._build_hot_path()
+    malloc, free = s.hot_path_functions()
     p = malloc(100, 0)
 
     class Evil(int):
@@ -245,27 +251,27 @@ def test_both_hot_paths_count_a_random_sequence_alike(monkeypatch, name):
 
 
 @needs_c
-def test_threads_making_a_strategys_first_allocations_at_once_build_one_hot_path(monkeypatch):
+def test_threads_making_a_strategys_first_allocations_at_once_build_one_hot_path():
     """Two C hot paths would each count on their own, and the peak drained from them
     one after the other would be wrong: a second thread arriving while the first
     builds waits for that build (it would reach the build within the wait here)."""
     import threading
 
     MiB = 1 << 20
-    s = cupy_memstrat.create("device", backend=FakeBackend())
-    real = base.Strategy._build_hot_path
     builders, entered, second = [], threading.Event(), threading.Event()
 
-    def build(self):
-        builders.append(threading.get_ident())
-        if len(builders) == 1:
-            entered.set()
-            second.wait(0.5)  # the other thread, if nothing stops it, is building too by now
-        else:
-            second.set()
-        return real(self)
+    class SlowToBuild(cupy_memstrat.DeviceStrategy):
+        @property
+        def allocate(self):  # the hook, read once: when the hot path is built
+            builders.append(threading.get_ident())
+            if len(builders) == 1:
+                entered.set()
+                second.wait(0.5)  # the other thread, if nothing stops it, is building too by now
+            else:
+                second.set()
+            return super().allocate
 
-    monkeypatch.setattr(base.Strategy, "_build_hot_path", build)
+    s = SlowToBuild(backend=FakeBackend())
     ptrs = []
     threads = [threading.Thread(target=lambda: ptrs.append(s.raw_malloc(MiB))) for _ in range(2)]
     threads[0].start()

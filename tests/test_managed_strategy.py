@@ -50,10 +50,16 @@ def test_size_classes_are_512_multiples_at_most_25_percent_apart():
     assert all(b <= a * 1.25 or b - a == 512 for a, b in zip(SIZE_CLASSES, SIZE_CLASSES[1:]))
 
 
+def _chunk_base(s, ptr):
+    """The address of the chunk (a segment of managed's memory_segments) that holds ``ptr``."""
+    (base,) = [g["address"] for g in s.memory_segments(0) if g["address"] <= ptr < g["address"] + g["total_size"]]
+    return base
+
+
 def test_each_size_gets_a_slot_that_holds_it(fake, s):
     for size in (1, 511, 512, 513, 2047, 2049, 5000, 65536, 700_000, MiB):
         p = s.raw_malloc(size)
-        base = max(b for b in s._chunks[0] if b <= p)
+        base = _chunk_base(s, p)
         assert p + size <= base + CHUNK_BYTES  # the slot lies inside its chunk
         s.raw_free(p)
 
@@ -90,7 +96,8 @@ def test_trim_gives_back_free_large_blocks_and_fully_free_chunks_only(fake, s):
     assert released == 4 * MiB + CHUNK_BYTES
     ms = s.managed_stats(0)
     assert ms.reserved_bytes == CHUNK_BYTES and s.stats(0).bytes_reserved == CHUNK_BYTES
-    assert fake.is_allocated(max(b for b in s._chunks[0]))  # the pinned chunk is still CUDA's
+    assert [seg["address"] for seg in s.memory_segments(0)] == [_chunk_base(s, keep)]
+    assert fake.is_allocated(_chunk_base(s, keep))  # the pinned chunk is still CUDA's
     s.raw_free(keep)
     assert s.trim() == CHUNK_BYTES and s.managed_stats(0).n_chunks == 0
 
@@ -152,7 +159,7 @@ def test_prefetch_on_alloc_puts_large_blocks_and_new_chunks_on_the_device(fake):
     s = cupy_memstrat.create("managed", backend=fake, prefetch="on_alloc")
     big = s.raw_malloc(4 * MiB)
     small = s.raw_malloc(1000)
-    base = max(b for b in s._chunks[0] if b <= small)
+    base = _chunk_base(s, small)
     assert fake.residency(big, 4 * MiB) == {0: 4 * MiB}
     assert fake.residency(base, CHUNK_BYTES) == {0: CHUNK_BYTES}
     fake.touch(big, 4 * MiB, 0)
@@ -168,7 +175,7 @@ def test_prefetch_on_new_prefetches_new_memory_but_not_what_the_cache_hands_back
     s = cupy_memstrat.create("managed", backend=fake, prefetch="on_new")
     big = s.raw_malloc(4 * MiB)
     small = s.raw_malloc(1000)
-    base = max(b for b in s._chunks[0] if b <= small)
+    base = _chunk_base(s, small)
     assert fake.residency(big, 4 * MiB) == {0: 4 * MiB}  # new: prefetched
     assert fake.residency(base, CHUNK_BYTES) == {0: CHUNK_BYTES}
     calls = fake.n_prefetch_calls
@@ -277,7 +284,6 @@ def test_the_guard_lowers_its_baseline_when_others_give_memory_back(fake):
     s.raw_malloc(100 * MiB)  # the baseline: 400 MiB used by someone else
     fake.free(other)
     s.raw_malloc(100 * MiB)  # sees the lower baseline (0 used), counts both chunks as not resident
-    assert s._used0[0] == 0
     with pytest.raises(cupy_memstrat.OutOfMemoryError, match="200.0 MiB of this strategy's chunks not yet resident"):
         s.raw_malloc(800 * MiB)
 

@@ -291,6 +291,15 @@ class Strategy:
             device = None  # a bad hint: the block is found by its pointer
         (self._hot_free or self._hot_path()[1])(ptr, device, 2)
 
+    def hot_path_functions(self):
+        """``(malloc, free)``: the two functions CuPy's ``PythonFunctionAllocator`` calls,
+        ``malloc(size, device) -> ptr`` (``size`` > 0 bytes, ``device`` the current one) and
+        ``free(ptr, device)``, built on the first call and the same for every thread after it.
+        For code that makes its own CuPy allocator over a strategy (the history recorder does):
+        they skip :meth:`raw_malloc`'s checks of their arguments. :attr:`hot_path` then says
+        which one they are (``"c"`` or ``"python"``)."""
+        return self._hot_path()
+
     def _hot_path(self):
         """``(malloc, free)``, built by :meth:`_build_hot_path` once: threads
         making a strategy's first allocations at the same time get the same

@@ -12,14 +12,14 @@ pytest plugin measures through when no strategy is asked for.
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 
 from .. import backends as _backends
-from .._userwarn import warn_at_user
 from ..options import Option
 from ._foreign_reserve import ForeignReserved
 from ._contract import ProvidedHooks
 from .base import Strategy
+from .pool_direct import DirectRoute
 from .stream_deaths import shared_guard
 
 __all__ = ["CuPyPoolStrategy", "route_status"]
@@ -93,9 +93,15 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
     one dies, the next allocation waits for the device first
     (``cudaDeviceSynchronize``), once per destroyed stream that allocated.
 
-    With a backend other than CUDA (``cupy_memstrat.testing.FakeBackend``)
-    there is no CuPy pool: it allocates with the backend's ``malloc`` / ``free``
-    and caches nothing (``bytes_reserved`` equals ``bytes_in_use``).
+    ``memory_pool`` (a keyword of the constructor, not an option of the spec):
+    the pool to take blocks from instead of CuPy's default one, a
+    ``cupy.cuda.MemoryPool`` of the program's own (``MemoryPool(malloc_managed)``)
+    or an object with its interface (``malloc(size) -> MemoryPointer``, raising
+    ``cupy.cuda.memory.OutOfMemoryError``; ``total_bytes()``;
+    ``free_all_blocks()``). With a backend other than CUDA
+    (``cupy_memstrat.testing.FakeBackend``) and no ``memory_pool`` there is no
+    CuPy pool: it allocates with the backend's ``malloc`` / ``free`` and caches
+    nothing (``bytes_reserved`` equals ``bytes_in_use``).
 
     Options, besides the common ones:
 
@@ -132,22 +138,30 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
                "the pool's own objects; wrap: through a PythonFunctionAllocator)"),
     )
 
-    def __init__(self, *, backend=None, **options):
+    def __init__(self, *, backend=None, memory_pool=None, **options):
+        if memory_pool is not None:
+            lacks = [m for m in ("malloc", "total_bytes", "free_all_blocks")
+                     if not callable(getattr(memory_pool, m, None))]
+            if lacks:
+                raise TypeError(f"memory_pool: expected a cupy.cuda.MemoryPool (or an object with its malloc, "
+                                f"total_bytes and free_all_blocks), got {type(memory_pool).__name__} "
+                                f"{memory_pool!r}, which lacks {', '.join(lacks)}")
         super().__init__(backend=backend, **options)
         n = self.backend.device_count()
         self._init_foreign_reserved(n)
-        self._direct = None  # route="direct": the extension's PoolDirect, once CuPy's allocator is made
-        self._held: dict = {}  # route="direct": ptr -> CuPy's memory object of a record_stream'd block
+        #: route="direct": the part that runs it (:class:`~cupy_memstrat.strategies.pool_direct.DirectRoute`),
+        #: once CuPy's allocator is made; None on the route "wrap"
+        self.direct_route = None
         real = isinstance(self.backend, _backends.RealBackend)
-        if real:
+        if memory_pool is None and real:
             import cupy
 
-            pool = cupy.get_default_memory_pool()
+            memory_pool = cupy.get_default_memory_pool()
         #: CuPy's pool finds a stream's free blocks by the stream's handle, which CUDA gives a new
         #: stream while a destroyed one's kernels may still run: after a stream that allocated
         #: dies, the next allocation waits for the device (docs/streams.md). One guard for every
         #: pool strategy over the same CuPy pool (over the same fake backend), since they share it.
-        self.guard = shared_guard(pool if real else "pool", self.backend, n)
+        self.guard = shared_guard(memory_pool if memory_pool is not None else "pool", self.backend, n)
         current_stream, get_device, before = self.backend.current_stream, self.backend.get_device, \
             self.guard.before_allocation
 
@@ -159,19 +173,20 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
 
             return allocate
 
-        if not real:
+        if memory_pool is None:
             self._pool = None
             self.reserved_is_in_use = True  # nothing cached: the backend's malloc/free
             self._provide_hooks(guarded(self.backend.malloc), self.backend.free)
             return
+        import cupy
         from cupy.cuda.memory import OutOfMemoryError
 
-        self._pool = pool
+        self._pool = memory_pool
         self._OutOfMemoryError = OutOfMemoryError
         self._Device = cupy.cuda.Device
         blocks: dict = {}  # ptr -> MemoryPointer: holds the pool's block
         self._blocks = blocks
-        pool_malloc, Error, status = pool.malloc, self._Error, _backends.ERROR_MEMORY_ALLOCATION
+        pool_malloc, Error, status = memory_pool.malloc, self._Error, _backends.ERROR_MEMORY_ALLOCATION
 
         def take(size):
             try:
@@ -191,142 +206,56 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
         class docstring for when ``"direct"`` falls back). Asking makes the
         CuPy allocator if :func:`cupy_memstrat.use` has not yet (no memory is
         allocated)."""
-        if isinstance(self.backend, _backends.RealBackend) and self._cupy_malloc is None:
+        if self._pool is not None and self._cupy_malloc is None:
             self._make_cupy_malloc()
-        return "direct" if self._direct is not None else "wrap"
+        return "direct" if self.direct_route is not None else "wrap"
+
+    def cupy_allocator(self):
+        """As :meth:`Strategy.cupy_allocator`; over a pool (CuPy's, or the ``memory_pool``
+        given), on the route ``"direct"``, the route's own callable
+        (:attr:`direct_route`)."""
+        if self._pool is None:
+            return super().cupy_allocator()
+        if self._cupy_malloc is None:
+            self._make_cupy_malloc()
+        return self._cupy_malloc
 
     # -- route="direct" --------------------------------------------------------------
     def _cupy_route(self, malloc, free):
         """CuPy's allocator callable: the base's (route ``"wrap"``), or with
-        ``route="direct"``, CUDA and the C hot path, the extension's
-        ``PoolDirect`` over the pool and this strategy's tables."""
+        ``route="direct"``, a pool and the C hot path, the route's ``PoolDirect``
+        over the pool and this strategy's tables."""
         acc = getattr(malloc, "__self__", None)
         if (self.config["route"] != "direct" or self._pool is None or self.hot_path != "c" or acc is None
                 or not _pooled_memory_takes_attributes()):
             return super()._cupy_route(malloc, free)
-        direct = self._pool_direct(acc, self._pool.malloc, self._OutOfMemoryError)
+        self.direct_route = DirectRoute(self, self._pool.malloc, self._OutOfMemoryError, self.guard)
         self._gc_safe = True  # CuPy's PooledMemory is not tracked by the garbage collector
-        self._direct = direct
-        return direct, acc
-
-    def _pool_direct(self, acc, pool_malloc, oom):
-        """The extension's ``PoolDirect`` over ``pool_malloc`` (CuPy's pool's
-        ``malloc``; ``oom`` its out-of-memory error) and this strategy's
-        tables (``acc``), behind its dead-stream guard."""
-        hotpath = importlib.import_module("cupy_memstrat._hotpath")  # built: the C hot path runs
-        current_stream, before = self.backend.current_stream, self.guard.before_allocation
-
-        def guard(device):  # PoolDirect calls it when the current stream changed or a watched one died
-            return before(current_stream(device), device)
-
-        return hotpath.PoolDirect(acc, pool_malloc, oom, self._direct_failed, self._recorded_freed, self._held,
-                                  guard, self.guard.deaths, self.guard.synced,
-                                  self.backend.current_stream_ptr_capsule())
+        return self.direct_route.allocator, acc
 
     def _hold_recorded(self, mem) -> None:
-        """route="direct": :func:`cupy_memstrat.record_stream` recorded a
-        stream on the block of CuPy's memory object ``mem``. Keep ``mem``, so
-        that the array's death leaves the block out of CuPy's pool; once no
-        one else refers to ``mem`` (:meth:`_reap_held`, at every allocation
-        and every read of the statistics), the free is accounted and the
-        block waits for the recorded streams as every strategy's does, then
-        ``mem`` is dropped and the pool has the block back."""
-        direct = self._direct
-        if direct is None:
-            return
-        from cupy.cuda import get_allocator
-
-        if get_allocator() is direct:
-            direct.hold(mem)  # only a memory object the route handed out and counts now
-        # (not CuPy's allocator in this thread: no allocation through it may come to reap; the
-        # free then waits for the recorded streams as with Strategy.record_stream)
-
-    def _reap_held(self) -> None:
-        """route="direct": the held blocks whose arrays are gone are freed
-        (accounted now, then deferred until their recorded streams' work is
-        done). Never raises (it runs at allocations and in finalisers)."""
-        direct = self._direct
-        if not self._held or direct is None:
-            return
-        try:
-            for ptr in direct.reap():
-                direct.free_early(ptr)  # its recorded streams: _recorded_freed defers the block
-            for ptr in direct.stale():  # freed another way (PooledMemory.free() by hand): nothing to keep
-                self._held.pop(ptr, None)
-        except Exception as exc:  # noqa: BLE001
-            self.backend.clear_last_error()
-            warn_at_user(f"pool: freeing a block held for its recorded streams failed: {exc}", RuntimeWarning)
+        """:func:`cupy_memstrat.record_stream` recorded a stream on the block of CuPy's memory
+        object ``mem``: on the route ``"direct"``, the route holds it (:meth:`DirectRoute.hold
+        <cupy_memstrat.strategies.pool_direct.DirectRoute.hold>`)."""
+        if self.direct_route is not None:
+            self.direct_route.hold(mem)
 
     def _settle(self) -> None:
-        self._reap_held()
+        if self.direct_route is not None:
+            self.direct_route.reap()
 
     def _stop_holding(self) -> None:
-        """No longer CuPy's allocator (the end of a :func:`using` block, or
-        :func:`use` of another strategy), so no allocation through it may come
-        to poll: the held blocks whose arrays are gone wait for their recorded
-        streams here (a synchronisation) and go back to CuPy's pool, and the
-        others are let go: their frees then wait for the recorded streams as
-        those of a block recorded through :meth:`Strategy.record_stream` do."""
-        if not self._held and not self.deferred.pending:
-            return
-        try:
-            self.deferred.flush()  # blocks freed early go back after a synchronisation, never before
-        except Exception as exc:  # noqa: BLE001 - use() has installed the next strategy already
-            self.backend.clear_last_error()
-            warn_at_user(f"pool: waiting for the streams of blocks held for record_stream failed: {exc}",
-                         RuntimeWarning)
-        self._held.clear()  # their arrays live: their frees wait for the recorded streams at the free
+        if self.direct_route is not None:
+            self.direct_route.stop_holding()
 
     def _let_go_when_empty(self) -> None:
         self._stop_holding()
         super()._let_go_when_empty()
 
     def raw_malloc(self, size: int, device: int | None = None) -> int:
-        if self._held:
-            self._reap_held()  # as the direct route's allocations do
+        if self.direct_route is not None and self.direct_route.held:
+            self.direct_route.reap()  # as the direct route's allocations do
         return super().raw_malloc(size, device)
-
-    def _direct_failed(self, size, exc):
-        """route="direct": CuPy's pool raised ``OutOfMemoryError`` for
-        ``size`` bytes (after freeing its cache and collecting garbage):
-        the recovery every strategy makes, retrying the pool; returns the
-        pool's ``MemoryPointer``, or raises this strategy's out-of-memory
-        error."""
-        __tracebackhide__ = True  # pytest shows the user's frames, not ours
-        pool_malloc, OOM, Error = self._pool.malloc, self._OutOfMemoryError, self._Error
-        status = _backends.ERROR_MEMORY_ALLOCATION
-        got = []
-
-        def retry():
-            try:
-                mp = pool_malloc(size)
-            except OOM:
-                raise Error(status) from None
-            got.append(mp)
-            return mp.ptr
-
-        self.recovery.recover(size, self.backend.get_device(), Error(status), retry)
-        return got[-1]
-
-    def _recorded_freed(self, ptr: int, size: int, device: int, early: bool) -> None:
-        """route="direct": a block with recorded streams was freed. Freed
-        early (held, :meth:`_hold_recorded`, its arrays gone): it waits in the
-        pending list as every strategy's does. Otherwise (a block recorded
-        through :meth:`Strategy.record_stream` with a pointer alone, or let go
-        by :meth:`_stop_holding`), CuPy's pool has it back already: wait for
-        the recorded streams' work here (events recorded now, then a
-        synchronisation). Never raises."""
-        # the pending entry keeps CuPy's memory object of a block freed early (dropped with the
-        # entry, once the streams are done: the pool has the block then), or None: the pool has it
-        if early:
-            self.deferred.defer(ptr, size, device, self._held.pop(ptr, None))
-            return
-        self.deferred.defer(ptr, size, device, None)
-        try:
-            self.deferred.flush()
-        except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
-            self.backend.clear_last_error()
-            warn_at_user(f"pool: waiting for the streams recorded on 0x{ptr:x} failed: {exc}", RuntimeWarning)
 
     def _give_back_block(self, ptr: int, size: int, device: int) -> None:
         if self._pool is not None and self.config["route"] == "direct" and ptr not in self._blocks:
@@ -354,8 +283,12 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
             # the device current to ask would create one (seconds, and
             # hundreds of MiB of its memory, per process).
             return 0
-        with self._Device(device):
+        with self._Device(device):  # not the current device: made current for the question
             return int(self._pool.total_bytes())
+
+    def _on(self, device: int):
+        """A context making ``device`` current (nothing to do when it is)."""
+        return contextlib.nullcontext() if self.backend.get_device() == device else self._Device(device)
 
     def _foreign_reserved(self, device: int) -> int | None:
         return None if self._pool is None else self._pool_total(device)
@@ -388,7 +321,7 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
             before = self._pool_total(d)
             if before == 0 or (keep and before <= keep):
                 continue
-            with self._Device(d):
+            with self._on(d):
                 self._pool.free_all_blocks()
             released += before - self._pool_total(d)
         return released

@@ -31,6 +31,28 @@ def test_arrays_compute_right_and_stats_are_exact(cp, spec):
     assert st.peak_bytes_in_use >= 8_000_000 and st.peak_bytes_reserved >= st.peak_bytes_in_use
 
 
+@pytest.mark.parametrize("route", ["direct", "wrap"])
+def test_a_memory_pool_of_the_programs_own_is_the_one_used_and_trimmed(cp, route):
+    """memory_pool=: the blocks come from the program's MemoryPool, not CuPy's default one (the
+    control: the default pool's bytes stay where they were)."""
+    default = cp.get_default_memory_pool()
+    default.free_all_blocks()
+    default_total = default.total_bytes()
+    mine = cp.cuda.MemoryPool()
+    s = cupy_memstrat.use(cupy_memstrat.CuPyPoolStrategy(memory_pool=mine, route=route))
+    assert s.route == route
+    x = cp.arange(1_000_000, dtype=cp.float64)  # 8 000 000 bytes
+    assert float(x.sum()) == 999_999 * 1_000_000 / 2
+    assert mine.used_bytes() == 8_000_000 and default.total_bytes() == default_total
+    st = s.stats()
+    assert st.bytes_in_use == 8_000_000 and st.bytes_reserved == mine.total_bytes()
+    del x
+    gc.collect()
+    cached = mine.total_bytes()
+    assert mine.used_bytes() == 0 and s.stats().bytes_in_use == 0 and cached >= 8_000_000
+    assert s.trim() == cached and mine.total_bytes() == 0
+
+
 @pytest.mark.parametrize("spec", ["pool", "pool:route=wrap"])
 def test_freed_arrays_go_back_to_cupys_pool_and_trim_frees_its_cache(cp, spec):
     pool = cp.get_default_memory_pool()

@@ -198,7 +198,7 @@ def test_per_thread_default_streams_are_told_apart():
 def test_the_managed_hot_path_reads_the_stream_through_cupys_own_c_function(cp):
     s = cupy_memstrat.use("managed")
     try:
-        capsule, _ = s._stream_source()
+        capsule = s.backend.current_stream_ptr_capsule()  # what the hot path reads the stream with
         assert capsule is not None  # cupy.cuda.stream.__pyx_capi__["get_current_stream_ptr"]
         x = cp.ones(10)
         assert s.hot_path in ("c", "python") and float(x.sum()) == 10.0
