@@ -14,17 +14,41 @@ needs_c = pytest.mark.skipif(_support.c_hotpath is None, reason=_support.C_MISSI
 
 
 @pytest.mark.parametrize("name", ["device", "managed"])
-def test_python_hot_path_by_request_and_with_track_origins(monkeypatch, name):
+def test_python_hot_path_by_request(monkeypatch, name):
     monkeypatch.setenv(_support.HOT_PATH_ENV, " Python ")
     assert cupy_memstrat.hot_path_status()["hot_path"] == "python"
     s = cupy_memstrat.create(name, backend=FakeBackend())
     s.raw_free(s.raw_malloc(1000))
     assert s.hot_path == "python"
-    monkeypatch.delenv(_support.HOT_PATH_ENV)
-    t = cupy_memstrat.create(name, backend=FakeBackend(), track_origins=True)
-    p = t.raw_malloc(1000)
-    assert t.hot_path == "python" and t.live_allocations()[0].origin is not None
-    t.raw_free(p)
+
+
+def _allocate_here(s, size):
+    return s.raw_malloc(size)
+
+
+@needs_c
+@pytest.mark.parametrize("name", ["device", "managed", "async", "pool", "device:check=all"])
+@pytest.mark.parametrize("track", [True, 3])
+def test_the_c_hot_path_records_origins_as_its_reference_model_does(monkeypatch, name, track):
+    """track_origins on the C hot path: each live allocation's origin (the first frame, or N
+    frames, outside CuPy and cupy_memstrat) is the one the Python reference model records for
+    the same calls, and a freed block's origin goes with it."""
+    got = {}
+    for hot_path in ("c", "python"):
+        monkeypatch.setenv(_support.HOT_PATH_ENV, hot_path)
+        s = cupy_memstrat.create(name, backend=FakeBackend(), track_origins=track)
+        ptrs = [_allocate_here(s, n) for n in (1000, 3 << 20)]
+        s.raw_free(_allocate_here(s, 4096))
+        rows = sorted((a.size, a.origin) for a in s.live_allocations())
+        got[hot_path] = [(size, (o.filename, o.lineno, o.function, o.stack)) for size, o in rows]
+        if name != "device:check=all":  # the checking layer's own hot path is Python
+            assert s.hot_path == hot_path
+        for ptr in ptrs:
+            s.raw_free(ptr)
+        assert s.live_allocations() == []
+    assert got["c"] == got["python"]
+    assert [o[2] for _, o in got["c"]] == ["_allocate_here", "_allocate_here"]
+    assert all(bool(o[3]) == (track == 3) for _, o in got["c"])
 
 
 def test_a_bad_hot_path_setting_is_refused_by_name(monkeypatch):

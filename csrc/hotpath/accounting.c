@@ -174,6 +174,7 @@ Accounting_free(Accounting *self, PyObject *const *args, Py_ssize_t nargs)
         if (size == Py_None)
             return size;
     }
+    forget_origin(self, ptr);
     if (account_free(self, d, size) < 0) {
         Py_DECREF(size);
         return NULL;

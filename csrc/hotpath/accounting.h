@@ -46,6 +46,8 @@ typedef struct {
     PyObject *new_stream_cache; /* ordered: new_stream_cache(device, stream) -> that stream's new dict */
     PyObject *dead;           /* ordered: list of streams that died with a cache (reap() handles them) */
     PyObject *reap;           /* ordered: reap() */
+    PyObject *origins;        /* track_origins: dict ptr -> origin, or None */
+    PyObject *capture;        /* track_origins: capture() -> the origin of the allocation being made, or None */
     int ordered;
     intptr_t (*stream_fn)(int);
     unsigned long long chunk_mask;
@@ -65,4 +67,4 @@ typedef struct {
     X(deallocate) X(dealloc_failed) X(arenas) X(owner) X(arena_of) X(stream_ptr) X(capsule) X(miss) X(large_hit) \
     X(recorded) X(defer) X(pending) X(poll) X(watch) X(pool_malloc) X(free_async) X(pools) X(ensure_pool) \
     X(current_stream) X(get_device) X(caches) X(cache_limits) X(stream_of) X(free_off_path) X(recover_pool) \
-    X(stream_caches) X(new_stream_cache) X(dead) X(reap)
+    X(stream_caches) X(new_stream_cache) X(dead) X(reap) X(origins) X(capture)

@@ -77,7 +77,7 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
                              "miss", "large_hit", "recorded", "defer", "pending", "poll", "watch",
                              "pool_malloc", "free_async", "pools", "ensure_pool", "current_stream", "get_device",
                              "caches", "cache_limits", "stream_of", "free_off_path", "recover_pool",
-                             "stream_caches", "new_stream_cache", "dead", "reap", NULL};
+                             "stream_caches", "new_stream_cache", "dead", "reap", "origins", "capture", NULL};
     PyObject *live, *unknown_free, *failed, *error;
     PyObject *allocate = Py_None, *deallocate = Py_None, *dealloc_failed = Py_None;
     PyObject *arenas = Py_None, *owner = Py_None, *arena_of = Py_None, *stream_ptr = Py_None, *capsule = Py_None;
@@ -88,14 +88,16 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
     PyObject *current_stream = Py_None, *get_device = Py_None, *caches = Py_None, *cache_limits = Py_None;
     PyObject *stream_of = Py_None, *free_off_path = Py_None, *recover_pool = Py_None;
     PyObject *stream_caches = Py_None, *new_stream_cache = Py_None, *dead = Py_None, *reap = Py_None;
+    PyObject *origins = Py_None, *capture = Py_None;
     Py_ssize_t small_max = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOKOOnOOOOOOOOOOOOOOOOOOOOOO", kwlist, &live,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOKOOnOOOOOOOOOOOOOOOOOOOOOOOO", kwlist, &live,
                                      &unknown_free, &failed, &error, &allocate, &deallocate,
                                      &dealloc_failed, &arenas, &owner, &arena_of, &chunk_bytes, &stream_ptr,
                                      &capsule, &small_max, &miss, &large_hit, &recorded, &defer, &pending, &poll,
                                      &watch, &pool_malloc, &free_async, &pools, &ensure_pool, &current_stream,
                                      &get_device, &caches, &cache_limits, &stream_of, &free_off_path,
-                                     &recover_pool, &stream_caches, &new_stream_cache, &dead, &reap))
+                                     &recover_pool, &stream_caches, &new_stream_cache, &dead, &reap, &origins,
+                                     &capture))
         return -1;
     if (!PyList_CheckExact(live) || PyList_GET_SIZE(live) == 0) {
         PyErr_SetString(PyExc_TypeError, "Accounting: live must be a list with one dict per device");
@@ -175,6 +177,10 @@ Accounting_init(Accounting *self, PyObject *args, PyObject *kwds)
         }
         if (capsule != Py_None && capsule_stream_fn(capsule, &stream_fn) < 0)
             return -1;
+    }
+    if (capture != Py_None && (!PyCallable_Check(capture) || !PyDict_CheckExact(origins))) {
+        PyErr_SetString(PyExc_TypeError, "Accounting: capture must be a callable, with origins a dict");
+        return -1;
     }
     if (!PyCallable_Check(unknown_free) || !PyCallable_Check(failed)) {
         PyErr_SetString(PyExc_TypeError, "Accounting: unknown_free and failed must be callables");
@@ -450,6 +456,15 @@ account_malloc(Accounting *self, Py_ssize_t d, PyObject *device, PyObject *ptr, 
     long long n = count_of(size);
     if (n < 0)
         return -1;
+    if (self->capture != Py_None) {  /* track_origins: before the live insert, as the Python version */
+        PyObject *origin = PyObject_CallNoArgs(self->capture);
+        if (origin == NULL)
+            return -1;
+        int r = PyDict_SetItem(self->origins, ptr, origin);
+        Py_DECREF(origin);
+        if (r < 0)
+            return -1;
+    }
     PyObject *live = table_item(self->live, d, &PyDict_Type, "live");
     if (live == NULL)
         return -1;
@@ -476,6 +491,14 @@ account_free(Accounting *self, Py_ssize_t d, PyObject *size)
     c->sum -= n;
     c->frees++;
     return 0;
+}
+
+/* track_origins: a freed block's origin goes with it (nothing if it has none). */
+static inline void
+forget_origin(Accounting *self, PyObject *ptr)
+{
+    if (self->capture != Py_None && PyDict_GET_SIZE(self->origins) && PyDict_DelItem(self->origins, ptr) < 0)
+        PyErr_Clear();
 }
 
 /* Blocks freed with record_stream() may be done: poll() gives them back. */

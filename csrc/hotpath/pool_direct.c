@@ -199,6 +199,7 @@ direct_free(PoolDirect *o, PyObject *ptr, unsigned long long pv, Py_ssize_t d, l
     PyObject *size = live_pop(acc, d, ptr);
     if (size == NULL)
         return PyErr_Occurred() ? -1 : 0;
+    forget_origin(acc, ptr);
     int rc = account_free(acc, d, size);
     if (rc == 0 && PyDict_GET_SIZE(acc->recorded) && PyDict_Contains(acc->recorded, ptr) == 1) {
         PyObject *device = PyLong_FromSsize_t(d), *r = NULL;

@@ -98,7 +98,6 @@ def hot_path_status() -> dict:
 
     ``setting`` is the environment variable ``CUPY_MEMSTRAT_HOT_PATH``
     (``auto``, the default: C where it was built; ``c``; ``python``).
-    Strategies with ``track_origins=True`` always use the Python one.
 
     Raises:
         ValueError: the variable has another value (the message names it).
@@ -116,10 +115,9 @@ def hot_path_status() -> dict:
     return {"setting": setting, "hot_path": "c", "reason": "compiled from csrc/hotpath.c"}
 
 
-def c_accounting(track: bool):
+def c_accounting(track=None):
     """The C ``Accounting`` type for a hot path being built, or None for the
-    Python one (``track``: the strategy records origins, which walks the
-    Python stack anyway)."""
-    if track:
-        return None
+    Python reference model (``CUPY_MEMSTRAT_HOT_PATH=python``, or no C
+    extension). ``track`` (the strategy's ``track_origins``) makes no
+    difference: the C hot path records origins too."""
     return c_hotpath.Accounting if hot_path_status()["hot_path"] == "c" else None

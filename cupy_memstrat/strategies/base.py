@@ -44,17 +44,18 @@ deadlocks (CuPy's test suite runs into it).
 
 The hot path exists twice: in C (``cupy_memstrat._hotpath``, built from
 ``csrc/hotpath.c`` when the package is installed with a C compiler) and as
-Python closures. Both do the same operations in the same order; the C one
-saves the Python frames of each alloc+free pair (docs/benchmarks.md has the
-cost). The C one is used where it was built, except with
-``track_origins=True`` (which walks the Python stack anyway); the environment
-variable ``CUPY_MEMSTRAT_HOT_PATH`` = ``auto`` (default) / ``c`` / ``python``
-chooses, read when a strategy builds its hot path (its first allocation).
+Python closures. The C one is the implementation; the Python one is its
+reference model, which tests run beside it (the same calls, the same
+statistics, tables and origins), and what a build without a C compiler runs,
+slower (docs/benchmarks.md has the cost). The environment variable
+``CUPY_MEMSTRAT_HOT_PATH`` = ``auto`` (default) / ``c`` / ``python`` chooses,
+read when a strategy builds its hot path (its first allocation).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.util
 import operator
 import os
@@ -390,7 +391,13 @@ class Strategy:
     def _new_accounting(self, Accounting, unknown_free, failed, **tables):
         """The C hot path's ``Accounting`` over this strategy's live tables
         (``csrc/hotpath.c``), its counts drained into the counters by
-        :meth:`Accounts.fold <cupy_memstrat.strategies.accounts.Accounts.fold>`."""
+        :meth:`Accounts.fold <cupy_memstrat.strategies.accounts.Accounts.fold>`.
+        With ``track_origins`` it records each allocation's origin in
+        ``accounts.origins`` as the Python version does (the capture is called
+        from C, with no Python frame of its own to skip)."""
+        capture = origin_capture(self._track_origins)
+        if capture is not None:
+            tables.update(origins=self.accounts.origins, capture=functools.partial(capture, 0))
         acc = Accounting(self.accounts.live, unknown_free, failed, self._Error, **tables)
         self.accounts.add_drain(acc.drain)
         return acc

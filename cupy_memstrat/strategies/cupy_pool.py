@@ -112,7 +112,7 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
     ``PoolDirect``); it takes less time per allocation than ``"wrap"``
     (docs/benchmarks.md). It needs the C hot path, CUDA, and CuPy's
     ``PooledMemory`` with a ``__dict__`` (CuPy 14.2 has one); elsewhere (the
-    fake backend, ``track_origins``, ``CUPY_MEMSTRAT_HOT_PATH=python``)
+    fake backend without a ``memory_pool``, ``CUPY_MEMSTRAT_HOT_PATH=python``)
     ``"wrap"`` runs (:attr:`route` says which one does). ``"wrap"``: through CuPy's ``PythonFunctionAllocator``,
     each array's memory object ours, holding the pool's ``MemoryPointer``.
     With ``"direct"``, :func:`cupy_memstrat.record_stream` keeps the
