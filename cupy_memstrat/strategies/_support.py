@@ -34,7 +34,7 @@ A Python function call per allocation and per free would cost more than the
 rule itself (the hot path is timed against CuPy's pool in docs/benchmarks.md),
 so each copy writes the rule out inside its own closures: the base class's
 Python hot path (``strategies/base.py``), ``async`` and ``managed``
-(``strategies/async_pool.py``, ``strategies/managed.py``), the checking layer
+(``strategies/async_pool.py``, ``strategies/managed/strategy.py``), the checking layer
 (``checks/layer.py``), and the C hot path (``csrc/hotpath.c``), whose modes
 share its type slots and clean-up code. A duplicate finder lists these
 ``malloc``/``free`` closures as repeats of each other: they are these copies,
