@@ -25,6 +25,12 @@ except Exception as exc:  # CuPy missing, no driver, no device
     _NO_GPU = _short_reason(exc)
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gpu_exclusive: reads or fills the whole device's free memory, so other tests on the same "
+        "GPU would change its outcome: ci/gpu.sh runs these alone, after the others (which may run in parallel)")
+
+
 def pytest_collection_modifyitems(config, items):
     if _NO_GPU is None:
         return
@@ -76,9 +82,10 @@ def k(cp):
 
 @pytest.fixture
 def inner(pytester, monkeypatch):
-    """pytester for an inner session that sees none of the outer run's GPUMEM_* settings
-    nor its CUPY_MEMSTRAT_BACKEND."""
+    """pytester for an inner session that sees none of the outer run's GPUMEM_* settings, its
+    CUPY_MEMSTRAT_BACKEND, nor, under pytest-xdist, its worker's PYTEST_XDIST_* (the inner
+    session is a session of its own: plugins such as pytest-benchmark would take it for a worker)."""
     for k in list(os.environ):
-        if k.startswith("GPUMEM") or k == "CUPY_MEMSTRAT_BACKEND":
+        if k.startswith(("GPUMEM", "PYTEST_XDIST_")) or k == "CUPY_MEMSTRAT_BACKEND":
             monkeypatch.delenv(k)
     return pytester

@@ -161,6 +161,7 @@ def three_gib_free(cp):
     cp.cuda.runtime.free(ballast)
 
 
+@pytest.mark.gpu_exclusive  # reads or fills the whole device's free memory: run alone (ci/gpu.sh)
 def test_a_pool_reuses_idle_memory_for_a_larger_request(cp, strategies, three_gib_free):
     """What the fake backend simulates: no recovery is needed for idle pool memory."""
     s = cupy_memstrat.create("async", cache=0)
@@ -173,6 +174,7 @@ def test_a_pool_reuses_idle_memory_for_a_larger_request(cp, strategies, three_gi
     assert s.pool_stats().n_oom_recoveries == 0
 
 
+@pytest.mark.gpu_exclusive  # reads or fills the whole device's free memory: run alone (ci/gpu.sh)
 def test_oom_recovery_gives_the_cache_back(cp, strategies, three_gib_free):
     s = cupy_memstrat.create("async", cache="4GiB")
     strategies.append(s)
@@ -358,6 +360,7 @@ def test_cross_device_copies_of_pool_memory_are_not_ordered_on_the_null_stream(c
     assert _cross_device_copy_reads(cp, sync_source=False) > 0, "CUDA now orders it: update docs/async.md"
 
 
+@pytest.mark.gpu_exclusive  # reads or fills the whole device's free memory: run alone (ci/gpu.sh)
 def test_close_with_a_live_array_then_the_last_free_releases_the_pool(cp, strategies):
     import warnings
 
@@ -378,6 +381,7 @@ def test_close_with_a_live_array_then_the_last_free_releases_the_pool(cp, strate
     assert free1 >= free0 - 2 * MiB and s.stats().n_live == 0
 
 
+@pytest.mark.gpu_exclusive  # reads or fills the whole device's free memory: run alone (ci/gpu.sh)
 def test_using_async_in_a_loop_leaves_no_pools_behind(cp):
     cp.get_default_memory_pool().free_all_blocks()
     cp.cuda.Device().synchronize()

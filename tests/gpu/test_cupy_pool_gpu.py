@@ -53,6 +53,7 @@ def test_a_memory_pool_of_the_programs_own_is_the_one_used_and_trimmed(cp, route
     assert s.trim() == cached and mine.total_bytes() == 0
 
 
+@pytest.mark.gpu_exclusive  # reads or fills the whole device's free memory: run alone (ci/gpu.sh)
 @pytest.mark.parametrize("spec", ["pool", "pool:route=wrap"])
 def test_freed_arrays_go_back_to_cupys_pool_and_trim_frees_its_cache(cp, spec):
     pool = cp.get_default_memory_pool()

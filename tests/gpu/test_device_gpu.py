@@ -28,6 +28,7 @@ def test_arrays_compute_right_and_stats_are_exact(cp):
     assert st.peak_bytes_in_use >= 8_000_000
 
 
+@pytest.mark.gpu_exclusive  # reads or fills the whole device's free memory: run alone (ci/gpu.sh)
 def test_one_cuda_malloc_per_allocation_is_visible_in_mem_get_info(cp):
     s = cupy_memstrat.use("device")
     free0, _ = cp.cuda.runtime.memGetInfo()

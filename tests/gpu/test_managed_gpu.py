@@ -175,6 +175,7 @@ def test_advise_on_an_array_reads_back(cp, managed):
     assert range_attr(x.data.ptr, x.nbytes, "PreferredLocation") == -2  # cudaInvalidDeviceId: none
 
 
+@pytest.mark.gpu_exclusive  # reads or fills the whole device's free memory: run alone (ci/gpu.sh)
 def test_the_guard_refuses_more_than_the_device_has_free_before_asking_cuda(cp, managed):
     free, _total = cp.cuda.runtime.memGetInfo()
     keep = cp.ones(1000, dtype=cp.float32)
@@ -187,6 +188,7 @@ def test_the_guard_refuses_more_than_the_device_has_free_before_asking_cuda(cp, 
     assert int(y.sum()) == 10
 
 
+@pytest.mark.gpu_exclusive  # reads or fills the whole device's free memory: run alone (ci/gpu.sh)
 def test_trim_gives_resident_memory_back_to_the_device(cp, managed):
     free0, _ = cp.cuda.runtime.memGetInfo()
     x = cp.ones(256 * MiB, dtype=cp.uint8)  # populated on the device by the fill

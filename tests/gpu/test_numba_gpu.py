@@ -168,6 +168,7 @@ def _child(code: str, *args: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.gpu_exclusive  # reads or fills the whole device's free memory: run alone (ci/gpu.sh)
 @pytest.mark.parametrize("name", ["device", "managed", "async", "pool"])
 def test_numba_arrays_come_from_the_strategy(name):
     out = _child(CHILD, name)
