@@ -16,7 +16,7 @@ import contextlib
 
 from .. import backends as _backends
 from ..options import Option
-from ._foreign_reserve import ForeignReserved
+from .foreign_reserve import ForeignReserve
 from ._contract import ProvidedHooks
 from .base import Strategy
 from .pool_direct import DirectRoute
@@ -62,7 +62,7 @@ def route_status(hot_path: str, cuda: bool = True) -> dict:
     return {"route": "direct", "reason": "CuPy gets its pool's own MemoryPointer"}
 
 
-class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
+class CuPyPoolStrategy(ProvidedHooks, Strategy):
     """CuPy's default memory pool (``cupy.get_default_memory_pool()``), with
     per-allocation statistics and live-allocation tracking.
 
@@ -148,7 +148,8 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
                                 f"{memory_pool!r}, which lacks {', '.join(lacks)}")
         super().__init__(backend=backend, **options)
         n = self.backend.device_count()
-        self._init_foreign_reserved(n)
+        #: what CuPy's pool holds, read as bytes_reserved (:class:`~.foreign_reserve.ForeignReserve`)
+        self.foreign = ForeignReserve(n, self._foreign_reserved)
         #: route="direct": the part that runs it (:class:`~cupy_memstrat.strategies.pool_direct.DirectRoute`),
         #: once CuPy's allocator is made; None on the route "wrap"
         self.direct_route = None
@@ -293,8 +294,19 @@ class CuPyPoolStrategy(ForeignReserved, ProvidedHooks, Strategy):
     def _foreign_reserved(self, device: int) -> int | None:
         return None if self._pool is None else self._pool_total(device)
 
-    # named here too, so that the API reference (pdoc) documents them with the class
-    stats, reset_peak = ForeignReserved.stats, ForeignReserved.reset_peak
+    def stats(self, device: int | None = None):
+        """As :meth:`Strategy.stats`; ``bytes_reserved`` is what the other allocator holds on
+        the device (the class docstring says which), and ``peak_bytes_reserved`` the highest
+        of those reads and of the peak in use."""
+        return self.foreign.adjust(super().stats(device))
+
+    def reset_peak(self, device: int | None = None, *, reserved: bool = True) -> None:
+        """As :meth:`Strategy.reset_peak`; the reserved peak restarts from what the other
+        allocator holds now."""
+        d = self._device_or_current(device)
+        super().reset_peak(d, reserved=reserved)
+        if reserved:
+            self.foreign.restart_peak(d)
 
     def trim(self, keep_bytes=0, device: int | None = None) -> int:
         """Give the CuPy pool's cached (free) blocks back to CUDA

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .. import backends as _backends
 from ..errors import MemstratError
-from ._foreign_reserve import ForeignReserved
+from .foreign_reserve import ForeignReserve
 from .library_pool import LibraryPoolStrategy
 
 __all__ = ["TorchStrategy"]
@@ -30,7 +30,7 @@ def _import_torch():
     return torch
 
 
-class TorchStrategy(ForeignReserved, LibraryPoolStrategy):
+class TorchStrategy(LibraryPoolStrategy):
     """Allocate from PyTorch's CUDA caching allocator
     (``torch.cuda.caching_allocator_alloc`` / ``caching_allocator_delete``),
     so CuPy's arrays and PyTorch's tensors share one pool: memory CuPy frees
@@ -83,7 +83,8 @@ class TorchStrategy(ForeignReserved, LibraryPoolStrategy):
 
     def __init__(self, *, backend=None, **options):
         super().__init__(backend=backend, **options)
-        self._init_foreign_reserved(self.backend.device_count())
+        #: what PyTorch's allocator holds, read as bytes_reserved (:class:`~.foreign_reserve.ForeignReserve`)
+        self.foreign = ForeignReserve(self.backend.device_count(), self._foreign_reserved)
 
     _import_library = staticmethod(_import_torch)
 
@@ -112,8 +113,19 @@ class TorchStrategy(ForeignReserved, LibraryPoolStrategy):
     def _foreign_reserved(self, device: int) -> int | None:
         return None if self.library is None else self._reserved(device)
 
-    # named here too, so that the API reference (pdoc) documents them with the class
-    stats, reset_peak = ForeignReserved.stats, ForeignReserved.reset_peak
+    def stats(self, device: int | None = None):
+        """As :meth:`Strategy.stats`; ``bytes_reserved`` is what the other allocator holds on
+        the device (the class docstring says which), and ``peak_bytes_reserved`` the highest
+        of those reads and of the peak in use."""
+        return self.foreign.adjust(super().stats(device))
+
+    def reset_peak(self, device: int | None = None, *, reserved: bool = True) -> None:
+        """As :meth:`Strategy.reset_peak`; the reserved peak restarts from what the other
+        allocator holds now."""
+        d = self._device_or_current(device)
+        super().reset_peak(d, reserved=reserved)
+        if reserved:
+            self.foreign.restart_peak(d)
 
     def trim(self, keep_bytes=0, device: int | None = None) -> int:
         """``torch.cuda.empty_cache()``: PyTorch gives its cached (free)
