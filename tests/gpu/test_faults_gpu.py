@@ -18,6 +18,9 @@ import pytest
 
 from cupy_memstrat import faults
 
+#: the driver's fault counters count the whole device: other tests' managed memory would add to them
+pytestmark = pytest.mark.gpu_exclusive
+
 MiB = 1 << 20
 N = 64 * MiB
 

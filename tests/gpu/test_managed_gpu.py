@@ -114,6 +114,7 @@ def test_a_reused_block_is_prefetched_again_under_on_alloc_only(cp, mode):
     s.trim()
 
 
+@pytest.mark.gpu_exclusive  # the driver's fault counters count the whole device: run alone (ci/gpu.sh)
 def test_explicit_prefetch_both_ways_moves_exact_bytes_without_faults(cp, managed):
     counter = fault_counter()
     n = 64 * MiB
@@ -139,6 +140,7 @@ def test_explicit_prefetch_both_ways_moves_exact_bytes_without_faults(cp, manage
     assert counter.stop().cpu_faults == 0
 
 
+@pytest.mark.gpu_exclusive  # the driver's fault counters count the whole device: run alone (ci/gpu.sh)
 def test_a_gpu_pass_over_host_data_faults_and_prefetch_avoids_it(cp, managed):
     counter = fault_counter()
     n = 64 * MiB

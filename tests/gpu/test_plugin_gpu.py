@@ -126,6 +126,7 @@ def test_migrated_bytes_over_budget():
 """
 
 
+@pytest.mark.gpu_exclusive  # the driver's fault counters count the whole device: run alone (ci/gpu.sh)
 def test_page_fault_budgets_on_a_managed_migration(inner):
     from cupy_memstrat import faults
 

@@ -372,6 +372,7 @@ def test_arrays_held_by_reference_cycles_are_collected_before_out_of_memory(cp, 
         rt.free(ballast)
 
 
+@pytest.mark.gpu_exclusive  # reads or fills the whole device's free memory: run alone (ci/gpu.sh)
 def test_the_control_without_collection_runs_out_of_memory(cp):
     """The same program with CuPy's allocator off (raw cudaMalloc, no retry)."""
     rt = cp.cuda.runtime
