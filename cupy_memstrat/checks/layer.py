@@ -129,7 +129,7 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
     # -- the hot path --------------------------------------------------------------------------
     def _build_hot_path(self):
         inner = self.inner
-        inner_malloc, inner_free = inner._hot_path()
+        inner_malloc, inner_free = inner.hot_path_functions()
         self._inner_free = inner_free
         b = self.backend
         current_stream, memset = b.current_stream, b.memset_async
@@ -230,7 +230,7 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
         if self._quarantine:
             self._drain(device)
             try:
-                return self.inner._hot_malloc(padded, device)
+                return self.inner.hot_path_functions()[0](padded, device)
             except (MemoryError, OverflowError) as again:
                 exc = again
         self.accounts.count_failed(device)
