@@ -175,7 +175,7 @@ def use(strategy: str | Strategy, **options) -> Strategy:
         raise RuntimeError(_USE_INSIDE_USING)
     s = create(strategy, **options)
     if isinstance(strategy, Strategy):
-        strategy._keep()  # installed again (maybe inside checks): not let go when its arrays are gone
+        strategy.installed()  # installed again (maybe inside checks): not let go when its arrays are gone
     before = current()
     try:
         cuda.set_allocator(s.cupy_allocator())
@@ -183,7 +183,7 @@ def use(strategy: str | Strategy, **options) -> Strategy:
         s.close()
         raise RuntimeError(_USE_INSIDE_USING) from exc
     if before is not None and before is not s:
-        before._stop_holding()  # pool's direct route: no allocation through it may come to reap
+        before.uninstalled()  # pool's direct route: no allocation through it may come to reap
     log_install(s, "use")
     return s
 
@@ -303,7 +303,7 @@ def using(strategy: str | Strategy, **options) -> Iterator[Strategy]:
     cuda = _cupy_cuda()
     s = create(strategy, **options)
     if isinstance(strategy, Strategy):
-        strategy._keep()  # in use again (maybe inside checks): not let go when its arrays are gone
+        strategy.installed()  # in use again (maybe inside checks): not let go when its arrays are gone
     try:
         with cuda.using_allocator(s.cupy_allocator()):
             log_install(s, "using")
@@ -312,14 +312,14 @@ def using(strategy: str | Strategy, **options) -> Iterator[Strategy]:
         if s is not strategy:  # made here: give back what nobody uses
             from .checks.layer import CheckedStrategy
 
-            if isinstance(s, CheckedStrategy) and not s._owns_inner:
+            if isinstance(s, CheckedStrategy) and not s.owns_inner:
                 # checks around a strategy passed in: that strategy is left as it is
                 if any(s.live_allocations()):
-                    s._drain()
+                    s.drain()
             elif any(s.live_allocations()):
                 s.trim()
             # closed now if nothing is alive, else once its last array is freed
-            s._let_go_when_empty()
+            s.close_when_empty()
 
 
 def current() -> Strategy | None:
@@ -329,7 +329,7 @@ def current() -> Strategy | None:
         import cupy.cuda
     except ImportError:
         return None
-    return Strategy._owner_of(cupy.cuda.get_allocator())
+    return Strategy.owner_of_allocator(cupy.cuda.get_allocator())
 
 
 def require_current() -> Strategy:
@@ -699,7 +699,7 @@ def record_stream(array, stream) -> bool:
         )
     recorded = owner.record_stream(mem.ptr, stream)
     if recorded:
-        owner._hold_recorded(mem)  # pool's route "direct" keeps the block out of CuPy's pool
+        owner.hold_recorded(mem)  # pool's route "direct" keeps the block out of CuPy's pool
     return recorded
 
 
@@ -727,4 +727,4 @@ def _owner_of_block(ptr: int, device: int):
     s = current()
     if s is not None and s.accounts.is_live(ptr, device):
         return s
-    return Strategy._owner_of_pointer(ptr, device)
+    return Strategy.owner_of_pointer(ptr, device)

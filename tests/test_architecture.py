@@ -229,6 +229,37 @@ def test_the_private_read_check_sees_one():
     assert [f.split(": ", 1)[1] for f in found] == ["._hot_path"]
 
 
+def _package(path) -> str:
+    return ".".join(path.relative_to(ROOT).parts[:-1])
+
+
+#: underscore names of classes -> the (sub)packages whose classes define them
+_CLASS_PRIVATE: dict[str, set[str]] = {}
+for _p in FILES:
+    for _name in _private_names([_p]):
+        _CLASS_PRIVATE.setdefault(_name, set()).add(_package(_p))
+
+
+def _foreign_private_calls(path, text=None) -> list[str]:
+    """``x._name`` (x not self or cls) in a module where ``_name`` is private to the classes of
+    other (sub)packages only: one part of the library using another's inside."""
+    tree, me = ast.parse(path.read_text() if text is None else text), _package(path)
+    return [f"{path.relative_to(ROOT)}:{n.lineno}: .{n.attr}" for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr in _CLASS_PRIVATE and me not in _CLASS_PRIVATE[n.attr]
+            and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
+
+
+def test_no_module_uses_the_private_methods_of_another_packages_classes():
+    found = [f for p in FILES for f in _foreign_private_calls(p)]
+    assert found == [], "\n".join(found)
+
+
+def test_the_foreign_private_check_sees_one():
+    """The control: the public API calling a strategy's private method is found."""
+    found = _foreign_private_calls(ROOT / "cupy_memstrat" / "api.py", text="s._settle()\n")
+    assert [f.split(": ", 1)[1] for f in found] == ["._settle"]
+
+
 def test_the_linter_passes():
     """ruff with pyproject.toml's [tool.ruff] rules, over the whole tree."""
     pytest.importorskip("ruff", reason="ruff is not installed (the test extra has it)")

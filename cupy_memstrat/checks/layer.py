@@ -79,7 +79,7 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
             raise ValueError("check: expected at least one of streams, poison, redzone (or all), got none")
         self.check_options_apply(checks, options)
         self.inner = inner
-        self._owns_inner = owns_inner  # made from a spec for this layer: closed with it
+        self._owns_inner = owns_inner  # made from a spec for this layer: closed with it (owns_inner)
         self._closed = False
         self.name = inner.name
         self.checks = checks
@@ -125,6 +125,12 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
             ValueError: e.g. ``redzone_bytes`` without the ``redzone`` check.
         """
         refuse_options_of_checks_off(checks, given)
+
+    @property
+    def owns_inner(self) -> bool:
+        """Whether closing this layer closes the strategy it checks: True for one made for it
+        from a name (``create("async", check=...)``), False for a strategy passed in."""
+        return self._owns_inner
 
     # -- the hot path --------------------------------------------------------------------------
     def _build_hot_path(self):
@@ -228,7 +234,7 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
         back and try once more; else raise ``OutOfMemoryError`` for the
         requested ``size``, counted in this layer's ``n_failed``."""
         if self._quarantine:
-            self._drain(device)
+            self.drain(device)
             try:
                 return self.inner.hot_path_functions()[0](padded, device)
             except (MemoryError, OverflowError) as again:
@@ -281,7 +287,7 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
         their events, after which they cannot be decided."""
         if self._deferred:
             self._poll_deferred()
-        self._drain(device)
+        self.drain(device)
         if self._pad:
             for layer, finding in self._verifier_of().collect(device):
                 layer._report(finding)
@@ -320,7 +326,7 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
         parse_size(keep_bytes, total=100, what="keep_bytes")  # a bad value fails before anything is given back
         devices = range(self.backend.device_count()) if device is None else [device]
         before = sum(self.inner.stats(d).bytes_reserved for d in devices)
-        self._drain(device)
+        self.drain(device)
         released = self.inner.trim(keep_bytes, device)
         after = sum(self.inner.stats(d).bytes_reserved for d in devices)
         return max(released, before - after)
@@ -330,7 +336,7 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
         given back at once. The wrapped strategy is closed too if this layer
         made it (``owns_inner``)."""
         self._closed = True
-        self._drain()
+        self.drain()
         self._drop_own_events()
         if self._owns_inner:
             self.inner.close()

@@ -168,8 +168,11 @@ class QuarantineChecks:
                 layer._poll_deferred()
         self.backend.device_synchronize(device)
 
-    def _drain(self, device: int | None = None) -> None:
-        """Verify and give back every quarantined block (of ``device``)."""
+    def drain(self, device: int | None = None) -> None:
+        """Verify every quarantined block (of ``device``, or of every device) and give it back to
+        the strategy this layer checks; a block that fails verification is reported as a
+        finding. What :func:`cupy_memstrat.using` does when a layer over a strategy passed in
+        ends while arrays live."""
         if device is None:
             while self._quarantine:
                 self._release_on_device(self._quarantine[0][2])

@@ -80,7 +80,7 @@ from .recovery import Recovery
 
 __all__ = ["Strategy", "check_size", "check_stream", "hot_path_status"]
 
-#: id(CuPy's PythonFunctionAllocator) -> a weak reference to the strategy that made it (_owner_of)
+#: id(CuPy's PythonFunctionAllocator) -> a weak reference to the strategy that made it (owner_of_allocator)
 _pfa_owners: dict = {}
 
 #: the default of every strategy's ``oom_snapshot`` option
@@ -477,16 +477,16 @@ class Strategy:
         holds a block :func:`cupy_memstrat.record_stream` recorded until its
         arrays are gone). Nothing here."""
 
-    def _hold_recorded(self, mem) -> None:
-        """:func:`cupy_memstrat.record_stream` recorded a stream on the block
-        of CuPy's memory object ``mem`` (this strategy's): a strategy whose
-        memory objects are not its own may keep ``mem`` (``pool``'s route
-        ``"direct"``). Nothing here."""
+    def hold_recorded(self, mem) -> None:
+        """Called by :func:`cupy_memstrat.record_stream` after it recorded a stream on the
+        block of CuPy's memory object ``mem`` (this strategy's): a strategy whose memory
+        objects are not its own may keep ``mem`` until the recorded streams are done
+        (``pool``'s route ``"direct"``). Nothing here; a program does not call it."""
 
-    def _stop_holding(self) -> None:
-        """No longer CuPy's allocator (:func:`cupy_memstrat.use` installed
-        another): let go of anything kept for :meth:`_hold_recorded`. Nothing
-        here."""
+    def uninstalled(self) -> None:
+        """Called by :func:`cupy_memstrat.use` when it installs another allocator in this
+        one's place: let go of anything kept for :meth:`hold_recorded`, since no allocation
+        through this strategy may come to poll. Nothing here; a program does not call it."""
 
     def _device_or_current(self, device):
         if device is None:
@@ -784,25 +784,27 @@ class Strategy:
         self._pinned = True
 
     # -- using(): let go once empty ----------------------------------------------------
-    def _let_go_when_empty(self) -> None:
-        """Close this strategy (giving its cache back) once its last live
-        allocation is freed, or now if there is none: what :func:`using`
-        does for a strategy it made when arrays outlive the block."""
+    def close_when_empty(self) -> None:
+        """:meth:`close` this strategy (giving its cache back) once its last live
+        allocation is freed, or now if there is none: what :func:`cupy_memstrat.using`
+        does at the end of its block for a strategy it made, when arrays outlive the block.
+        :meth:`installed` cancels it."""
         self._watch[0] = self._check_empty
         self._check_empty()
 
-    def _keep(self) -> None:
-        """Installed again (use() / using() of this object): stay open, and
-        reachable again if it was closed (record_stream, other strategies'
-        out-of-memory recovery)."""
+    def installed(self) -> None:
+        """Called by :func:`cupy_memstrat.use` and :func:`cupy_memstrat.using` each time they
+        install this object: it stays open (a pending :meth:`close_when_empty` is cancelled)
+        and is reachable again if it was closed (by :func:`cupy_memstrat.record_stream` and
+        by other strategies' out-of-memory recovery)."""
         self._watch[0] = None
         if not self._pinned:
             self._pin()
 
     @staticmethod
-    def _owner_of_pointer(ptr: int, device: int):
-        """The strategy whose live table holds ``ptr`` on ``device`` (a checking layer before
-        the strategy it wraps), or None."""
+    def owner_of_pointer(ptr: int, device: int):
+        """The reachable strategy whose live table holds ``ptr`` (a pointer) on ``device`` (an
+        ordinal), a checking layer before the strategy it wraps; None if no strategy does."""
         return REACHABLE.owner_of_pointer(ptr, device)
 
     def _check_empty(self) -> None:
@@ -871,8 +873,10 @@ class Strategy:
         return self._cupy_malloc
 
     @staticmethod
-    def _owner_of(allocator):
-        """The strategy behind a callable from :meth:`cupy_allocator` or :meth:`malloc`."""
+    def owner_of_allocator(allocator):
+        """The strategy behind ``allocator``, a callable from :meth:`cupy_allocator` or
+        :meth:`malloc` (or the history recorder's), as CuPy holds it; None for any other
+        callable (CuPy's own pool, another library's)."""
         owner = getattr(allocator, "__self__", None)
         if isinstance(owner, Strategy):
             return owner
@@ -886,7 +890,7 @@ class Strategy:
     def _cupy_route(self, malloc, free):
         """CuPy's ``malloc(size) -> MemoryPointer`` over the hot path's
         ``malloc`` / ``free``, and the object that callable names as its
-        ``__self__`` (None if it names none; :meth:`_owner_of` finds the
+        ``__self__`` (None if it names none; :meth:`owner_of_allocator` finds the
         strategy through it). A strategy with a route of its own into CuPy
         overrides this (``pool``'s ``route="direct"``)."""
         cupy_malloc, pfa, self._gc_safe = cupy_malloc_over(self.backend, malloc, free, self.block_granule)

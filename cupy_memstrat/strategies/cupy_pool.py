@@ -234,7 +234,7 @@ class CuPyPoolStrategy(ProvidedHooks, Strategy):
         self._gc_safe = True  # CuPy's PooledMemory is not tracked by the garbage collector
         return self.direct_route.allocator, acc
 
-    def _hold_recorded(self, mem) -> None:
+    def hold_recorded(self, mem) -> None:
         """:func:`cupy_memstrat.record_stream` recorded a stream on the block of CuPy's memory
         object ``mem``: on the route ``"direct"``, the route holds it (:meth:`DirectRoute.hold
         <cupy_memstrat.strategies.pool_direct.DirectRoute.hold>`)."""
@@ -245,13 +245,16 @@ class CuPyPoolStrategy(ProvidedHooks, Strategy):
         if self.direct_route is not None:
             self.direct_route.reap()
 
-    def _stop_holding(self) -> None:
+    def uninstalled(self) -> None:
+        """As :meth:`Strategy.uninstalled`: on the route ``"direct"``, the held blocks are let go
+        (:meth:`DirectRoute.stop_holding <cupy_memstrat.strategies.pool_direct.DirectRoute.stop_holding>`)."""
         if self.direct_route is not None:
             self.direct_route.stop_holding()
 
-    def _let_go_when_empty(self) -> None:
-        self._stop_holding()
-        super()._let_go_when_empty()
+    def close_when_empty(self) -> None:
+        """As :meth:`Strategy.close_when_empty`, the held blocks let go first (:meth:`uninstalled`)."""
+        self.uninstalled()
+        super().close_when_empty()
 
     def raw_malloc(self, size: int, device: int | None = None) -> int:
         if self.direct_route is not None and self.direct_route.held:
@@ -273,7 +276,7 @@ class CuPyPoolStrategy(ProvidedHooks, Strategy):
         are let go (their frees then wait for the recorded streams as the
         free of a block recorded through :meth:`Strategy.record_stream` does)."""
         super().close()
-        self._stop_holding()
+        self.uninstalled()
 
     # -- the pool, per device ----------------------------------------------------
     def _pool_total(self, device: int) -> int:
