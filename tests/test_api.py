@@ -298,3 +298,10 @@ def test_using_that_cupy_refuses_is_not_listed(fake):
 def test_installs_refuses_a_since_that_is_not_a_mark(bad):
     with pytest.raises(TypeError, match=r"since: expected an int from install_mark\(\), got"):
         cupy_memstrat.installs(since=bad)
+
+
+def test_owner_of_pointer_refuses_what_is_not_an_int_by_name():
+    for ptr, device, what in ((1, None, "device: expected an int, got NoneType None"),
+                              ("0x10", 0, "ptr: expected an int, got str '0x10'"), (1, True, "device")):
+        with pytest.raises(TypeError, match=f"owner_of_pointer: {what}"):
+            cupy_memstrat.Strategy.owner_of_pointer(ptr, device)

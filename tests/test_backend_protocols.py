@@ -172,3 +172,13 @@ def test_every_cupy_wrapper_the_real_backend_binds_exists_in_cupys_runtime():
     missing = [w for w in real._CUPY_RUNTIME.values() if not callable(getattr(runtime, w, None))]
     assert missing == [], f"cupy_backends.cuda.api.runtime has no {missing}"
     assert set(real._CUPY_RUNTIME) | {"current_stream", "Error"} == set(inspect.get_annotations(B.RealBackend))
+
+
+@pytest.mark.parametrize("call", ["malloc", "malloc_managed", "malloc_from_pool_async"])
+def test_the_simulator_refuses_a_size_that_is_not_an_int_before_allocating(call):
+    """As CUDA's wrappers take a size_t: a float is a TypeError, and nothing is allocated."""
+    fake = FakeBackend(memory="1GiB")
+    args = {"malloc": (), "malloc_managed": (), "malloc_from_pool_async": (fake.device_default_pool(0), 0)}[call]
+    with pytest.raises(TypeError):
+        getattr(fake, call)(4096.0, *args)
+    assert fake.used_bytes(0) == 0 and fake.malloc(512) % 256 == 0  # and the next pointer is an int

@@ -778,3 +778,10 @@ def test_the_checked_class_is_the_one_made_after_the_layer_module_is_imported_ag
     monkeypatch.delitem(sys.modules, "cupy_memstrat.checks.layer")  # as pytester's snapshot restore does
     s = cupy_memstrat.create("device", backend=FakeBackend(), check="all")
     assert isinstance(s, checks.CheckedStrategy)
+
+
+def test_record_stream_on_the_layer_refuses_a_pointer_that_is_not_an_int(fake):
+    s = make(fake, "streams")
+    for bad in (None, "0x10", 1.0):
+        with pytest.raises(TypeError, match=r"ptr: expected an int pointer, got"):
+            s.record_stream(bad, fake.stream())

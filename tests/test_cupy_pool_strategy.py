@@ -1068,3 +1068,27 @@ def test_route_direct_python_code_in_the_token_lookup_that_drops_the_memory_obje
     st = s.stats()
     assert (st.bytes_in_use, st.n_live, st.n_allocs, st.n_frees) == (0, 0, n + 1, n + 1)
 
+
+
+def test_a_memory_pool_that_hands_out_a_bad_block_is_named_and_loses_nothing():
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+
+    class Same(_StandInPool):  # the same pointer every time, as a broken pool would
+        def malloc(self, size):
+            return _MP(_SlotMem(0x5000, (size + 511) & -512))
+
+    s = CuPyPoolStrategy(backend=FakeBackend(), memory_pool=Same(oom=cupy.cuda.memory.OutOfMemoryError),
+                         route="wrap")
+    p = s.raw_malloc(1000)
+    with pytest.raises(RuntimeError, match=r"memory_pool: .* handed out 0x5000 again while it is still in use"):
+        s.raw_malloc(2000)
+    assert s.live_sizes() == {p: 1000} and s.stats().n_failed == 0  # the first block intact
+
+    class FloatPtr(_StandInPool):
+        def malloc(self, size):
+            return _MP(_SlotMem(4096.0, 512))
+
+    t = CuPyPoolStrategy(backend=FakeBackend(), memory_pool=FloatPtr(), route="wrap")
+    with pytest.raises(TypeError, match=r"memory_pool: .*\.malloc returned .* whose \.ptr is 4096\.0: expected"):
+        t.raw_malloc(100)
+    assert t.live_sizes() == {} and t.stats().n_allocs == 0

@@ -99,3 +99,13 @@ def test_use_from_env_installs_what_cupy_memstrat_names(fresh, restore_cupy_allo
                        match=r"environment variable MY_STRATEGY='device:colour=red': .*unknown option 'colour'"):
         cupy_memstrat.use_from_env("MY_STRATEGY")
     assert cupy_memstrat.current() is s  # nothing changed
+
+
+def test_backend_from_env_refuses_what_is_not_the_simulated_gpu_by_name():
+    from cupy_memstrat.testing import backend_from_env
+
+    with pytest.raises(TypeError, match=r"value: expected a str such as 'fake:devices=2', got int 5"):
+        backend_from_env(5)
+    with pytest.raises(ValueError, match=r"CUPY_MEMSTRAT_BACKEND='cuda': not the simulated GPU; expected 'fake'"):
+        backend_from_env("cuda")
+    assert backend_from_env("fake:DEVICES=2, Memory=1GiB").device_count() == 2  # case does not matter

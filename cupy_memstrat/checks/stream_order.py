@@ -159,6 +159,8 @@ class StreamChecks:
         Raises:
             ValueError: ``ptr`` is not a live allocation of this layer.
         """
+        if isinstance(ptr, bool) or not isinstance(ptr, int):
+            raise TypeError(f"ptr: expected an int pointer, got {type(ptr).__name__} {ptr!r}")
         d = self.accounts.device_of(ptr)
         if d is None:
             raise ValueError(f"{self.name}: 0x{ptr:x} is not the start of a live allocation of this strategy")

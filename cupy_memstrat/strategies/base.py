@@ -298,7 +298,9 @@ class Strategy:
         ``free(ptr, device)``, built on the first call and the same for every thread after it.
         For code that makes its own CuPy allocator over a strategy (the history recorder does):
         they skip :meth:`raw_malloc`'s checks of their arguments. :attr:`hot_path` then says
-        which one they are (``"c"`` or ``"python"``)."""
+        which one they are (``"c"`` or ``"python"``). Called with anything else than CuPy
+        passes (an int size > 0, the current device, a pointer ``malloc`` returned), what they
+        do is not defined: the C one refuses some such calls, its Python model not all."""
         return self._hot_path()
 
     def _hot_path(self):
@@ -804,7 +806,14 @@ class Strategy:
     @staticmethod
     def owner_of_pointer(ptr: int, device: int):
         """The reachable strategy whose live table holds ``ptr`` (a pointer) on ``device`` (an
-        ordinal), a checking layer before the strategy it wraps; None if no strategy does."""
+        ordinal), a checking layer before the strategy it wraps; None if no strategy does.
+
+        Raises:
+            TypeError: ``ptr`` or ``device`` is not an int.
+        """
+        for what, v in (("ptr", ptr), ("device", device)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"owner_of_pointer: {what}: expected an int, got {type(v).__name__} {v!r}")
         return REACHABLE.owner_of_pointer(ptr, device)
 
     def _check_empty(self) -> None:

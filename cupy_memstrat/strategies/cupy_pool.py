@@ -33,6 +33,15 @@ def _as_route(value, what: str) -> str:
     raise ValueError(f"{what}: expected one of {', '.join(map(repr, _ROUTES))}, got {value!r}")
 
 
+def _bad_block(pool, mp, ptr, twice: bool) -> TypeError | RuntimeError:
+    """The error for a block that a pool's ``malloc`` handed out wrong (a ``memory_pool`` of
+    the program's own; CuPy's never does)."""
+    if twice:
+        return RuntimeError(f"memory_pool: {pool!r} handed out 0x{ptr:x} again while it is still in use")
+    return TypeError(f"memory_pool: {pool!r}.malloc returned {mp!r}, whose .ptr is {ptr!r}: expected a "
+                     "cupy.cuda.MemoryPointer with an int pointer > 0")
+
+
 def _pooled_memory_takes_attributes() -> bool:
     """Whether CuPy's ``PooledMemory`` has a ``__dict__`` (CuPy 14.2 does),
     where the direct route keeps its token."""
@@ -194,7 +203,9 @@ class CuPyPoolStrategy(ProvidedHooks, Strategy):
                 mp = pool_malloc(size)
             except OutOfMemoryError:  # the pool already freed its cache and retried
                 raise Error(status) from None
-            ptr = mp.ptr
+            ptr = getattr(mp, "ptr", None)
+            if type(ptr) is not int or ptr <= 0 or ptr in blocks:
+                raise _bad_block(memory_pool, mp, ptr, ptr in blocks if type(ptr) is int else False)
             blocks[ptr] = mp
             return ptr
 

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import threading
 
 from .. import codes as _codes
@@ -103,6 +105,7 @@ class _CoreMixin:
     # -- cudaMalloc / cudaFree -----------------------------------------------
     def malloc(self, size: int) -> int:
         __tracebackhide__ = True  # pytest shows the user's frames, not ours
+        size = operator.index(size)  # a size_t, as CUDA's wrappers take it: a float is a TypeError
         if size < 0:
             self._fail(_codes.ERROR_INVALID_VALUE)
         if size == 0:

@@ -22,12 +22,16 @@ def backend_from_env(value: str | None = None) -> FakeBackend:
             the message names the variable and the valid values.
     """
     raw = os.environ.get(BACKEND_ENV, "") if value is None else value
+    if not isinstance(raw, str):
+        raise TypeError(f"value: expected a str such as 'fake:devices=2', got {type(raw).__name__} {raw!r}")
     kind, _, opts = raw.strip().partition(":")
     if kind.strip().lower() != "fake":
-        raise ValueError(f"environment variable {BACKEND_ENV}={raw!r}: unknown backend; expected {ENV_VALUES}")
+        raise ValueError(f"environment variable {BACKEND_ENV}={raw!r}: not the simulated GPU; expected 'fake' or "
+                         "'fake:devices=N,memory=SIZE[/SIZE...],name=NAME'")
     kwargs = {}
     for part in filter(None, (p.strip() for p in opts.split(","))):
         key, eq, val = (x.strip() for x in part.partition("="))
+        key = key.lower()
         if not eq or not val:
             raise ValueError(
                 f"environment variable {BACKEND_ENV}={raw!r}: expected key=value, got {part!r}; {ENV_VALUES}"

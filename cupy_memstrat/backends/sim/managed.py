@@ -4,6 +4,8 @@ and the driver's counters (docs/managed.md)
 
 from __future__ import annotations
 
+import operator
+
 from .. import codes as _codes
 from .core import _round_up
 
@@ -47,6 +49,7 @@ class _ManagedMixin:
     def malloc_managed(self, size: int) -> int:
         """``cudaMallocManaged``: 2 MiB-aligned; no device memory until populated."""
         __tracebackhide__ = True  # pytest shows the user's frames, not ours
+        size = operator.index(size)  # a size_t, as CUDA's wrappers take it: a float is a TypeError
         if size < 0:
             self._fail(_codes.ERROR_INVALID_VALUE)
         if size == 0:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import operator
+
 from .. import codes as _codes
 from .core import _ALIGN, _UINT64_MAX, _round_up
 
@@ -123,6 +125,7 @@ class _PoolMixin:
         self._current_pool[device] = pool
 
     def malloc_from_pool_async(self, size: int, pool: int, stream: int) -> int:
+        size = operator.index(size)  # a size_t, as CUDA's wrappers take it: a float is a TypeError
         if size < 0:
             self._fail(_codes.ERROR_INVALID_VALUE)
         with self._lock:
