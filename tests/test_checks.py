@@ -567,7 +567,7 @@ def test_trim_counts_the_quarantine_it_gives_back(fake):
     assert s.trim() == 10_240 and s.stats().bytes_reserved == 0
 
 
-# -- from an adversarial review ------------------------------------------------------------------------------
+# -- corner cases: checks that must lose no finding and no block ---------------------------------------------
 
 
 def test_clear_reports_legacy_sites_again(fake):

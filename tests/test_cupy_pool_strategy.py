@@ -301,7 +301,7 @@ def test_route_is_an_option_checked_by_name():
 
 @needs_c
 def test_route_direct_keeps_each_block_apart_when_the_pool_reuses_a_pointer_early():
-    """From an adversarial review: the pool takes a block back while its memory
+    """The pool takes a block back while its memory
     object lives (PooledMemory.free() called by hand), hands the pointer out
     again, and that newer block dies first: it is the newer one's free that
     is counted, and a recorded stream of the old block is waited for then."""
@@ -448,7 +448,7 @@ def test_route_direct_held_block_whose_array_lives_stays_live_and_close_lets_it_
     assert s.stats().bytes_in_use == 0 and pool.free
 
 
-# -- from the adversarial review of the held path ---------------------------------------------------
+# -- the held path: stale reaps, allocations inside the reap, letting go ----------------------------
 
 
 @needs_c
@@ -593,7 +593,7 @@ def test_on_the_fake_backend_blocks_that_wait_for_recorded_streams_are_reserved_
 
 @needs_c
 def test_route_direct_a_pointer_only_free_left_pending_never_gives_back_what_is_at_its_pointer_later():
-    """From a second review: a block recorded by pointer alone is CuPy's pool's
+    """A block recorded by pointer alone is CuPy's pool's
     at its free; if another thread holds the poll, its pending entry stays,
     and giving it back later must not free whatever is at that pointer by
     then (here a raw_malloc block, live)."""
@@ -749,7 +749,7 @@ def test_route_direct_refuses_a_guard_without_its_flags_and_a_bad_capsule():
         _support.c_hotpath.PoolDirect(*args, lambda device: None, [0], [0], object())
 
 
-# From the adversarial review of the guard: each failed before the fix.
+# The guard's corner cases: streams that die while the direct route caches their state.
 
 def _direct_with_capsule(monkeypatch):
     """The direct route with a stream function, as CuPy's get_stream_ptr: the C check caches."""
@@ -938,7 +938,7 @@ def test_pool_strategies_over_one_pool_share_one_guard():
     assert s2.guard.n_syncs == [2]
 
 
-# From the second review of the guard: each failed before its fix.
+# The guard's corner cases with CuPy's stream function: new streams at dead handles.
 
 @needs_c
 @pytest.mark.parametrize("route", ["direct", "wrap"])

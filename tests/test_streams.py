@@ -558,7 +558,7 @@ def test_async_keeps_its_reserved_peak_after_close(fake):
     assert s.stats(0).peak_bytes_reserved == 0
 
 
-# -- from an adversarial review ----------------------------------------------------------------------
+# -- corner cases: closed, reinstalled and recorded strategies ---------------------------------------
 
 def test_a_closed_strategy_installed_again_is_reachable_again(restore_cupy_allocator, hot_path):
     """use(s) after using() had closed s left it out of reach of record_stream and of other

@@ -204,9 +204,10 @@ class CuPyPoolStrategy(ProvidedHooks, Strategy):
             except OutOfMemoryError:  # the pool already freed its cache and retried
                 raise Error(status) from None
             ptr = getattr(mp, "ptr", None)
-            if type(ptr) is not int or ptr <= 0 or ptr in blocks:
-                raise _bad_block(memory_pool, mp, ptr, ptr in blocks if type(ptr) is int else False)
-            blocks[ptr] = mp
+            if type(ptr) is not int or ptr <= 0:
+                raise _bad_block(memory_pool, mp, ptr, twice=False)
+            if blocks.setdefault(ptr, mp) is not mp:  # one dict operation: kept, or another block there
+                raise _bad_block(memory_pool, mp, ptr, twice=True)
             return ptr
 
         self._provide_hooks(guarded(take), blocks.pop)  # dropping the MemoryPointer returns the block
