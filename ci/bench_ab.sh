@@ -7,7 +7,7 @@
 #   ci/bench_ab.sh BEFORE_DIR [GROUP...]        groups: default alloc managed
 #
 # Environment: OUT (default ./gpu-out), ROUNDS (default 2), PYTHON (default python3).
-# What comes back: ab/GROUP-TREE-N.json, ab/compare.txt and ab/compare.json, ab/*.log.
+# What comes back: ab/compare.txt and ab/compare.json; ab.tgz holds every run's JSON and log.
 set -uo pipefail
 [ $# -ge 1 ] && [ -d "$1" ] || { echo "ci/bench_ab.sh: expected BEFORE_DIR (a folder holding the other tree), got '${1:-}'" >&2; exit 2; }
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -34,3 +34,6 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
   done
 done
 "$PY" "$ROOT/tools/compare_bench.py" "$OUT/ab" --json "$OUT/ab/compare.json" | tee "$OUT/ab/compare.txt"
+rc=${PIPESTATUS[0]}
+tar -czf "$OUT/ab.tgz" -C "$OUT" ab && find "$OUT/ab" -type f ! -name 'compare.*' -delete
+exit "$rc"
