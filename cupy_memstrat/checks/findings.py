@@ -190,7 +190,7 @@ def clear() -> None:
         _state["cleared"] = _state["recorded"]
     for layer in live_layers():
         layer._to_raise.clear()
-        layer._legacy_sites.clear()
+        layer.stream_order.forget_reported()
         layer._refresh_alarm()
 
 
@@ -221,8 +221,8 @@ def collect(device: int | None = None) -> list[Finding]:
     start = mark()
     raising = []
     for layer in layers:  # before any layer synchronises: a synchronisation makes them undecidable
-        if layer._deferred:
-            layer._poll_deferred()
+        if layer.stream_order.deferred:
+            layer.stream_order.poll()
     for layer in layers:
         layer._collect(device)
     for layer in live_layers():  # a layer's collection can report another's findings (shared kernels)

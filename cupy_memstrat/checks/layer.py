@@ -18,15 +18,15 @@ import weakref
 from ..stats import origin_capture
 from ..strategies._support import FOLD_AT  # the accounting rule (strategies/_support.py)
 from ..strategies.base import Strategy
-from .findings import CheckError, Finding, quiet_warn, record, register_layer, warn_finding
+from .findings import CheckError, Finding, live_layers, quiet_warn, record, register_layer, warn_finding
 from .options import CHECKS, OPTIONS, refuse_options_of_checks_off
-from .quarantine import CANARY_BYTE, QuarantineChecks
-from .stream_order import StreamChecks, StreamRecord, _expected
+from .quarantine import CANARY_BYTE, Quarantine
+from .stream_order import StreamOrder, StreamRecord, _expected
 
 __all__ = ["CheckedStrategy", "checked"]
 
 
-class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
+class CheckedStrategy(Strategy):
     """A strategy wrapped in the checking layer (``use(name, check=...)``).
 
     Args:
@@ -54,6 +54,10 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
         ValueError: no check named, an unknown check, or a bad option value
             (the message names the option and the value).
 
+    The layer holds two parts: :attr:`stream_order` (the streams seen, the
+    ``streams`` check) and :attr:`quarantine` (the blocks held poisoned, the
+    verification kernels).
+
     Costs (docs/checks.md has the measurements): ``streams`` a stack walk and a few
     dict updates per allocation and free; ``poison`` a memset per free and a
     kernel when a block leaves quarantine; ``redzone`` a memset per
@@ -80,7 +84,6 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
         self.check_options_apply(checks, options)
         self.inner = inner
         self._owns_inner = owns_inner  # made from a spec for this layer: closed with it (owns_inner)
-        self._closed = False
         self.name = inner.name
         self.checks = checks
         self._track_origins = True
@@ -89,8 +92,6 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
         self._redzone = self.config["redzone_bytes"] if "redzone" in checks else 0
         self._pad = self._poison or bool(self._redzone)
         self._policy = self.config["on_finding"]
-        self._q_limit_bytes = self.config["quarantine_bytes"]
-        self._q_limit_count = self.config["quarantine_count"]
         # What the program sees as the strategy's options: the wrapped strategy's (its own
         # track_origins among them), then the checks', "check" spelled as in a spec (JSON-ready)
         # (and its oom_snapshot, unless one was given to this layer)
@@ -100,8 +101,13 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
         self.config = {**inner.config, **own}
         self._meta: dict[int, tuple] = {}  # ptr -> (padded, StreamRecord, thread id, seq)
         self._next_seq = itertools.count(1).__next__
-        self._init_streams()
-        self._init_quarantine()
+        self.stream_order = StreamOrder(self.backend, self._next_seq, self._report)
+        self.quarantine = Quarantine(
+            self.backend, poison=self._poison, redzone=self._redzone,
+            limit_bytes=self.config["quarantine_bytes"], limit_count=self.config["quarantine_count"],
+            give_back=self._give_back, stream_order=self.stream_order, synchronize=self._synchronize,
+            report=self._report,
+        )
         self._to_raise: list[Finding] = []
         self._alarm = False
         self.n_findings = 0  # findings this layer has reported
@@ -143,10 +149,12 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
         fold, unknown_free = self.accounts.fold, self._unknown_free
         streams_on, pad, rz, redzone_on = self._streams, self._pad, self._redzone, bool(self._redzone)
         flagged = b.check_kernels().flagged if pad else None
-        get_ident, seen_tables, next_seq, ref = threading.get_ident, self._seen, self._next_seq, weakref.ref
+        order = self.stream_order
+        get_ident, seen_tables, next_seq, ref = threading.get_ident, order.seen, self._next_seq, weakref.ref
         expected = _expected
         state = self
-        check_streams, after_free, legacy = self._check_free_streams, self._after_free, self._legacy_finding
+        check_streams, after_free, legacy, prune = (
+            order.check_free, self.quarantine.after_free, order.legacy_finding, order.prune)
         # the wrapped strategy's track_origins=N frames, else the first (findings name the site)
         capture = origin_capture(self.config.get("track_origins") or True)
 
@@ -174,7 +182,7 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
                 ent = table.get(key)
                 if ent is None or ent.ref() is not stream:
                     if len(table) > 64:
-                        state._prune(table)
+                        prune(table)
                     ent = table[key] = StreamRecord(seq, ref(stream), sptr, device, seq)
                 else:
                     ent.seen = ent.last_alloc = seq
@@ -217,6 +225,8 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
                     check_streams(ptr, size, device, origin, ent, tid, seq, rec)
                 except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
                     quiet_warn(f"cupy_memstrat.checks: the stream check of 0x{ptr:x} failed: {exc!r}")
+                if order.deferred:  # decided at a later allocation
+                    state._alarm = True
             if pad and not rec:
                 after_free(ptr, size, padded, device, origin, ent, tid)
             else:
@@ -229,12 +239,52 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
         self._hot_malloc, self._hot_free, self.hot_path = malloc, free, "python"
         return malloc, free
 
+    def _give_back(self, ptr: int, device: int) -> None:
+        """Free a block to the strategy this layer checks (the quarantine's way out)."""
+        self._inner_free(ptr, device)
+
+    def _synchronize(self, device: int) -> None:
+        """``cudaDeviceSynchronize``, after deciding what the stream checks
+        waiting on events can decide (a synchronisation finishes their events)."""
+        for layer in live_layers():
+            if layer.stream_order.deferred:
+                layer.stream_order.poll()
+        self.backend.device_synchronize(device)
+
+    def record_stream(self, ptr: int, stream) -> bool:
+        """As :meth:`Strategy.record_stream`, on the strategy this layer
+        checks (the same pointer): the ``streams`` check then counts
+        ``stream`` as ordered before the block's reuse, and the ``poison``
+        check does not fill the block (the recorded stream may still use it
+        after the free).
+
+        Raises:
+            TypeError: ``ptr`` is not an int.
+            ValueError: ``ptr`` is not a live allocation of this layer.
+        """
+        if isinstance(ptr, bool) or not isinstance(ptr, int):
+            raise TypeError(f"ptr: expected an int pointer, got {type(ptr).__name__} {ptr!r}")
+        d = self.accounts.device_of(ptr)
+        if d is None:
+            raise ValueError(f"{self.name}: 0x{ptr:x} is not the start of a live allocation of this strategy")
+        if not self.inner.record_stream(ptr, stream):
+            # the inner strategy's frees wait for every stream: kept for the check only
+            self.deferred.record(ptr, stream, d)
+        return True
+
+    def drain(self, device: int | None = None) -> None:
+        """Verify every quarantined block (of ``device``, or of every device) and give it back to
+        the strategy this layer checks; a block that fails verification is reported as a
+        finding. What :func:`cupy_memstrat.using` does when a layer over a strategy passed in
+        ends while arrays live."""
+        self.quarantine.drain(device)
+
     def _out_of_memory(self, size: int, padded: int, device: int, exc: BaseException) -> int:
         """The wrapped strategy refused ``padded`` bytes: give the quarantine
         back and try once more; else raise ``OutOfMemoryError`` for the
         requested ``size``, counted in this layer's ``n_failed``."""
-        if self._quarantine:
-            self.drain(device)
+        if self.quarantine:
+            self.quarantine.drain(device)
             try:
                 return self.inner.hot_path_functions()[0](padded, device)
             except (MemoryError, OverflowError) as again:
@@ -262,11 +312,11 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
             self._alarm = True
 
     def _refresh_alarm(self) -> None:
-        self._alarm = bool(self._to_raise or self._deferred)
+        self._alarm = bool(self._to_raise or self.stream_order.deferred)
 
     def _on_alarm(self) -> None:
-        if self._deferred:
-            self._poll_deferred()
+        if self.stream_order.deferred:
+            self.stream_order.poll()
         if self._to_raise:
             found = list(self._to_raise)
             self._to_raise.clear()
@@ -275,8 +325,8 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
         self._refresh_alarm()
 
     def _on_flag(self) -> None:
-        for layer, finding in self._verifier_of().collect():
-            layer._report(finding)
+        for owner, finding in self.quarantine.verifier().collect():
+            owner.report(finding)
         if self._to_raise:
             self._on_alarm()
 
@@ -285,18 +335,15 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
         queued kernel (of every layer on this backend: they share the slots).
         The stream checks come first: a synchronisation finishes both of
         their events, after which they cannot be decided."""
-        if self._deferred:
-            self._poll_deferred()
-        self.drain(device)
+        order = self.stream_order
+        if order.deferred:
+            order.poll()
+        self.quarantine.drain(device)
         if self._pad:
-            for layer, finding in self._verifier_of().collect(device):
-                layer._report(finding)
-        if self._deferred:  # after the synchronisation both events are done: undecidable, dropped
-            b = self.backend
-            for ev_a, ev_s, _ in self._deferred:
-                b.event_destroy(ev_a)
-                b.event_destroy(ev_s)
-            self._deferred = []
+            for owner, finding in self.quarantine.verifier().collect(device):
+                owner.report(finding)
+        if order.deferred:  # after the synchronisation both events are done: undecidable, dropped
+            order.drop_undecided()
         self._refresh_alarm()
 
     # -- the rest of the Strategy interface ------------------------------------------------------------
@@ -335,9 +382,8 @@ class CheckedStrategy(StreamChecks, QuarantineChecks, Strategy):
         """Verify and give back the quarantine; later frees are verified and
         given back at once. The wrapped strategy is closed too if this layer
         made it (``owns_inner``)."""
-        self._closed = True
-        self.drain()
-        self._drop_own_events()
+        self.quarantine.close()
+        self.stream_order.drop_own_events()
         if self._owns_inner:
             self.inner.close()
         super().close()

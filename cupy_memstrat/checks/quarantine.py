@@ -3,7 +3,8 @@
 :data:`CANARY_BYTE` after each allocation, and the kernels that verify both
 (see the package docstring and docs/checks.md).
 
-:class:`QuarantineChecks` holds the checks' methods; the allocation path in
+:class:`Quarantine` is the checking layer's part that owns the freed blocks
+held poisoned and queues the verification kernels; the allocation path in
 :mod:`cupy_memstrat.checks.layer` pads the block and fills the red zone
 inline.
 """
@@ -16,9 +17,9 @@ import weakref
 
 from ..sizes import format_count, format_size
 from ..stats import capture_origin
-from .findings import Finding, live_layers, quiet_warn, thread_name
+from .findings import Finding, quiet_warn, thread_name
 
-__all__ = ["POISON_BYTE", "CANARY_BYTE", "QuarantineChecks"]
+__all__ = ["POISON_BYTE", "CANARY_BYTE", "Quarantine"]
 
 #: the byte freed blocks are filled with (NaN in float16/32/64 and bfloat16, -1 in signed ints)
 POISON_BYTE = 0xFF
@@ -52,8 +53,8 @@ class _Verifier:
         try:
             slot = free.pop()
         except IndexError:  # every slot is waiting: finish them (a synchronisation)
-            for layer, finding in self.collect(device):
-                layer._report(finding)
+            for owner, finding in self.collect(device):
+                owner.report(finding)
             slot = free.pop()
         pend = self.pending[device]
         pend[slot] = info
@@ -66,7 +67,8 @@ class _Verifier:
 
     def collect(self, device: int | None = None) -> list:
         """Wait for the queued checks (of ``device``, or all) and return
-        ``(layer, Finding)`` for each that found damage."""
+        ``(Quarantine, Finding)`` for each that found damage: the part that
+        queued the check, whose ``report`` takes the finding."""
         out = []
         # the slots to finish are those queued before the synchronisation
         todo = {d: list(self.pending[d]) for d in ([device] if device is not None else list(self.pending))
@@ -88,21 +90,48 @@ class _Verifier:
                 free.append(slot)
                 r = bad.get(slot)
                 if r is not None and r[0]:
-                    layer = info[1]
-                    out.append((layer, layer._gpu_finding(info, r)))
+                    owner = info[1]
+                    out.append((owner, owner.gpu_finding(info, r)))
         return out
 
 
-class QuarantineChecks:
-    """The ``poison`` and ``redzone`` checks' part of
-    :class:`~cupy_memstrat.checks.CheckedStrategy`."""
+class Quarantine:
+    """The ``poison`` and ``redzone`` checks' state, one per checking layer:
+    the freed blocks held poisoned (oldest first) and the kernels that verify
+    them and the red zones.
 
-    def _init_quarantine(self) -> None:
-        self._quarantine: collections.deque = collections.deque()  # (ptr, padded, device, StreamRecord, info)
-        self._q_bytes = 0
+    Args:
+        backend: the CUDA seam (``memset_async``, ``check_kernels()``).
+        poison: hold freed blocks filled with :data:`POISON_BYTE`.
+        redzone: red-zone bytes after each block (0: off).
+        limit_bytes, limit_count: held at most; the oldest block leaves first
+            when either is passed.
+        give_back: ``give_back(ptr, device)`` frees a block to the strategy
+            the layer checks.
+        stream_order: the layer's :class:`~cupy_memstrat.checks.stream_order.StreamOrder`,
+            told before this part queues work on a stream.
+        synchronize: ``synchronize(device)`` waits for the device after
+            deciding what the stream checks can decide.
+        report: called with each :class:`Finding` of a verification.
+    """
+
+    def __init__(self, backend, *, poison, redzone, limit_bytes, limit_count, give_back, stream_order,
+                 synchronize, report):
+        self.backend, self.poison, self.redzone = backend, poison, redzone
+        self.limit_bytes, self.limit_count = limit_bytes, limit_count
+        self.give_back, self.stream_order, self.synchronize, self.report = (
+            give_back, stream_order, synchronize, report)
+        self._held: collections.deque = collections.deque()  # (ptr, padded, device, StreamRecord, info)
+        self.held_bytes = 0
+        self.closed = False  # after close(), frees are verified and given back at once
         self._verifier = None
 
-    def _verifier_of(self) -> _Verifier:
+    def __len__(self) -> int:
+        """Blocks held."""
+        return len(self._held)
+
+    def verifier(self) -> _Verifier:
+        """The result slots of the check kernels of this backend (shared by every layer on it)."""
         v = self._verifier
         if v is None:
             kernels = self.backend.check_kernels()
@@ -112,7 +141,11 @@ class QuarantineChecks:
             self._verifier = v
         return v
 
-    def _after_free(self, ptr, size, padded, device, origin, ent, tid) -> None:
+    def after_free(self, ptr, size, padded, device, origin, ent, tid) -> None:
+        """A checked block was freed: queue its red-zone verification, fill it
+        with poison and hold it (or give it back at once where poison is off
+        or the layer is closed). Never raises: a failure warns and the block
+        goes back."""
         b = self.backend
         try:
             cur_dev = b.get_device()
@@ -121,21 +154,21 @@ class QuarantineChecks:
             try:
                 sptr = ent.handle
                 if ent.ref() is None:  # the allocating stream is gone: wait for its work, use the null stream
-                    self._synchronize(device)
+                    self.synchronize(device)
                     sptr = 0
                 fstream = b.current_stream(device).ptr
                 info = (self, ptr, size, padded, device, origin, capture_origin(0), ent.handle, fstream, tid,
                         threading.current_thread().name)
-                if self._redzone or (self._poison and not self._closed):
-                    self._mark_own_work(device, sptr)
-                if self._redzone:
-                    self._verifier_of().submit(device, ptr, size, padded, CANARY_BYTE, sptr, ("redzone",) + info)
-                if self._poison and not self._closed:
+                if self.redzone or (self.poison and not self.closed):
+                    self.stream_order.mark_own_work(device, sptr)
+                if self.redzone:
+                    self.verifier().submit(device, ptr, size, padded, CANARY_BYTE, sptr, ("redzone",) + info)
+                if self.poison and not self.closed:
                     b.memset_async(ptr, POISON_BYTE, padded, sptr)
-                    self._quarantine.append((ptr, padded, device, ent, info))
-                    self._q_bytes += padded
-                    while self._quarantine and (
-                        len(self._quarantine) > self._q_limit_count or self._q_bytes > self._q_limit_bytes
+                    self._held.append((ptr, padded, device, ent, info))
+                    self.held_bytes += padded
+                    while self._held and (
+                        len(self._held) > self.limit_count or self.held_bytes > self.limit_bytes
                     ):
                         self._release_oldest()
                     return
@@ -144,48 +177,43 @@ class QuarantineChecks:
                     b.set_device(cur_dev)
         except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
             quiet_warn(f"cupy_memstrat.checks: checking the free of 0x{ptr:x} failed: {exc!r}")
-        self._inner_free(ptr, device)
+        self.give_back(ptr, device)
 
     def _release_oldest(self) -> None:
-        ptr, padded, device, ent, info = self._quarantine.popleft()
-        self._q_bytes -= padded
+        ptr, padded, device, ent, info = self._held.popleft()
+        self.held_bytes -= padded
         try:
             sptr = ent.handle
             if ent.ref() is None:
-                self._synchronize(device)
+                self.synchronize(device)
                 sptr = 0
-            self._mark_own_work(device, sptr)
-            self._verifier_of().submit(device, ptr, 0, padded, POISON_BYTE, sptr, ("poison",) + info)
+            self.stream_order.mark_own_work(device, sptr)
+            self.verifier().submit(device, ptr, 0, padded, POISON_BYTE, sptr, ("poison",) + info)
         except Exception as exc:  # noqa: BLE001
             quiet_warn(f"cupy_memstrat.checks: verifying the poison of 0x{ptr:x} failed: {exc!r}")
-        self._inner_free(ptr, device)
-
-    def _synchronize(self, device: int) -> None:
-        """``cudaDeviceSynchronize``, after deciding what the stream checks
-        waiting on events can decide (a synchronisation finishes their events)."""
-        for layer in live_layers():
-            if layer._deferred:
-                layer._poll_deferred()
-        self.backend.device_synchronize(device)
+        self.give_back(ptr, device)
 
     def drain(self, device: int | None = None) -> None:
-        """Verify every quarantined block (of ``device``, or of every device) and give it back to
-        the strategy this layer checks; a block that fails verification is reported as a
-        finding. What :func:`cupy_memstrat.using` does when a layer over a strategy passed in
-        ends while arrays live."""
+        """Queue the verification of every held block (of ``device``, or of
+        every device) and give it back."""
         if device is None:
-            while self._quarantine:
-                self._release_on_device(self._quarantine[0][2])
+            while self._held:
+                self._release_on_device(self._held[0][2])
             return
         keep = collections.deque()
-        while self._quarantine:
-            item = self._quarantine.popleft()
+        while self._held:
+            item = self._held.popleft()
             if item[2] == device:
-                self._quarantine.appendleft(item)
+                self._held.appendleft(item)
                 self._release_on_device(device)
             else:
                 keep.append(item)
-        self._quarantine.extend(keep)
+        self._held.extend(keep)
+
+    def close(self) -> None:
+        """Give every held block back; later frees are verified and given back at once."""
+        self.closed = True
+        self.drain()
 
     def _release_on_device(self, device: int) -> None:
         b = self.backend
@@ -198,7 +226,9 @@ class QuarantineChecks:
             if cur != device:
                 b.set_device(cur)
 
-    def _gpu_finding(self, info: tuple, result: tuple) -> Finding:
+    def gpu_finding(self, info: tuple, result: tuple) -> Finding:
+        """The finding of a verification that found ``result`` (bytes
+        changed, the first offset) in the block ``info`` describes."""
         check, _, ptr, size, padded, device, origin, free_site, astream, fstream, tid, fthread = info
         n_bad, first = result
         if check == "redzone":
@@ -218,5 +248,5 @@ class QuarantineChecks:
         return Finding(
             kind=kind, check=check, message=msg, device=device, ptr=ptr, size=size, alloc_site=origin,
             free_site=free_site, alloc_stream=astream, free_stream=fstream, alloc_thread=thread_name(tid),
-            free_thread=fthread, bad_bytes=n_bad, first_bad_offset=first, strategy=self.name,
+            free_thread=fthread, bad_bytes=n_bad, first_bad_offset=first,
         )

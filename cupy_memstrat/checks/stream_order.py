@@ -4,9 +4,11 @@ freed block's reuse on its stream is ordered after the work of the others
 :func:`fresh_stream`, which make an allocation on the legacy default stream a
 finding.
 
-:class:`StreamChecks` holds the check's methods; the allocation and free
-path in :mod:`cupy_memstrat.checks.layer` keeps the :class:`StreamRecord`
-tables up to date inline (no call per allocation).
+:class:`StreamOrder` is the checking layer's part that owns the streams each
+thread was seen on, the decisions waiting on events and the events that mark
+the layer's own work; the allocation and free path in
+:mod:`cupy_memstrat.checks.layer` keeps its :class:`StreamRecord` tables up
+to date inline (no call per allocation).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ..sizes import format_size
 from ..stats import capture_origin
 from .findings import Finding, stream_name, thread_name
 
-__all__ = ["expect_stream", "fresh_stream", "StreamRecord", "StreamChecks"]
+__all__ = ["expect_stream", "fresh_stream", "StreamRecord", "StreamOrder"]
 
 # thread ident -> (stream handle, its device or -1 for any) the thread's code should use
 _expected: dict[int, tuple[int, int]] = {}
@@ -30,7 +32,7 @@ _OWN_EVENTS_MAX = 256  # streams with an own-work event kept per layer
 
 class StreamRecord:
     """A stream as one thread saw it (one per thread and stream, in
-    ``CheckedStrategy._seen[thread id][key]``; the key is the handle, or for
+    ``StreamOrder.seen[thread id][key]``; the key is the handle, or for
     the default streams, handles 0-2, one per device, ``~(device * 4 + handle)``).
 
     Attributes:
@@ -132,57 +134,61 @@ def fresh_stream(backend=None) -> Iterator[object]:
             yield stream
 
 
-class StreamChecks:
-    """The ``streams`` check's part of :class:`~cupy_memstrat.checks.CheckedStrategy`."""
+class StreamOrder:
+    """The ``streams`` check's state, one per checking layer: the streams each
+    thread allocated or freed on (:attr:`seen`, kept by the layer's hot path
+    for every check: the quarantine queues its work on a block's stream), the
+    stream checks waiting on events (:attr:`deferred`), and the events that
+    mark the layer's own work on a stream.
 
-    def _init_streams(self) -> None:
+    Args:
+        backend: the CUDA seam (stream and event queries).
+        next_seq: the layer's sequence counter (one call, one number), shared
+            with its hot path so that allocations and frees are ordered.
+        report: called with each :class:`Finding` this part makes.
+    """
+
+    def __init__(self, backend, next_seq, report):
+        self.backend, self.next_seq, self.report = backend, next_seq, report
         # thread id -> {stream key: StreamRecord} (the key: see StreamRecord)
-        self._seen: dict[int, dict[int, StreamRecord]] = {}
-        self._deferred: list[tuple] = []  # (event on the block's stream, event on the other, finding kwargs)
+        self.seen: dict[int, dict[int, StreamRecord]] = {}
+        self.deferred: list[tuple] = []  # (event on the block's stream, event on the other, finding kwargs)
         # (device, stream handle) -> (event recorded just before this layer last queued work of its
-        # own there, the sequence number then): see _mark_own_work
+        # own there, the sequence number then): see mark_own_work
         self._own: dict[tuple[int, int], tuple[int, int]] = {}
         self._legacy_sites: set = set()
 
     @staticmethod
-    def _prune(table: dict) -> None:
+    def prune(table: dict) -> None:
+        """Drop the records of streams that no longer exist from one thread's table."""
         for k in [k for k, e in table.items() if e.ref() is None]:
             del table[k]
 
-    def record_stream(self, ptr: int, stream) -> bool:
-        """As :meth:`Strategy.record_stream`, on the strategy this layer
-        checks (the same pointer): the ``streams`` check then counts
-        ``stream`` as ordered before the block's reuse, and the ``poison``
-        check does not fill the block (the recorded stream may still use it
-        after the free).
+    def forget_reported(self) -> None:
+        """Report legacy-stream sites again (:func:`cupy_memstrat.checks.clear`)."""
+        self._legacy_sites.clear()
 
-        Raises:
-            ValueError: ``ptr`` is not a live allocation of this layer.
-        """
-        if isinstance(ptr, bool) or not isinstance(ptr, int):
-            raise TypeError(f"ptr: expected an int pointer, got {type(ptr).__name__} {ptr!r}")
-        d = self.accounts.device_of(ptr)
-        if d is None:
-            raise ValueError(f"{self.name}: 0x{ptr:x} is not the start of a live allocation of this strategy")
-        if not self.inner.record_stream(ptr, stream):
-            # the inner strategy's frees wait for every stream: kept for the check only
-            self.deferred.record(ptr, stream, d)
-        return True
-
-    def _check_free_streams(self, ptr, size, device, origin, ent, tid, seq, recorded=None) -> None:
+    def check_free(self, ptr, size, device, origin, ent, tid, seq, recorded=None) -> None:
+        """The ``streams`` check of one free: the block goes back to the
+        stream of ``ent`` (its :class:`StreamRecord`); every other stream of
+        its device that this thread or the allocating one used since ``seq``
+        and that still has work queued must be ordered before it, unless
+        ``recorded`` (the ``record_stream`` marks) names it. Reports a finding
+        at once where the block's stream is idle; where both are busy,
+        records an event on each and decides later (:attr:`deferred`)."""
         b = self.backend
         now = threading.get_ident()
         cur = b.current_stream(device)
         cptr = cur.ptr
-        table = self._seen.get(now)
+        table = self.seen.get(now)
         if table is None:
-            table = self._seen[now] = {}
+            table = self.seen[now] = {}
         ckey = cptr if cptr > 2 else ~(device * 4 + cptr)
         cent = table.get(ckey)
         if cent is None or cent.ref() is not cur:
-            cent = table[ckey] = StreamRecord(self._next_seq(), weakref.ref(cur), cptr, device, 0)
+            cent = table[ckey] = StreamRecord(self.next_seq(), weakref.ref(cur), cptr, device, 0)
         else:
-            cent.seen = self._next_seq()
+            cent.seen = self.next_seq()
         if ent.ref() is None:
             return  # the allocating stream is gone (and its handle may be reused)
         # Streams of other devices reach the block only through peer access;
@@ -193,7 +199,7 @@ class StreamChecks:
         ordered = {(r[2], r[1]) for r in recorded} if recorded else ()
         cands = []
         for t in (tid, now) if tid != now else (tid,):
-            for e in (self._seen.get(t) or {}).values():
+            for e in (self.seen.get(t) or {}).values():
                 if (e.seen > seq and e.device == device and e is not ent and e not in cands
                         and (e.device, e.handle) not in ordered):
                     cands.append(e)
@@ -210,7 +216,7 @@ class StreamChecks:
             )
             if not self._busy(ent):
                 info["free_site"] = capture_origin(0)
-                self._report(self._stream_finding(info, "had no queued work that could wait for it"))
+                self.report(self._stream_finding(info, "had no queued work that could wait for it"))
             else:  # both busy: whichever finishes first decides, seen with events on the block's device
                 cur_dev = b.get_device()
                 if cur_dev != device:
@@ -223,11 +229,10 @@ class StreamChecks:
                     if cur_dev != device:
                         b.set_device(cur_dev)
                 info["free_site"] = capture_origin(0)
-                self._deferred.append((ev_a, ev_s, info))
-                self._alarm = True
+                self.deferred.append((ev_a, ev_s, info))
 
-    def _mark_own_work(self, device: int, stream: int) -> None:
-        """Before this layer queues work of its own (a poison fill, a
+    def mark_own_work(self, device: int, stream: int) -> None:
+        """Before the layer queues work of its own (a poison fill, a
         verification) on ``stream``: record an event there, so that a later
         streams check can tell the user's work queued before it from ours.
         Allocations stand for the user's work (a kernel is launched on the
@@ -248,10 +253,10 @@ class StreamChecks:
             if rec is not None and self._last_alloc(device, stream) < rec[1]:
                 return  # no allocation there since: the event still marks where the user's work ends
             if rec is None and len(self._own) >= _OWN_EVENTS_MAX:  # streams come and go (one per test)
-                self._drop_own_events()
+                self.drop_own_events()
             ev = rec[0] if rec is not None else b.event_create()
             b.event_record(ev, stream)
-            self._own[(device, stream)] = (ev, self._next_seq())
+            self._own[(device, stream)] = (ev, self.next_seq())
         except Exception:  # noqa: BLE001 - a destroyed stream: nothing to tell apart
             pass
         finally:
@@ -260,10 +265,11 @@ class StreamChecks:
 
     def _last_alloc(self, device: int, stream: int) -> int:
         """Sequence number of this thread's last allocation on ``stream`` (0: none seen)."""
-        e = (self._seen.get(threading.get_ident()) or {}).get(stream if stream > 2 else ~(device * 4 + stream))
+        e = (self.seen.get(threading.get_ident()) or {}).get(stream if stream > 2 else ~(device * 4 + stream))
         return e.last_alloc if e is not None else 0
 
-    def _drop_own_events(self) -> None:
+    def drop_own_events(self) -> None:
+        """Destroy the events that mark the layer's own work (at close, or when too many streams were seen)."""
         own, self._own = self._own, {}
         for ev, _ in own.values():
             try:
@@ -335,21 +341,35 @@ class StreamChecks:
         )
         return Finding(kind="cross-stream reuse", check="streams", message=msg, **info)
 
-    def _poll_deferred(self) -> None:
+    def poll(self) -> None:
+        """Decide the deferred stream checks whose events have completed:
+        the other stream finished first (ordered, at least in this run), or
+        the block's stream did (a finding)."""
         b, keep = self.backend, []
-        for ev_a, ev_s, info in self._deferred:
+        for ev_a, ev_s, info in self.deferred:
             if b.event_done(ev_s):
                 pass  # the other stream's work finished first: ordered, at least in this run
             elif b.event_done(ev_a):
-                self._report(self._stream_finding(info, "finished its queued work before it"))
+                self.report(self._stream_finding(info, "finished its queued work before it"))
             else:
                 keep.append((ev_a, ev_s, info))
                 continue
             b.event_destroy(ev_a)
             b.event_destroy(ev_s)
-        self._deferred = keep
+        self.deferred = keep
 
-    def _legacy_finding(self, origin, device, ptr, size, expected_ptr, tid) -> None:
+    def drop_undecided(self) -> None:
+        """After a synchronisation both events of every deferred check are
+        done, so none can be decided: drop them."""
+        b = self.backend
+        for ev_a, ev_s, _ in self.deferred:
+            b.event_destroy(ev_a)
+            b.event_destroy(ev_s)
+        self.deferred = []
+
+    def legacy_finding(self, origin, device, ptr, size, expected_ptr, tid) -> None:
+        """Report an allocation on the legacy default stream where
+        :func:`expect_stream` named another (once per site)."""
         key = (expected_ptr, origin)
         if key in self._legacy_sites:
             return
@@ -360,10 +380,9 @@ class StreamChecks:
             "legacy stream (cupy.cuda.Stream.null, stream=0) is not ordered with that stream; use the current "
             "stream (cupy.cuda.get_current_stream()) instead"
         )
-        self._report(Finding(
+        self.report(Finding(
             kind="legacy stream", check="streams", message=msg, device=device, ptr=ptr, size=size,
             alloc_site=origin, alloc_stream=0, other_stream=expected_ptr, alloc_thread=thread_name(tid),
-            strategy=self.name,
         ))
 
 
