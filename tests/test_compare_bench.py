@@ -29,8 +29,10 @@ def test_a_ratio_moved_beyond_the_a_a_spread_is_marked_and_one_within_it_is_not(
     dev, bar = rows["ratio_to_cupy_default/device/512"], rows["bars/latency_managed_over_cupy_pool/512"]
     assert (dev["before"], dev["after"], round(dev["spread"], 3), dev["beyond"]) == (6.1, 6.05, 0.2, False)
     assert bar["beyond"] and round(bar["after"] - bar["before"], 3) == 0.195
-    assert compare_bench.main([str(tmp_path)]) == 1
+    assert compare_bench.main([str(tmp_path), "--json", str(tmp_path / "out.json")]) == 1
     assert "<- beyond the A/A spread" in capsys.readouterr().out
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["machines"] == {"alloc": {"date": "x"}} and len(out["rows"]) == 3
 
 
 def test_runs_of_one_tree_only_are_refused_by_name(tmp_path, capsys):

@@ -9,6 +9,9 @@ a ratio by more than that spread is marked.
 
     python tools/compare_bench.py DIR [--json OUT.json]
 
+The JSON holds the rows and, per group, the machine its first run reported (GPU, driver and
+package versions).
+
 Exit status 1 when a ratio moved beyond the spread, 2 on bad input.
 """
 
@@ -69,6 +72,16 @@ def compare(folder: pathlib.Path) -> list[dict]:
     return rows
 
 
+def machines(folder: pathlib.Path) -> dict[str, dict]:
+    """Per group, the ``machine`` record of its first run (the GPU, driver and package versions)."""
+    out: dict[str, dict] = {}
+    for path in sorted(folder.glob("*.json")):
+        m = NAME.match(path.name)
+        if m and m["group"] not in out:
+            out[m["group"]] = json.loads(path.read_text()).get("machine", {})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=pathlib.Path)
@@ -86,7 +99,7 @@ def main(argv=None) -> int:
         name = f"{r['group']} {r['ratio']}"
         print(f"{name:<{width}}  {r['before']:8.3f}  {r['after']:8.3f}  {r['spread']:10.3f}{mark}")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps({"machines": machines(args.folder), "rows": rows}, indent=1))
     return 1 if any(r["beyond"] for r in rows) else 0
 
 
