@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from .sizes import format_count, format_size
 
@@ -51,6 +51,15 @@ class Stats(Record):
             refused and that succeeded after the strategy gave cached memory
             back and ran the garbage collector (CuPy's pool's order; see
             docs/streams.md).
+        largest_free_block: bytes of the largest free block the strategy
+            holds: the largest request it can serve without asking CUDA for
+            more memory (on the stream the block belongs to). 0 where nothing
+            is cached (``device``); ``None`` where the memory behind the
+            strategy does not tell (CUDA's stream-ordered pool, CuPy's pool,
+            RMM and PyTorch keep their free lists to themselves), never a guess.
+        bytes_cached: ``bytes_reserved - bytes_in_use``: reserved but not in
+            use (free blocks, and blocks waiting for a stream or a check);
+            computed, not passed.
     """
 
     device: int
@@ -65,15 +74,32 @@ class Stats(Record):
     n_failed: int = 0
     n_invalid_frees: int = 0
     n_oom_recoveries: int = 0
+    largest_free_block: int | None = None
+    bytes_cached: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        object.__setattr__(self, "bytes_cached", max(0, self.bytes_reserved - self.bytes_in_use))
+
+    def fragmentation(self) -> str:
+        """"reserved 30.0 GiB, in use 18.0 GiB, largest free block 1.5 GiB": the
+        three figures that tell whether the memory held is usable (the largest
+        free block left out where unknown)."""
+        out = f"reserved {format_size(self.bytes_reserved)}, in use {format_size(self.bytes_in_use)}"
+        if self.largest_free_block is not None:
+            out += f", largest free block {format_size(self.largest_free_block)}"
+        return out
 
     def __str__(self) -> str:
-        """One line for a log: in use and reserved with their peaks, then the counts;
-        invalid frees and recoveries from out of memory only where there were any."""
+        """One line for a log: in use and reserved with their peaks, the largest free block where
+        known, then the counts; invalid frees and recoveries from out of memory only where there
+        were any."""
         return (
             f"{self.strategy} on device {self.device}: "
             f"in use {format_size(self.bytes_in_use)} (peak {format_size(self.peak_bytes_in_use)}), "
             f"reserved {format_size(self.bytes_reserved)} (peak {format_size(self.peak_bytes_reserved)}), "
-            f"{self.n_live} live, {format_count(self.n_allocs, 'alloc')}, "
+            + (f"largest free block {format_size(self.largest_free_block)}, "
+               if self.largest_free_block is not None else "")
+            + f"{self.n_live} live, {format_count(self.n_allocs, 'alloc')}, "
             f"{format_count(self.n_frees, 'free')}, "
             f"{self.n_failed} failed"
             + (f", {self.n_invalid_frees} invalid frees" if self.n_invalid_frees else "")

@@ -350,12 +350,18 @@ class CheckedStrategy(Strategy):
     def stats(self, device: int | None = None):
         """The common :class:`~cupy_memstrat.Stats`: in use as the program
         sees it (requested sizes); reserved as the wrapped strategy holds it
-        (padding, red zones and quarantined blocks included)."""
+        (padding, red zones and quarantined blocks included), and the wrapped strategy's
+        largest free block."""
         st = super().stats(device)
         inner = self.inner.stats(st.device)
         return dataclasses.replace(
             st, bytes_reserved=inner.bytes_reserved, peak_bytes_reserved=inner.peak_bytes_reserved,
+            largest_free_block=inner.largest_free_block,
         )
+
+    def largest_free_block(self, device: int) -> int | None:
+        """The wrapped strategy's (a request is padded by the red zone before it gets there)."""
+        return self.inner.largest_free_block(device)
 
     def reset_peak(self, device: int | None = None, *, reserved: bool = True) -> None:
         super().reset_peak(device, reserved=reserved)

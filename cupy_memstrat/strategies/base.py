@@ -536,7 +536,16 @@ class Strategy:
             peak = self.accounts.note_reserved_seen(device, reserved)  # the highest seen at reads (reset_peak)
             fields["bytes_reserved"] = reserved
             fields["peak_bytes_reserved"] = max(fields["peak_bytes_in_use"], peak)
-        return Stats(device=device, strategy=self.name, **fields)
+        return Stats(device=device, strategy=self.name, largest_free_block=self.largest_free_block(device),
+                     **fields)
+
+    def largest_free_block(self, device: int) -> int | None:
+        """Bytes of the largest free block this strategy holds on ``device``: the largest
+        request it serves without asking CUDA for more memory (:attr:`Stats.largest_free_block
+        <cupy_memstrat.Stats.largest_free_block>`). A strategy that caches nothing
+        (:attr:`reserved_is_in_use`) holds none: 0. A caching strategy that can tell overrides
+        this; the default for one that caches is ``None``, unknown."""
+        return 0 if self.reserved_is_in_use else None
 
     def in_use(self, device: int | None = None) -> tuple[int, int]:
         """``(bytes in use, peak bytes in use)`` on ``device`` (default:

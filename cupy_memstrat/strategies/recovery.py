@@ -108,7 +108,9 @@ class Recovery:
             f"{s.name} strategy: out of memory allocating {format_size(size)} ({size:,} bytes) "
             f"on device {device}{detail}; {cuda_has}; this strategy holds "
             f"{format_size(st.bytes_in_use)} in use in {format_count(st.n_live, 'allocation')} "
-            f"(reserved {format_size(st.bytes_reserved)}, peak in use {format_size(st.peak_bytes_in_use)})"
+            f"(reserved {format_size(st.bytes_reserved)}, peak in use {format_size(st.peak_bytes_in_use)}"
+            + (f", largest free block {format_size(st.largest_free_block)}"
+               if st.largest_free_block is not None else "") + ")"
         )
         if isinstance(s.backend, _backends.RealBackend):
             msg += cupy_pool_hint(device)

@@ -147,6 +147,21 @@ class Slab:
             total += self.free_bytes(lists)
         return total
 
+    def largest_free(self, device: int) -> int:
+        """Bytes of the largest request ``device``'s cache serves without a new chunk: the
+        biggest free run (it serves requests that round up to its size), a whole spare chunk
+        (any slot class, up to :data:`SMALL_MAX`), or the biggest class with a free slot. A
+        block serves the stream whose arena holds it; destroyed streams' blocks count (they are
+        taken back before new chunks are made). 0: nothing free."""
+        best = max((n for n, lst in list(self.spare_large[device].items()) if lst), default=0)
+        if self.spare_small[device]:
+            best = max(best, SMALL_MAX)
+        for small, large in self.every_arena(device):
+            best = max(best, max((n for n, lst in list(large.items()) if lst), default=0))
+            if best < SMALL_MAX:
+                best = max(best, max((SIZE_CLASSES[ci] for ci, lst in enumerate(small) if lst), default=0))
+        return best
+
     def arena_of(self, ptr: int, device: int) -> tuple[list, dict]:
         """The arena a live block goes back to, when its chunk's base is not
         ``ptr & CHUNK_MASK`` (CUDA gave a chunk that is not 2 MiB-aligned).

@@ -628,6 +628,11 @@ class ManagedStrategy(Strategy):
             reclaimed_bytes=self.slab.reclaimed[d],
         )
 
+    def largest_free_block(self, device: int) -> int:
+        """Bytes of the largest request the chunks already made serve (:meth:`Slab.largest_free
+        <.slab.Slab.largest_free>`): a free run, a spare chunk, or a free slot."""
+        return self.slab.largest_free(device)
+
     def trim(self, keep_bytes=0, device: int | None = None) -> int:
         """Give cached chunks back to CUDA (``cudaFree``): free large blocks,
         then shared chunks whose every slot is free. Memory in use is never
