@@ -2,11 +2,15 @@
 # The project's GPU run: install the working tree, then run tests/gpu and/or the benchmarks on the
 # machine's GPU, writing logs and JSON under $OUT (default ./gpu-out).
 #
-#   ci/gpu.sh [tests] [bench [GROUP...]] [cupy-suite [STRATEGY...]] [dask]
+#   ci/gpu.sh [tests] [bench [GROUP...]] [replays] [cupy-suite [STRATEGY...]] [dask]
 #                                            tests and bench when no step is named
 #
 #   tests        tests/gpu
 #   bench        python -m cupy_memstrat bench: every group, or the GROUPs named
+#   replays      two real programs recorded and replayed under CuPy's pools and every strategy
+#                (python -m cupy_memstrat replay): bench workloads' cg-poisson, recorded with run --record,
+#                and a module of CuPy's own tests under the plugin (--gpumem-history-keep=all; needs
+#                CUPY_TESTS, as cupy-suite)
 #   cupy-suite   CuPy's own tests (creation, manipulation, cuda_tests/test_memory.py) under CuPy's pool,
 #                then under each STRATEGY (default: device async managed pool), compared test by test
 #                (tools/compare_junit.py); needs CUPY_TESTS, a copy of the tests/ folder of the CuPy
@@ -30,6 +34,7 @@
 #   cupy-suite.json each strategy's outcomes against CuPy's pool's (the format docs/results/*/cupy-suite-*.json
 #                   keeps), cupy-suite.tgz the JUnit XML and logs
 #   dask-gpu.json   the Dask run, and dask-task-peaks.png
+#   replay-*.json   each replay's report, and replay-*.png reserved memory over the replay per path
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -38,10 +43,10 @@ export PYTHONUNBUFFERED=1
 
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests bench)
-is_step() { case "$1" in tests|bench|cupy-suite|dask) return 0 ;; *) return 1 ;; esac; }
+is_step() { case "$1" in tests|bench|replays|cupy-suite|dask) return 0 ;; *) return 1 ;; esac; }
 
 if ! is_step "${steps[0]}"; then
-  echo "ci/gpu.sh: unknown step '${steps[0]}'; expected tests, bench [GROUP...], cupy-suite [STRATEGY...] or dask" >&2
+  echo "ci/gpu.sh: unknown step '${steps[0]}'; expected tests, bench [GROUP...], replays, cupy-suite [STRATEGY...] or dask" >&2
   exit 2
 fi
 "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 2; }
@@ -148,13 +153,34 @@ while [ $i -lt ${#steps[@]} ]; do
       [ ${#strategies[@]} -eq 0 ] && strategies=(device async managed pool)
       cupy_suite "${strategies[@]}" || status=1
       ;;
+    replays)
+      echo "== replays"
+      mkdir -p "$OUT/recordings"
+      timeout 200 "$PY" -m cupy_memstrat run -s pool --record "$OUT/recordings/cg-poisson.json" ci/workload.py cg-poisson \
+        2>&1 | tail -3
+      timeout 300 "$PY" -m cupy_memstrat replay "$OUT/recordings/cg-poisson.json" --json "$OUT/replay-cg-poisson.json" \
+        --png "$OUT/replay-cg-poisson.png" 2>&1 | tee "$OUT/replay.log" | tail -12
+      [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+      if [ -n "${CUPY_TESTS:-}" ] && [ -d "$CUPY_TESTS/tests/cupy_tests" ]; then
+        module=${REPLAY_CUPY_MODULE:-tests/cupy_tests/creation_tests/test_basic.py}
+        ( cd "$CUPY_TESTS" && timeout 300 "$PY" -m pytest "$module" -q -p no:cacheprovider --gpumem \
+            --gpumem-strategy=pool --gpumem-history --gpumem-history-keep=all \
+            --gpumem-json="$OUT/recordings/cupy-tests.json" 2>&1 | tail -3 )
+        timeout 300 "$PY" -m cupy_memstrat replay "$OUT/recordings/cupy-tests.json" --json "$OUT/replay-cupy-tests.json" \
+          --png "$OUT/replay-cupy-tests.png" 2>&1 | tee -a "$OUT/replay.log" | tail -12
+        [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+      else
+        echo "replays: CUPY_TESTS not set: the CuPy test module is not recorded" >&2
+      fi
+      tar -czf "$OUT/recordings.tgz" -C "$OUT" recordings && rm -rf "$OUT/recordings"
+      ;;
     dask)
       echo "== dask"
       timeout "${DASK_TIMEOUT:-300}" "$PY" ci/dask_gpu.py "$OUT" 2>&1 | tee "$OUT/dask.log" | tail -30
       [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
       ;;
     *)
-      echo "ci/gpu.sh: unknown step '$step'; expected tests, bench [GROUP...], cupy-suite [STRATEGY...] or dask" >&2
+      echo "ci/gpu.sh: unknown step '$step'; expected tests, bench [GROUP...], replays, cupy-suite [STRATEGY...] or dask" >&2
       exit 2
       ;;
   esac

@@ -144,6 +144,61 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_replay(args) -> int:
+    from .replay import check_args, format_table, replay
+    from .trace import TraceError, read_trace
+
+    for flag, path in (("--json", args.json), ("--png", args.png)):
+        why = _writable(path) if path else None
+        if why is not None:  # before the trace is read: a bad path must not cost the replay
+            print(f"replay: cannot write {flag} {path!r}: {why}", file=sys.stderr)
+            return 2
+    cupy_paths = [] if args.no_cupy else None
+    try:
+        check_args(strategies=args.strategies, cupy_paths=cupy_paths, limit=args.limit)
+    except (TypeError, ValueError) as exc:
+        text = str(exc)
+        for name in ("strategies", "limit"):
+            if text.startswith(name + ": "):
+                text = f"--{name}: " + text[len(name) + 2:]
+        print(f"replay: {text}", file=sys.stderr)
+        return 2
+    try:
+        trace = read_trace(args.trace, test=args.test)
+    except TraceError as exc:
+        print(f"replay: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"replay: cannot read {args.trace!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    if not trace.n_allocs:
+        print(f"replay: {trace.source} holds no allocation: nothing to replay", file=sys.stderr)
+        return 2
+    say = None if args.quiet else (lambda msg: print(f"replay: {msg}", file=sys.stderr, flush=True))
+    try:
+        report = replay(trace, strategies=args.strategies, cupy_paths=cupy_paths, limit=args.limit,
+                        touch=args.touch, progress=say)
+    except TraceError as exc:
+        print(f"replay: {exc}", file=sys.stderr)
+        return 2
+    except MemstratError as exc:
+        print(f"replay needs a CUDA device and CuPy: {_without_fake_hint(exc)}", file=sys.stderr)
+        return 2
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.png:
+        try:
+            from .bench.plot import plot
+
+            print(f"wrote {plot(report, args.png)}")
+        except (RuntimeError, ValueError) as exc:
+            print(f"replay: no figure: {exc}", file=sys.stderr)
+    return 0
+
+
 def _not_json_why(path: str, exc: BaseException) -> str:
     """Why a file did not load as JSON, in a user's words where it is a pickle or not text."""
     if isinstance(exc, (UnicodeDecodeError, json.JSONDecodeError)):
@@ -332,6 +387,8 @@ def _cmd_run(args) -> int:
         if why is not None:
             print(f"run: cannot run -m {args.module!r}: {why}", file=sys.stderr)
             return 2
+    if args.record is not None and not _check_output_file("run", args.record, "a file for the recording (.json)"):
+        return 2
     try:
         strategy = use(spec.strip())
     except (ValueError, TypeError) as exc:
@@ -343,6 +400,11 @@ def _cmd_run(args) -> int:
     from . import checks
 
     check_mark = checks.mark()
+    recording = None
+    if args.record is not None:
+        from .history import record_history
+
+        recording = record_history(max_entries=args.record_max, origins=False)
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     script_globals = None  # held until the summary: "live at exit" counts what the script kept
     try:
@@ -362,6 +424,8 @@ def _cmd_run(args) -> int:
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+        if recording is not None:
+            _write_recording(recording, args.record)
         if not args.quiet:
             _run_summary(spec.strip(), strategy, format_size, format_count)
         del script_globals  # the script's arrays are freed: their frees are checked too
@@ -376,6 +440,25 @@ def _cmd_run(args) -> int:
         return code or 0
     print(code, file=sys.stderr)  # sys.exit("message"), as Python itself does
     return 1
+
+
+def _write_recording(recording, path: str) -> None:
+    """``run --record``: the recording's snapshot to ``path``, and the recording ended."""
+    from .history import record_history
+
+    try:
+        with open(path, "w") as f:
+            json.dump(recording.as_dict(), f)
+        note = f"{recording.n_events:,} events"
+        if recording.dropped:
+            note += (f", of which the {recording.dropped:,} oldest were dropped (raise --record-max to replay "
+                     "it)")
+        print(f"cupy_memstrat: wrote the recording to {path} ({note})", file=sys.stderr)
+    except OSError as exc:
+        print(f"cupy_memstrat: cannot write the recording to {path!r}: {exc.strerror or exc}", file=sys.stderr)
+    finally:
+        if recording.enabled:
+            record_history(False)
 
 
 def _findings_at_exit(checks, since: int) -> list:
@@ -413,8 +496,14 @@ def _run_summary(spec: str, strategy, format_size, format_count) -> None:
 
 
 _BENCH_MODULES = {"alloc": "alloc", "async": "async_pool", "managed": "managed", "workloads": "workloads",
-                  "streams": "streams"}
+                  "streams": "streams", "fragmentation": "fragmentation"}
 _DEFAULT_ROUNDS = {"workloads": 5, "streams": 5}  # the others: 7
+
+
+def _program_names():
+    from .bench.fragmentation import PROGRAMS  # no CuPy import: the programs are traces
+
+    return list(PROGRAMS)
 
 
 def _workload_names():
@@ -572,6 +661,9 @@ def build_parser() -> argparse.ArgumentParser:
         "streams": "stream patterns that hand a block to one stream while another still uses it (late "
         "writers, frees from another stream or the collector, per-thread default streams, cupy#8068 with "
         "and without record_stream): wrong elements under CuPy's pool and every strategy",
+        "fragmentation": "programs that fragment a cache (16 MiB then 32 MiB blocks and the reverse, a growing "
+        "buffer, random sizes from 1 MiB to 1 GiB, alternating batch sizes) replayed under CuPy's pools and "
+        "every strategy: peak reserved against peak in use",
     }
     for group, text in helps.items():
         g = groups.add_parser(group, help=text, description=text)
@@ -593,7 +685,35 @@ def build_parser() -> argparse.ArgumentParser:
             g.add_argument("--min-sample", metavar="SECONDS", type=float, default=None, dest="min_sample_s",
                            help="seconds a timed sample lasts at least, 0 to 10; a short program runs several "
                                 "times in one sample (default 0.25)")
+        if group == "fragmentation":
+            g.add_argument("--strategies", metavar="SPEC;SPEC...", type=_spec_list, default=None,
+                           help="strategy specs to run beside CuPy's pools, separated by ';' (default: every "
+                                "strategy needing no other library, and torch where PyTorch is installed)")
+            g.add_argument("--only", metavar="NAME,NAME...", type=_name_list, default=None,
+                           help="programs to run (default: all): " + ", ".join(_program_names()))
         g.set_defaults(func=_cmd_bench)
+
+    rp = sub.add_parser(
+        "replay", help="replay a recorded program's allocations under each strategy and CuPy's pools (needs a GPU)",
+        description="Replay the allocations and frees of a recording (cupy_memstrat.snapshot, or run --record), "
+        "a pytest_gpumem report (--gpumem-history=all --gpumem-json) or an RMM log (CSV), in order, with their "
+        "sizes and streams, under each strategy and CuPy's MemoryPool and MemoryAsyncPool: peak in use, peak "
+        "reserved, growth steps, time per allocation, and whether it fits under --limit. The trace is read "
+        "and checked whole before anything is allocated.",
+    )
+    rp.add_argument("trace", help="the recording, report or RMM log")
+    rp.add_argument("--strategies", metavar="SPEC;SPEC...", type=_spec_list, default=None,
+                    help="strategy specs, separated by ';' (default: every strategy needing no other library, "
+                         "and torch where PyTorch is installed)")
+    rp.add_argument("--no-cupy", action="store_true", help="leave out CuPy's own pools")
+    rp.add_argument("--limit", metavar="SIZE", help="memory a path may use per device (e.g. 40GiB): held by "
+                                                    "its own cap where it has one, else by memory set aside")
+    rp.add_argument("--touch", action="store_true", help="write each block once (managed memory is then placed)")
+    rp.add_argument("--test", metavar="NODEID", help="in a pytest_gpumem report: only this test's timeline")
+    rp.add_argument("--json", metavar="PATH", help="also write the report here")
+    rp.add_argument("--png", metavar="PATH", help="also draw reserved memory over the replay, per path")
+    rp.add_argument("--quiet", action="store_true", help="no progress lines")
+    rp.set_defaults(func=_cmd_replay)
 
     pl = sub.add_parser("plot", help="draw a benchmark's JSON, or a memory timeline (needs matplotlib)")
     pl.add_argument("json", nargs="+", help="a file written by bench ... --json, by cupy_memstrat.snapshot(PATH), or "
@@ -624,6 +744,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-m", dest="module_args", nargs=argparse.REMAINDER, metavar="MODULE [args ...]",
                      help="run a module, as python -m MODULE; everything after it is the module's")
     run.add_argument("-q", "--quiet", action="store_true", help="no summary at the end")
+    run.add_argument("--record", metavar="PATH", help="record every allocation and free CuPy makes through the "
+                     "strategy (cupy_memstrat.record_history) and write the recording to PATH at exit, for "
+                     "python -m cupy_memstrat replay")
+    run.add_argument("--record-max", metavar="N", type=_positive_int, default=2_000_000,
+                     help="events the recording keeps at most (default 2,000,000; a recording that dropped "
+                          "events cannot be replayed)")
     run.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args ...] (or the module's args)")
     run.set_defaults(func=_cmd_run)
     return p

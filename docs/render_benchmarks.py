@@ -22,17 +22,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 KIND = "h200"  # the result set the pages show
-GROUPS = ("alloc", "async", "managed", "workloads", "streams")
+GROUPS = ("alloc", "async", "managed", "workloads", "streams", "fragmentation")
+REPLAYS = ("cg-poisson", "cupy-tests")
 WORKLOAD_COLUMNS = ("pool", "async", "managed", "device")
 BLOCK = re.compile(r"(<!-- render:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /render -->)", re.S)
 
 
+def _kind_of(name: str) -> str:
+    """The result set that holds ``name``: the pages' own (KIND), else the one other GPU kind
+    that has it (a measurement made only there; its machine line names the GPU)."""
+    if (RESULTS / KIND / name).exists():
+        return KIND
+    found = sorted(p.parent.name for p in RESULTS.glob(f"*/{name}"))
+    if not found:
+        raise SystemExit(f"docs/results/*/{name}: missing; run the measurement that writes it")
+    return found[0]
+
+
 def _load(name: str) -> dict:
-    return json.loads((RESULTS / KIND / name).read_text())
+    return json.loads((RESULTS / _kind_of(name) / name).read_text())
 
 
 def _link(name: str, page: Path) -> str:
-    rel = Path("results") / KIND / name if page.parent.name == "docs" else Path("docs/results") / KIND / name
+    kind = _kind_of(name)
+    rel = Path("results") / kind / name if page.parent.name == "docs" else Path("docs/results") / kind / name
     return f"[{name}]({rel.as_posix()})"
 
 
@@ -49,10 +62,10 @@ def machine_line(doc: dict) -> str:
 
 
 def bench_table(group: str, page: Path) -> str:
-    from cupy_memstrat.bench import alloc, async_pool, managed, streams, workloads
+    from cupy_memstrat.bench import alloc, async_pool, fragmentation, managed, streams, workloads
 
     fmt = {"alloc": alloc, "async": async_pool, "managed": managed, "workloads": workloads,
-           "streams": streams}[group].format_table
+           "streams": streams, "fragmentation": fragmentation}[group].format_table
     doc = _load(f"bench-{group}.json")
     return (f"Measured on {machine_line(doc)} ({_link(f'bench-{group}.json', page)}):\n\n"
             f"```text\n{fmt(doc).rstrip()}\n```\n")
@@ -117,6 +130,15 @@ def overhead_table(page: Path) -> str:
 
 
 RENDER = {f"bench-{g}": (lambda g: lambda page: bench_table(g, page))(g) for g in GROUPS}
+def replay_table(name: str, page: Path) -> str:
+    from cupy_memstrat.replay import format_table
+
+    doc = _load(f"replay-{name}.json")
+    return (f"Measured on {machine_line(doc)} ({_link(f'replay-{name}.json', page)}):\n\n"
+            f"```text\n{format_table(doc).rstrip()}\n```\n")
+
+
+RENDER |= {f"replay-{r}": (lambda r: lambda page: replay_table(r, page))(r) for r in REPLAYS}
 RENDER |= {"workloads-summary": workloads_table, "cupy-suite": cupy_suite_table, "overhead": overhead_table}
 PAGES = (ROOT / "docs" / "benchmarks.md", ROOT / "README.md")
 

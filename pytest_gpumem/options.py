@@ -196,6 +196,10 @@ SETTINGS = (
             "record each measured test's allocations and frees (cupy_memstrat.record_history) and put the "
             "timeline of every test that fails into --gpumem-json (draw one with python -m cupy_memstrat plot)",
             flag=True, ini_type="bool"),
+    Setting("history_keep", "--gpumem-history-keep", "GPUMEM_HISTORY_KEEP", "gpumem_history_keep",
+            _choice("failing", "all"), "failing",
+            "with --gpumem-history: whose timelines go into --gpumem-json: failing (the tests that fail) or all "
+            "(every measured test, for python -m cupy_memstrat replay)", metavar="failing|all"),
     Setting("json", "--gpumem-json", "GPUMEM_JSON", "gpumem_json", parse_json_path, None,
             "write every measured test's numbers, with machine and versions, to PATH as JSON", metavar="PATH"),
     Setting("compare", "--gpumem-compare", "GPUMEM_COMPARE", "gpumem_compare", parse_compare, None,

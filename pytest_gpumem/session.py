@@ -337,8 +337,9 @@ class State:
                 call.sections.append(("gpumem", (
                     f"out of memory: the strategy wrote the memory at the error to {snap}\n"
                     f"  python -m cupy_memstrat export {snap} -o oom.pickle   (for PyTorch's memory viewer)")))
-        if w.history is not None and failing:
-            rec["history"] = w.history.as_dict()  # the timeline of a failing test (--gpumem-history)
+        if w.history is not None and (failing or self.settings.history_keep == "all"):
+            # the timeline of a failing test, or of every test (--gpumem-history, --gpumem-history-keep)
+            rec["history"] = w.history.as_dict()
             self.n_histories += 1
         if w.history_error is not None and failing:
             rec["history_error"] = f"not recorded: {w.history_error}"

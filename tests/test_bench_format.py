@@ -3,6 +3,9 @@
 import pytest
 
 from cupy_memstrat.bench import alloc, async_pool
+from cupy_memstrat.bench.fragmentation import run as fragmentation_run  # kept: tests replace the module's
+
+MiB = 1 << 20
 
 
 def _summary(x):
@@ -94,7 +97,8 @@ def test_plot_draws_the_managed_figure_and_refuses_unknown_reports(tmp_path):
     out = tmp_path / "m.png"
     plot(_managed_report(), str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(ValueError, match="no figure for benchmark 'mystery'; figures exist for: alloc, async, managed"):
+    with pytest.raises(ValueError, match="no figure for benchmark 'mystery'; figures exist for: alloc, async, "
+                                         "fragmentation, managed"):
         plot({"benchmark": "mystery"}, str(out))
 
 
@@ -141,6 +145,14 @@ def test_streams_table_and_figure(tmp_path):
     assert plot(_streams_report(), str(tmp_path / "s.png")).endswith("s.png")
 
 
+def _fragmentation_on_the_simulated_gpu(**kw):
+    """bench fragmentation's own run, on a simulated 16 GiB device at a quarter of the sizes."""
+    from cupy_memstrat.testing import FakeBackend
+
+    kw.pop("rounds", None)
+    return fragmentation_run(backend=FakeBackend(memory="16GiB"), scale=0.25, **kw)
+
+
 def test_bench_with_no_group_runs_every_group_and_writes_json_and_figures(tmp_path, monkeypatch, capsys):
     """The orchestration (the groups' own runs need a GPU: synthetic reports here)."""
     import json
@@ -154,21 +166,26 @@ def test_bench_with_no_group_runs_every_group_and_writes_json_and_figures(tmp_pa
 
     alloc_report = dict(_alloc_report(["cupy-default", "no-pool", "device"]), benchmark="alloc",
                         machine={"cuda": {"devices": [{"name": "Fake H200"}]}})
-    from cupy_memstrat.bench import streams, workloads
+    from cupy_memstrat.bench import fragmentation, streams, workloads
 
     seen = []
     for mod, rep in ((alloc, alloc_report), (async_pool, _async_report()), (managed, _managed_report()),
                      (workloads, _workloads_report()), (streams, _streams_report())):
         monkeypatch.setattr(mod, "run",
                             lambda rep=rep, mod=mod, **kw: seen.append((mod.__name__, kw.get("rounds"))) or rep)
+    monkeypatch.setattr(fragmentation, "run", lambda **kw: seen.append(("fragmentation", kw.get("rounds")))
+                        or _fragmentation_on_the_simulated_gpu(**kw))
     monkeypatch.setattr(alloc, "require_real_gpu", lambda: None)
     out = tmp_path / "res"
     assert main(["bench", "--out", str(out), "--quiet", "--rounds", "2"]) == 0
-    assert [r for _, r in seen] == [2, 2, 2, 2, 2]
+    assert [r for _, r in seen] == [2, 2, 2, 2, 2, 2]
     names = sorted(p.name for p in out.iterdir())
     assert names == ["bench-alloc.json", "bench-alloc.png", "bench-async.json", "bench-async.png",
+                     "bench-fragmentation.json", "bench-fragmentation.png",
                      "bench-managed.json", "bench-managed.png", "bench-streams.json", "bench-streams.png",
                      "bench-workloads.json", "bench-workloads.png"]
+    frag = json.loads((out / "bench-fragmentation.json").read_text())
+    assert frag["results"]["16-then-32"]["paths"]["device"]["peak_in_use"] == 32 * MiB
     assert json.loads((out / "bench-async.json").read_text())["sync_loop"]["threshold_0_over_default"] == 54.0
     text = capsys.readouterr().out
     assert "== bench alloc" in text and "== bench workloads" in text and "wrote " in text
@@ -178,22 +195,24 @@ def test_bench_with_no_group_shows_progress_with_the_group_and_the_time_so_far(t
     import pytest
 
     pytest.importorskip("cupy", reason="CuPy is not installed")
-    from cupy_memstrat.bench import managed, streams, workloads
+    from cupy_memstrat.bench import fragmentation, managed, streams, workloads
     from cupy_memstrat.cli import main
 
     for mod, rep in ((alloc, dict(_alloc_report(["cupy-default", "no-pool"]), benchmark="alloc")),
                      (async_pool, _async_report()), (managed, _managed_report()), (workloads, _workloads_report()),
                      (streams, _streams_report())):
         monkeypatch.setattr(mod, "run", lambda rep=rep, **kw: kw["progress"]("step one") or rep)
+    monkeypatch.setattr(fragmentation, "run", _fragmentation_on_the_simulated_gpu)
     monkeypatch.setattr(alloc, "require_real_gpu", lambda: None)
     import cupy_memstrat.bench.plot as plot_mod
 
     monkeypatch.setattr(plot_mod, "plot", lambda report, path: None)
     assert main(["bench", "--out", str(tmp_path / "res")]) == 0
     captured = capsys.readouterr()
-    assert "[bench alloc] [0:00 1/5] step one" in captured.err
-    assert "[bench workloads] [0:00 4/5] step one" in captured.err
-    assert "[bench streams] [0:00 5/5] step one" in captured.err
+    assert "[bench alloc] [0:00 1/6] step one" in captured.err
+    assert "[bench workloads] [0:00 4/6] step one" in captured.err
+    assert "[bench streams] [0:00 5/6] step one" in captured.err
+    assert "[bench fragmentation] [0:00 6/6] 16-then-32: 8 x 16 MiB allocated and freed" in captured.err
     assert "== bench managed (done at 0:00)" in captured.out
 
 

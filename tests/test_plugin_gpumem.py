@@ -659,6 +659,25 @@ def test_over():
     (pytester.path / "snap.json").write_text(json.dumps(h))  # what `python -m cupy_memstrat plot` reads
 
 
+def test_history_keep_all_puts_every_tests_timeline_in_the_json_for_a_replay(pytester, fake_env):
+    from cupy_memstrat.trace import read_trace
+
+    pytester.makepyfile(HEAD + """
+def test_one():
+    x = alloc(MiB)
+def test_two():
+    keep = [alloc(2 * MiB) for _ in range(3)]
+""")
+    r = run(pytester, "--gpumem-history", "--gpumem-history-keep=all", "--gpumem-json=out.json")
+    r.assert_outcomes(passed=2)
+    doc = json.loads((pytester.path / "out.json").read_text())
+    assert all("history" in t for t in doc["tests"])
+    trace = read_trace(str(pytester.path / "out.json"))  # both tests' timelines, one after the other
+    assert trace.n_allocs == 4 and trace.peak_in_use() == 6 << 20
+    r = run(pytester, "--gpumem-history", "--gpumem-history-keep=some")
+    r.stderr.fnmatch_lines(["*--gpumem-history-keep*some*"])
+
+
 
 
 def test_history_of_a_test_inside_using_is_reported_not_recordable_never_an_internal_error(pytester, fake_env):

@@ -324,8 +324,53 @@ def _streams(report: dict, plt):
     return fig
 
 
+def _fragmentation(report: dict, plt):
+    """Peak reserved over peak in use, per program and path (1.0: nothing reserved beyond use)."""
+    programs = list(report["results"])
+    labels = list(dict.fromkeys(lb for p in programs for lb in report["results"][p]["paths"]))
+    if not programs or not labels:
+        raise _NothingToDraw("this fragmentation report has no program or no path to draw")
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(programs) * len(labels) + 1.5))
+    width = 0.8 / len(labels)
+    for j, label in enumerate(labels):
+        ys = [i + j * width for i in range(len(programs))]
+        vals = [(report["results"][p]["paths"].get(label) or {}).get("reserved_over_in_use") or 0 for p in programs]
+        ax.barh(ys, vals, height=width, label=label)
+        for y, v in zip(ys, vals):
+            ax.text(v, y, f" {v:.2f}x", va="center", fontsize=7)
+    ax.set_yticks([i + 0.4 - width / 2 for i in range(len(programs))], programs)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="0.3", ls="--", lw=1)
+    ax.set_xlabel("peak reserved / peak in use")
+    ax.set_title(f"Fragmentation on {_device_name(report)}: memory reserved for the same program", fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def _replay(report: dict, plt):
+    """Reserved memory over the replay, one line per path."""
+    rows = [(label, r) for label, r in report["results"].items() if r.get("reserved_curve")]
+    if not rows:
+        raise _NothingToDraw("this replay report has no reserved-memory curve to draw")
+    fig, ax = plt.subplots(figsize=(10, 5))
+    for label, r in rows:
+        xs = [pt[0] for pt in r["reserved_curve"]]
+        ys = [pt[1] / 2**30 for pt in r["reserved_curve"]]
+        ax.plot(xs, ys, label=f"{label} (peak {r['peak_reserved'] / 2**30:.2f} GiB)", lw=1.2)
+    limit = report["params"].get("limit")
+    if limit:
+        ax.axhline(limit / 2**30, color="0.3", ls="--", lw=1, label="limit")
+    ax.set_xlabel("event of the trace")
+    ax.set_ylabel("reserved (GiB)")
+    ax.set_title(f"Replay of {report['trace']['source']}: reserved memory per path", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 _PLOTS = {"alloc": _alloc, "async": _async, "managed": _managed, "workloads": _workloads, "streams": _streams,
-          "memory-history": _timeline}
+          "memory-history": _timeline, "fragmentation": _fragmentation, "replay": _replay}
 
 
 class _NothingToDraw(ValueError):
