@@ -38,6 +38,7 @@
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: some steps run from another folder
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 
