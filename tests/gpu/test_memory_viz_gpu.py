@@ -50,6 +50,7 @@ def _workload(cp):
     return keep
 
 
+@pytest.mark.gpu_exclusive  # asks for more than the device: the async pool may fill it before refusing
 @pytest.mark.parametrize("name", NAMES)
 def test_torchs_memory_viz_reads_the_export_and_the_numbers_are_ours(cp, recorded, name, tmp_path):
     mv = pytest.importorskip("torch.cuda._memory_viz", reason="PyTorch is not installed")
@@ -78,6 +79,7 @@ def test_torchs_memory_viz_reads_the_export_and_the_numbers_are_ours(cp, recorde
     del keep
 
 
+@pytest.mark.gpu_exclusive  # asks for more than the device: the async pool may fill it before refusing
 @pytest.mark.parametrize("name", NAMES)
 def test_the_oom_snapshot_holds_the_live_allocations(cp, recorded, name, tmp_path):
     path = str(tmp_path / "oom.json")
