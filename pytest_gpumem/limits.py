@@ -1,16 +1,19 @@
 """The limits a measured test is judged by, one unit each: its marker's
 arguments (where it has a marker) and its verdict on the test's call.
 
-=========  ======================  ======================================
-unit       marker                  fails the test when
-=========  ======================  ======================================
-budget     ``limit_gpu_memory``    its peak exceeds the budget
-leaks      ``limit_gpu_leaks``     it leaves more than the limit allocated
-checks     (``--gpumem-check``)    the checking layer found something
-faults     ``limit_page_faults``   it causes more page faults or migrated
-                                   bytes than given
-growth     (``--gpumem-compare``)  its peak grew beyond the baseline's
-=========  ======================  ======================================
+=============  =========================  ==================================
+unit           marker                     fails the test when
+=============  =========================  ==================================
+budget         ``limit_gpu_memory``       its peak exceeds the budget
+leaks          ``limit_gpu_leaks``        it leaves more than the limit
+                                          allocated
+checks         (``--gpumem-check``)       the checking layer found something
+faults         ``limit_page_faults``      it causes more page faults or
+                                          migrated bytes than given
+fragmentation  ``limit_fragmentation``    its strategy reserved more than
+                                          ratio x its peak in use + slack
+growth         (``--gpumem-compare``)     its peak grew beyond the baseline's
+=============  =========================  ==================================
 
 The plugin's verdict (``pytest_gpumem.plugin``) asks each unit of
 :data:`LIMITS` in this order; the problems they return, in that order, are
@@ -40,7 +43,9 @@ __all__ = [
     "GpuMemUncheckedWarning",
     "Limit",
     "Problem",
+    "FRAGMENTATION_SLACK",
     "limits_json",
+    "parse_fragmentation",
     "marker_errors",
     "size_words",
     "warn_at_test",
@@ -493,6 +498,110 @@ class Faults(Limit):
         return Problem(self.kind, messages, f"page faults during the call: {f}")
 
 
+#: The reserve a test may take beyond ratio x its peak in use when no slack is given: one
+#: growth step of the stream-ordered pool, which reserves device memory in 32 MiB steps
+#: (measured on the H100 and H200); managed memory grows in 2 MiB chunks.
+FRAGMENTATION_SLACK = 32 << 20
+
+
+def _ratio(value, what: str) -> float:
+    """A fragmentation ratio: a finite number >= 1 (an int, a float or its text)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a number >= 1 such as 1.5, got {value!r}")
+    try:
+        r = float(value.strip()) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: expected a number >= 1 such as 1.5, got {value!r}") from None
+    if not (r == r and r != float("inf")) or r < 1:  # NaN, infinity, below 1
+        raise ValueError(f"{what}: expected a finite number >= 1 (reserved memory is never below the memory in "
+                         f"use), got {value!r}")
+    return r
+
+
+def parse_fragmentation(raw: str):
+    """``--gpumem-max-fragmentation``'s value: ``None`` (``off``) or ``(ratio, slack_bytes)`` from
+    ``"RATIO"`` or ``"RATIO+SLACK"`` (``"1.5"``, ``"1.25+64MiB"``; the slack defaults to
+    :data:`FRAGMENTATION_SLACK`).
+
+    Raises:
+        ValueError: a bad ratio or slack, named.
+    """
+    v = raw.strip()
+    if v.lower() in OFF_WORDS:
+        return None
+    ratio, plus, slack = v.partition("+")
+    if plus and not slack.strip():
+        raise ValueError(f"expected RATIO or RATIO+SLACK such as 1.5 or 1.5+64MiB, got {raw!r}")
+    return (_ratio(ratio, "ratio"),
+            cupy_memstrat.parse_size(slack, what="slack") if plus else FRAGMENTATION_SLACK)
+
+
+class Fragmentation(Limit):
+    """Reserved memory against memory in use: ``--gpumem-max-fragmentation=RATIO[+SLACK]`` or
+    ``limit_fragmentation(ratio, slack='32MiB')``. A test fails when, on a device, the memory
+    its strategy reserved during the call (on top of what it held when the call began) exceeds
+    ``ratio`` x the test's peak in use (on top likewise) + ``slack``. The plugin gives the
+    strategy's cached memory back to CUDA (``Strategy.trim()``) before each such test's call, so
+    that the verdict does not depend on the tests that ran before it."""
+
+    kind = "fragmentation"
+    marker = "limit_fragmentation"
+    marker_help = ("limit_fragmentation(ratio, slack='32MiB'): fail the test if the GPU memory its strategy "
+                   "reserved during it exceeds ratio x its peak in use + slack (None: no limit for this test); "
+                   "overrides --gpumem-max-fragmentation")
+    json_key = "fragmentation"
+
+    def parse(self, marker):
+        args, kwargs = list(marker.args), dict(marker.kwargs)
+        extra = sorted(set(kwargs) - {"ratio", "slack"})
+        if extra:
+            raise ValueError(f"unknown argument {extra[0]!r}; expected ratio, slack")
+        if len(args) > 2 or (args and "ratio" in kwargs) or (len(args) > 1 and "slack" in kwargs):
+            raise ValueError("expected at most two arguments, ratio and slack")
+        if not args and "ratio" not in kwargs:
+            raise ValueError("missing the ratio argument, e.g. limit_fragmentation(1.5)")
+        ratio = args[0] if args else kwargs["ratio"]
+        slack = args[1] if len(args) > 1 else kwargs.get("slack")
+        if ratio is None or (isinstance(ratio, str) and ratio.strip().lower() in OFF_WORDS):
+            if slack is not None:
+                raise ValueError(f"slack={slack!r} given with no ratio; give a ratio such as 1.5")
+            return None
+        return (_ratio(ratio, "ratio"),
+                FRAGMENTATION_SLACK if slack is None else cupy_memstrat.parse_size(slack, what="slack"))
+
+    def apply(self, plan, marker) -> None:
+        plan.fragmentation = self.parse(marker)
+        plan.fragmentation_source = "limit_fragmentation marker"
+
+    def as_json(self, plan):
+        if plan.fragmentation is None:
+            return None
+        ratio, slack = plan.fragmentation
+        return {"ratio": ratio, "slack_bytes": slack, "source": plan.fragmentation_source}
+
+    def judge(self, case):
+        plan, meter, w, rec = case.plan, case.meter, case.window, case.rec
+        if plan.fragmentation is None or not w.peak_reserved:
+            return None
+        ratio, slack = plan.fragmentation
+        top = max(meter.devices, key=lambda d: w.peak_reserved[d], default=0)
+        rec["reserved_over_in_use"] = round(w.peak_reserved[top] / w.peak[top], 3) if w.peak[top] else None
+        over = [d for d in meter.devices if w.peak_reserved[d] > ratio * w.peak[d] + slack]
+        if not over:
+            return None
+        d = max(over, key=lambda d: w.peak_reserved[d] - ratio * w.peak[d])
+        on = f" on device {d}" if meter.n_devices > 1 else ""
+        times = f"{w.peak_reserved[d] / w.peak[d]:.2f}x" if w.peak[d] else "with nothing in use"
+        msg = (f"reserved {fmt(w.peak_reserved[d])}{on} for a peak in use of {fmt(w.peak[d])} ({times}) > "
+               f"{ratio:g}x + {fmt(slack)} ({plan.fragmentation_source})")
+        st = meter.strategy.stats(d)
+        detail = (f"strategy {meter.strategy.name!r} at the end of the call: {st.fragmentation()}\n"
+                  "(reserved and in use are counted on top of what the strategy held when the call began; "
+                  "python -m cupy_memstrat replay compares strategies on the test's own allocations, recorded "
+                  "with --gpumem-history --gpumem-history-keep=all)")
+        return Problem(self.kind, [msg], detail)
+
+
 class Growth(Limit):
     """Growth over a baseline: ``--gpumem-compare=BASELINE.json`` with
     ``--gpumem-max-growth`` (default 10%)."""
@@ -513,14 +622,16 @@ class Growth(Limit):
         return Problem(self.kind, list(grown))
 
 
-BUDGET, LEAKS, FINDINGS, FAULTS, GROWTH = Budget(), Leaks(), Findings(), Faults(), Growth()
+BUDGET, LEAKS, FINDINGS, FAULTS, FRAGMENTATION, GROWTH = (Budget(), Leaks(), Findings(), Faults(),
+                                                         Fragmentation(), Growth())
 
 #: The units, in the order a test is judged (and its failure's lines are written).
-LIMITS = (BUDGET, LEAKS, FINDINGS, FAULTS, GROWTH)
+LIMITS = (BUDGET, LEAKS, FINDINGS, FAULTS, FRAGMENTATION, GROWTH)
+
 
 def limits_json(plan) -> dict:
     """Each limit that applied to a test, with where it came from (the
-    record's ``"limits"``: ``budget``, ``leaks``, ``page_faults``)."""
+    record's ``"limits"``: ``budget``, ``leaks``, ``page_faults``, ``fragmentation``)."""
     out = {}
     for unit in LIMITS:
         entry = unit.as_json(plan)

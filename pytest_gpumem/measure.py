@@ -10,6 +10,8 @@ Per window, per device:
 
 * peak = highest ``bytes_in_use`` during the window - ``bytes_in_use`` when it
   opened (what the window added on top of what was already held);
+* peak reserved = highest ``bytes_reserved`` during the window - ``bytes_reserved``
+  when it opened (what the strategy took from CUDA on top of what it held);
 * allocated / freed = allocations and frees made during the window (counts);
 * leaked = allocations made since the window opened that are still live when
   asked (after ``gc.collect()`` and clearing CuPy's caches that hold device
@@ -54,7 +56,10 @@ class Window:
     allocs0: list
     frees0: list
     live0: dict | None  # {ptr: size} when opened
+    base_reserved: list = field(default_factory=list)  # bytes reserved per device when opened
+    peak_reserved_abs: list = field(default_factory=list)  # highest bytes reserved so far (absolute)
     peak: list = field(default_factory=list)  # per device, once closed
+    peak_reserved: list = field(default_factory=list)  # per device, once closed (on top of base_reserved)
     n_allocs: int = 0
     n_frees: int = 0
     closed: bool = False
@@ -125,8 +130,8 @@ class Meter:
         sts = [s.stats(d) for d in self.devices]
         for w in self._open:
             for d, st in enumerate(sts):
-                if st.peak_bytes_in_use > w.peak_abs[d]:
-                    w.peak_abs[d] = st.peak_bytes_in_use
+                w.peak_abs[d] = max(w.peak_abs[d], st.peak_bytes_in_use)
+                w.peak_reserved_abs[d] = max(w.peak_reserved_abs[d], st.peak_bytes_reserved)
         for d in self.devices:
             s.reset_peak(d)
         w = Window(
@@ -135,6 +140,8 @@ class Meter:
             allocs0=[st.n_allocs for st in sts],
             frees0=[st.n_frees for st in sts],
             live0=s.live_sizes() if snapshot else None,
+            base_reserved=[st.bytes_reserved for st in sts],
+            peak_reserved_abs=[st.bytes_reserved for st in sts],
         )
         self._open.append(w)
         return w
@@ -150,6 +157,8 @@ class Meter:
     def close(self, w: Window) -> Window:
         sts = [self.strategy.stats(d) for d in self.devices]
         w.peak = [max(w.peak_abs[d], st.peak_bytes_in_use) - w.base[d] for d, st in enumerate(sts)]
+        w.peak_reserved = [max(0, max(w.peak_reserved_abs[d], st.peak_bytes_reserved) - w.base_reserved[d])
+                           for d, st in enumerate(sts)]
         w.n_allocs = sum(st.n_allocs - w.allocs0[d] for d, st in enumerate(sts))
         w.n_frees = sum(st.n_frees - w.frees0[d] for d, st in enumerate(sts))
         w.closed = True

@@ -18,7 +18,7 @@ import pytest
 
 import cupy_memstrat
 
-from .limits import LIMITS, MARKER_HELP, OFF_WORDS, marker_errors
+from .limits import LIMITS, MARKER_HELP, OFF_WORDS, marker_errors, parse_fragmentation
 
 __all__ = ["SETTINGS", "Settings", "add_options", "resolve", "Plan", "plan_for", "MARKERS"]
 
@@ -165,6 +165,11 @@ SETTINGS = (
     Setting("budget", "--gpumem-budget", "GPUMEM_BUDGET", "gpumem_budget", parse_budget, None,
             "fail a test whose peak GPU memory (on top of what was in use when its call began) exceeds "
             "SIZE: '512MiB', '2GB', '10%%' of the device's memory; 'off' for none", metavar="SIZE"),
+    Setting("max_fragmentation", "--gpumem-max-fragmentation", "GPUMEM_MAX_FRAGMENTATION",
+            "gpumem_max_fragmentation", parse_fragmentation, None,
+            "fail a test whose strategy reserved more GPU memory during it than RATIO x its peak in use + SLACK "
+            "(default slack 32MiB): '1.5', '1.25+64MiB'; 'off' for none. The strategy's cache is trimmed before "
+            "each such test", metavar="RATIO[+SLACK]"),
     Setting("leaks", "--gpumem-leaks", "GPUMEM_LEAKS", "gpumem_leaks", _choice("fail", "warn", "off"), "off",
             "a test that leaves GPU memory allocated after it ends: fail, warn or off (default)",
             metavar="fail|warn|off"),
@@ -281,6 +286,7 @@ class Settings:
         session (checks in the strategy spec too: their findings are judged per test)."""
         return bool(
             self.measure or self.budget is not None or self.leaks != "off" or self.faults or self.checks_asked
+            or self.max_fragmentation is not None
             or self.stream_policy != "current" or self.history or self.compare
         )
 
@@ -380,6 +386,8 @@ class Plan:
     faults: bool = False  # count page faults
     fault_limits: dict | None = None  # {"gpu": int, "cpu": int, "migrated": int} (given ones only)
     fault_source: str | None = None
+    fragmentation: tuple | None = None  # (ratio, slack bytes), or None
+    fragmentation_source: str | None = None
 
 
 def plan_for(item, settings: Settings) -> Plan | None:
@@ -403,6 +411,8 @@ def plan_for(item, settings: Settings) -> Plan | None:
         leaks=settings.leaks,
         leak_source=settings.source("leaks"),
         faults=settings.faults,
+        fragmentation=settings.max_fragmentation,
+        fragmentation_source=settings.source("max_fragmentation"),
     )
     marked = False
     for unit in LIMITS:  # each limit's closest marker replaces the settings' limit

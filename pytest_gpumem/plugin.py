@@ -12,7 +12,10 @@ setup and teardown are not part of the window, as in pytest-memray):
   the call began (per device; the highest device is reported);
 * leaks: allocations made from the start of the call on that are still live
   after teardown, ``gc.collect()`` and clearing CuPy's caches;
-* page faults: a ``cupy_memstrat.faults.FaultCounter`` around the call.
+* page faults: a ``cupy_memstrat.faults.FaultCounter`` around the call;
+* peak reserved: the highest memory the strategy held from CUDA during the
+  call, on top of what it held when the call began (after a trim, where a
+  fragmentation limit applies).
 
 The test's reports are logged after its teardown (this plugin runs the
 test protocol for measured tests, as pytest-rerunfailures does), so that a
@@ -106,6 +109,9 @@ def _settings_summary(state) -> str:
         parts.append(f"budget {size_words(s.budget, s.text('budget'))} ({s.source('budget')})")
     if s.leaks != "off":
         parts.append(f"leaks: {s.leaks} ({s.source('leaks')})")
+    if s.max_fragmentation is not None:
+        ratio, slack = s.max_fragmentation
+        parts.append(f"max fragmentation {ratio:g}x + {fmt(slack)} ({s.source('max_fragmentation')})")
     if s.faults:
         parts.append("page faults: " + (state.meter.fault_status() if state.meter else "on"))
     if state.checks:
@@ -296,6 +302,9 @@ def pytest_runtest_call(item):
         state.n_unmeasured += 1
         return (yield)
     item.stash[METER] = meter
+    if plan.fragmentation is not None:
+        # the verdict judges what the test's call reserves: nothing cached by earlier tests serves it
+        strategy.trim()
     counter = None
     if plan.faults:
         try:

@@ -20,6 +20,8 @@ def user_properties(rec: dict) -> list[tuple[str, object]]:
     if rec.get("measured") is False:  # the test changed CuPy's allocator: no numbers of its own
         return [("gpumem_not_measured", rec.get("allocator_change"))]
     props = [("gpumem_peak_bytes", rec["peak_bytes"]), ("gpumem_allocations", rec["allocated"])]
+    if rec.get("peak_reserved_bytes") is not None:
+        props.append(("gpumem_peak_reserved_bytes", rec["peak_reserved_bytes"]))
     if rec.get("leaked_bytes") is not None:
         props += [("gpumem_leaked_bytes", rec["leaked_bytes"]), ("gpumem_leaked_allocations", rec["leaked_count"])]
     f = rec.get("faults")
@@ -34,12 +36,15 @@ def user_properties(rec: dict) -> list[tuple[str, object]]:
 
 
 def table_lines(records: list[dict], top: int) -> list[str]:
-    """The terminal table: the ``top`` tests by peak, with leaks and faults
-    columns where any test has them."""
+    """The terminal table: the ``top`` tests by peak, with reserved (where a
+    fragmentation limit applied), leaks and faults columns where any test has them."""
     rows = sorted(records, key=lambda r: (r.get("measured") is False, -(r["peak_bytes"] or 0), r["nodeid"]))[:top]
     show_leaks = any(r.get("leaked_bytes") is not None for r in records)
     show_faults = any(r.get("faults") for r in records)
+    show_reserved = any("fragmentation" in (r.get("limits") or {}) for r in records)
     head = [f"{'peak':>10}", f"{'allocs':>7}"]
+    if show_reserved:
+        head.append(f"{'reserved':>10}")
     if show_leaks:
         head.append(f"{'leaked':>10}")
     if show_faults:
@@ -48,6 +53,9 @@ def table_lines(records: list[dict], top: int) -> list[str]:
     for r in rows:
         unmeasured = r.get("measured") is False  # its allocator changed during it
         cells = [f"{'-' if unmeasured else fmt(r['peak_bytes']):>10}", f"{'-' if unmeasured else r['allocated']:>7}"]
+        if show_reserved:
+            rb = r.get("peak_reserved_bytes")
+            cells.append(f"{'-' if rb is None else fmt(rb):>10}")
         if show_leaks:
             lb = r.get("leaked_bytes")
             cells.append(f"{'-' if lb is None else fmt(lb):>10}")

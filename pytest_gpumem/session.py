@@ -280,6 +280,8 @@ class State:
             "peak_bytes": w.peak[peak_dev] if n else 0,
             "peak_device": peak_dev,
             "peak_bytes_per_device": list(w.peak),
+            "peak_reserved_bytes": max(w.peak_reserved, default=0),
+            "peak_reserved_bytes_per_device": list(w.peak_reserved),
             "in_use_before_bytes": sum(w.base),
             "allocated": w.n_allocs,
             "freed": w.n_frees,
@@ -307,14 +309,14 @@ class State:
             rec["allocator_change"] = change
             if plan.leaks != "off":
                 rec["leak_check"] = "skipped: the test changed CuPy's allocator"
-            for key in ("peak_bytes", "peak_device", "allocated", "freed"):
+            for key in ("peak_bytes", "peak_device", "allocated", "freed", "peak_reserved_bytes"):
                 rec[key] = None  # not the test's numbers
-            rec["peak_bytes_per_device"] = None
+            rec["peak_bytes_per_device"] = rec["peak_reserved_bytes_per_device"] = None
             plan = _unchecked(plan)
             if change_is_error:
                 problems.append(("allocator", f"gpumem: {change} (GpuMemAllocatorWarning, an error under -W)"))
         case = Case(item, plan, w, meter, call, not not_passed, rec, self)
-        for unit in LIMITS:  # limits.py: budget, leaks, checks, faults, growth
+        for unit in LIMITS:  # limits.py: budget, leaks, checks, faults, fragmentation, growth
             problem = unit.judge(case)
             if problem is not None:
                 problems.extend((problem.kind, m) for m in problem.messages)
@@ -384,7 +386,9 @@ class State:
             "strategy_spec": s.strategy,
             "settings": {k: s.values[k] for k in ("budget", "leaks", "faults", "faults_missing")}
             | {"measure": s.measuring, "check": sorted(self.checks), "stream_policy": s.stream_policy,
-               "history": s.history},
+               "history": s.history,
+               "max_fragmentation": (None if s.max_fragmentation is None else
+                                     {"ratio": s.max_fragmentation[0], "slack_bytes": s.max_fragmentation[1]})},
             "baseline": s.compare,
             "max_growth": self.growth.text if s.compare else None,
             "setting_sources": {k: v for k, v in s.sources.items() if v is not None},
@@ -418,10 +422,10 @@ def _describe(allocator, cupy) -> str:
 
 
 def _unchecked(plan):
-    """The plan without the budget and leak checks (a test whose allocator changed)."""
+    """The plan without the budget, leak and fragmentation checks (a test whose allocator changed)."""
     import dataclasses
 
-    return dataclasses.replace(plan, budget=None, leaks="off")
+    return dataclasses.replace(plan, budget=None, leaks="off", fragmentation=None)
 
 
 def _describe_allocator(cupy) -> str:

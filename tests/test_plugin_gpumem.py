@@ -824,7 +824,8 @@ def test_b():
     root = ET.parse(pytester.path / "junit.xml").getroot()
     cases = {c.get("name"): c for c in root.iter("testcase")}
     props = {p.get("name"): p.get("value") for p in cases["test_a"].iter("property")}
-    assert props == {"gpumem_peak_bytes": str(2 << 20), "gpumem_allocations": "1",
+    assert props == {"gpumem_peak_bytes": str(2 << 20), "gpumem_peak_reserved_bytes": str(2 << 20),
+                     "gpumem_allocations": "1",
                      "gpumem_leaked_bytes": "0", "gpumem_leaked_allocations": "0"}
     failure = cases["test_b"].find("failure")
     assert failure is not None and failure.get("message").startswith("peak 2.0 MiB > budget 1.0 MiB")
