@@ -517,6 +517,15 @@ def _spec_list(text: str) -> list[str]:
     specs = [t.strip() for t in text.split(";") if t.strip()]
     if not specs:
         raise argparse.ArgumentTypeError(f"expected one or more strategy specs separated by ';', got {text!r}")
+    from .registry import get_registry
+
+    names = get_registry().names()
+    for spec in specs:
+        parts = [p.strip() for p in spec.split(",")]
+        if ":" not in spec and len(parts) > 1 and all(p in names for p in parts):
+            raise argparse.ArgumentTypeError(
+                f"{spec!r} names {len(parts)} strategies: separate specs with ';' (a spec has commas of its "
+                f"own), quoted in the shell: '{';'.join(parts)}'")
     return specs
 
 

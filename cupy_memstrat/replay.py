@@ -46,6 +46,31 @@ def default_specs() -> list[str]:
     return out
 
 
+def left_out(*, strategies=None, cupy_paths=None, real: bool = True) -> dict[str, str]:
+    """The paths a replay with these arguments leaves out, each with the reason (for the report):
+    CuPy's pools on the simulated GPU or where none were asked, and, by default, the strategies
+    over another library."""
+    from .registry import get_registry
+
+    out = {}
+    if cupy_paths is None and not real:
+        out.update({p: "the simulated GPU has no CuPy pool" for p in CUPY_PATHS})
+    elif cupy_paths is not None:
+        out.update({p: "not asked for (--no-cupy)" for p in CUPY_PATHS if p not in cupy_paths})
+    if strategies is None:
+        reg = get_registry()
+        chosen = default_specs()
+        for name in reg.names():
+            if name in chosen:
+                continue
+            why = reg.get(name).unavailable()
+            if why is None:
+                why = (f"left out by default: it allocates through {reg.get(name).requires}'s current memory "
+                       f"resource, which the program chooses; name it with --strategies to replay under it")
+            out[name] = why
+    return out
+
+
 def check_args(*, strategies=None, cupy_paths=None, limit=None) -> tuple[list[str], list[str], int | None]:
     """Refuse bad arguments before anything is allocated; return the CuPy paths, the strategy
     specs and the limit in bytes.
@@ -284,6 +309,7 @@ def replay(trace: Trace, *, strategies=None, cupy_paths=None, limit=None, touch:
 
     b = backend if backend is not None else _backends.get_backend()
     real = isinstance(b, _backends.RealBackend)
+    omitted = left_out(strategies=strategies, cupy_paths=cupy_paths, real=real)
     if cupy_paths is None and not real:
         cupy_paths = ()
     cupy_paths, specs, nbytes = check_args(strategies=strategies, cupy_paths=cupy_paths, limit=limit)
@@ -297,12 +323,19 @@ def replay(trace: Trace, *, strategies=None, cupy_paths=None, limit=None, touch:
         paths.append(_Path(label, b, pool=pool))
     for spec in specs:
         opts = {}
-        if nbytes is not None and spec.split(":")[0] == "async" and "max_size" not in spec:
+        name = spec.split(":")[0]
+        if nbytes is not None and name == "async" and "max_size" not in spec:
             opts["max_size"] = nbytes
+        if nbytes is not None and name == "managed" and "headroom" not in spec:
+            # the guard keeps the headroom a device of `limit` bytes would get by default
+            # (min(1 GiB, 5%)), not the real device's 1 GiB, out of the memory left free
+            opts["headroom"] = min(1 << 30, nbytes // 20)
         s = create(spec, backend=b, **opts) if not real else create(spec, **opts)
         p = _Path(spec, b, strategy=s)
-        if opts:
+        if "max_size" in opts:
             p.limit_by = "max_size"
+        elif "headroom" in opts:
+            p.limit_by = f"memory set aside; guard headroom {format_size(opts['headroom'])}"
         paths.append(p)
     results = {}
     devices = trace.devices or [0]
@@ -317,9 +350,9 @@ def replay(trace: Trace, *, strategies=None, cupy_paths=None, limit=None, touch:
                     if p.pool is not None and p.label == "cupy-default":
                         p.pool.set_limit(size=nbytes)
                         p.limit_by = "set_limit"
-                    elif p.limit_by is None:
+                    elif p.limit_by is None or p.limit_by.startswith("memory set aside"):
                         aside = _set_aside(b, devices, nbytes, real)
-                        p.limit_by = "memory set aside"
+                        p.limit_by = p.limit_by or "memory set aside"
                 try:
                     probed = _run_once(p, trace, _streams(trace, b, real), probe=True, touch=touch, real=real)
                 finally:
@@ -368,6 +401,7 @@ def replay(trace: Trace, *, strategies=None, cupy_paths=None, limit=None, touch:
                   "peak_in_use": trace.peak_in_use(), "largest": trace.largest()[0]},
         "params": {"limit": nbytes, "touch": touch, "strategies": specs, "cupy_paths": cupy_paths},
         "results": results,
+        "left_out": omitted,
     }
 
 
@@ -394,4 +428,6 @@ def format_table(report: dict) -> str:
         elif not r["completed"]:
             line += f"  out of memory at {r['failed_at']}"
         lines.append(line)
+    for label, why in (report.get("left_out") or {}).items():
+        lines.append(f"  {label}: not replayed: {why}")
     return "\n".join(lines)

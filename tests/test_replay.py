@@ -133,6 +133,31 @@ def test_a_limit_is_held_by_a_cap_or_by_memory_set_aside_and_the_report_says_whi
     assert roomy["results"]["device"]["fits"] is True
 
 
+def test_managed_under_a_limit_keeps_the_headroom_a_device_of_that_size_would_get():
+    fake = FakeBackend(memory="4GiB")
+    rep = replay(fragmentation.program("16-then-32"), backend=fake, strategies=["managed"], limit="512MiB")
+    row = rep["results"]["managed"]
+    assert row["fits"] is True and row["limit_held_by"] == "memory set aside; guard headroom 25.6 MiB"
+    # the control: the real device's 1 GiB headroom, out of the 512 MiB left free, refuses the first block
+    rep = replay(fragmentation.program("16-then-32"), backend=fake, strategies=["managed:headroom=1GiB"],
+                 limit="512MiB")
+    row = rep["results"]["managed:headroom=1GiB"]
+    assert row["fits"] is False and row["failed_at"] == "16-then-32, event 0"
+    assert fake.used_bytes(0) == 0
+
+
+def test_the_report_says_which_paths_it_left_out_and_why():
+    fake = FakeBackend(memory="4GiB")
+    rep = replay(fragmentation.program("16-then-32"), backend=fake)
+    out = rep["left_out"]
+    assert out["cupy-default"] == out["cupy-async"] == "the simulated GPU has no CuPy pool"
+    assert set(out) >= {"cupy-default", "cupy-async", "rmm"} and not set(out) & set(rep["results"])
+    assert "rmm" in out["rmm"]
+    assert "  cupy-async: not replayed: the simulated GPU has no CuPy pool" in format_table(rep).splitlines()
+    rep = replay(fragmentation.program("16-then-32"), backend=fake, strategies=["device"])
+    assert set(rep["left_out"]) == {"cupy-default", "cupy-async"}  # strategies named: none left out
+
+
 def _run_cli(tmp_path, *args):
     env = dict(os.environ, CUPY_MEMSTRAT_BACKEND="fake")
     env.pop("CUPY_MEMSTRAT", None)
@@ -174,6 +199,8 @@ def test_the_replay_command_refuses_bad_input_before_reading_or_allocating(tmp_p
     good = _write(tmp_path, "rec.json", _snapshot(GOOD))
     r = _run_cli(tmp_path, "replay", good, "--strategies", "nosuch")
     assert r.returncode == 2 and "replay: " in r.stderr and "nosuch" in r.stderr
+    r = _run_cli(tmp_path, "replay", good, "--strategies", "managed,device")
+    assert r.returncode == 2 and "'managed,device' names 2 strategies: separate specs with ';'" in r.stderr
     r = _run_cli(tmp_path, "replay", good, "--limit", "-3")
     assert r.returncode == 2 and "--limit" in r.stderr
     r = _run_cli(tmp_path, "replay", good, "--json", str(tmp_path))
