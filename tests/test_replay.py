@@ -236,3 +236,19 @@ def test_bench_fragmentation_programs_and_bad_arguments():
         fragmentation.check_args(scale=2)
     with pytest.raises(ValueError, match="each spec once"):
         fragmentation.check_args(strategies=["device", "device"])
+
+
+# What the H100 gave for these programs (docs/results/h100/bench-fragmentation.json); the
+# simulated pool follows it, and tests/gpu/test_replay_gpu.py checks the same figures on the GPU.
+MEASURED_RESERVED = {("16-then-32", "async"): 192 * MiB, ("32-then-16", "async"): 192 * MiB,
+                     ("alternating-batches", "async"): 896 * MiB, ("16-then-32", "managed"): 256 * MiB,
+                     ("32-then-16", "managed"): 256 * MiB, ("16-then-32", "device"): 128 * MiB}
+
+
+@pytest.mark.parametrize("program, spec", sorted(MEASURED_RESERVED))
+def test_the_simulated_gpu_reserves_what_the_gpu_reserved_for_the_fragmenting_programs(program, spec):
+    # a stream-ordered pool serves a request from idle memory of other sizes (splitting a larger
+    # block, joining smaller ones) before it grows; async's 64 MiB stream cache keeps the rest
+    fake = FakeBackend(memory="8GiB")
+    rep = replay(fragmentation.program(program), backend=fake, strategies=[spec])
+    assert rep["results"][spec]["peak_reserved"] == MEASURED_RESERVED[(program, spec)]

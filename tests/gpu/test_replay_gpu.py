@@ -63,3 +63,16 @@ def test_cupys_pools_and_the_strategies_replay_one_trace_side_by_side(cp, tmp_pa
     assert all(r["completed"] and r["peak_in_use"] > 0 for r in rep["results"].values())
     assert rep["results"]["device"]["reserved_over_in_use"] == 1.0
     assert rep["machine"]["cuda"]["devices"][0]["name"]
+
+
+@pytest.mark.parametrize("program, spec, reserved_mib", [
+    ("16-then-32", "async", 192), ("32-then-16", "async", 192), ("alternating-batches", "async", 896),
+    ("16-then-32", "managed", 256), ("32-then-16", "managed", 256), ("16-then-32", "device", 128),
+])
+def test_the_gpu_reserves_what_the_simulated_gpu_reserves_for_the_fragmenting_programs(cp, program, spec,
+                                                                                       reserved_mib):
+    # the same figures as tests/test_replay.py's on the simulated GPU
+    from cupy_memstrat.bench import fragmentation
+
+    rep = replay(fragmentation.program(program), strategies=[spec], cupy_paths=[])
+    assert rep["results"][spec]["peak_reserved"] == reserved_mib * MiB

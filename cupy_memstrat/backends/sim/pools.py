@@ -137,6 +137,7 @@ class _PoolMixin:
             rounded = _round_up(size, _ALIGN)
             ptr = self._reuse(p, rounded, key)
             if ptr is None:
+                self._take_idle(p, rounded, key)
                 if not self._make_room(p, rounded):
                     self._fail(_codes.ERROR_MEMORY_ALLOCATION)
                 ptr = self._next[p.device]
@@ -155,6 +156,33 @@ class _PoolMixin:
                 p.idle -= size
                 return ptr
         return None
+
+    @staticmethod
+    def _take_idle(p: _FakePool, rounded: int, key) -> None:
+        # No idle block of the size: the pool serves the request from idle memory this stream
+        # may use (blocks whose free a sync ordered, or freed on this stream), splitting a
+        # larger block or joining smaller ones, before it grows. Measured: eight 16 MiB blocks
+        # freed, then four 32 MiB requests, keep 128 MiB reserved; 32 MiB blocks serve 16 MiB
+        # requests likewise. The memory taken becomes reserved memory outside any block.
+        usable = sorted((b for b in p.free if b[2] in (None, key)), key=lambda b: b[1])
+        if not usable:
+            return
+        fit = next((b for b in usable if b[1] >= rounded), None)
+        if fit is not None:  # split the smallest block that holds the request
+            fit[1] -= rounded
+            p.idle -= rounded
+            if fit[1] == 0:
+                p.free.remove(fit)
+            else:
+                fit[0] += rounded
+            return
+        need = rounded
+        for b in reversed(usable):  # join the largest blocks first
+            if need <= 0:
+                break
+            p.free.remove(b)
+            p.idle -= b[1]
+            need -= b[1]
 
     def _make_room(self, p: _FakePool, rounded: int) -> bool:
         for attempt in range(2):
