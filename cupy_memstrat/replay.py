@@ -269,6 +269,8 @@ def _run_once(path: _Path, trace: Trace, streams, *, probe: bool, touch: bool, r
                     h, _ = held.pop(block)
                     path.free(h, dev)
                     del h
+                    if probe:  # a free may give memory back: the next growth counts from here
+                        last_res[dev] = path.read(dev)[1]
         for d in trace.devices:
             b.device_synchronize(d)
     finally:

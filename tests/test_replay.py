@@ -115,6 +115,7 @@ def test_a_replay_gives_every_path_the_same_program_and_the_table_says_so():
     assert rows["device"]["peak_reserved"] == 128 * MiB and rows["device"]["reserved_over_in_use"] == 1.0
     assert rows["managed"]["peak_reserved"] >= rows["managed"]["peak_in_use"]
     assert rows["managed"]["growth_steps"] >= 1 and rows["managed"]["us_per_alloc"] > 0
+    assert rows["device"]["growth_steps"] == 12  # one cudaMalloc per allocation, also after the frees
     assert fake.used_bytes(0) == 0  # every path gave its memory back
     text = format_table(rep)
     assert "16-then-32: 12 allocations on 1 stream(s), peak in use 128.0 MiB as recorded" in text

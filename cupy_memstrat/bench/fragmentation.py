@@ -15,7 +15,8 @@ The programs are allocation traces, written here as the allocations and frees th
   size alternating between 384 and 448 rows of 1 MiB, 12 steps.
 
 Each program is replayed once per path from an empty cache; the report has, per program and
-path, the peak in use, the peak reserved, their ratio and the growth steps of the reserve.
+path, the peak in use, the peak reserved, their ratio and the allocations that grew the reserve
+(each one took memory from CUDA: a ``cudaMalloc``, a pool growth, new managed chunks).
 """
 
 from __future__ import annotations
@@ -199,8 +200,10 @@ def run(*, rounds: int = 1, progress=None, strategies=None, only=None, scale: fl
 
 
 def format_table(report: dict) -> str:
-    """Per program and path: peak in use, peak reserved, their ratio, the growth steps."""
-    out = ["fragmentation: peak in use / peak reserved (reserved over in use) and the reserve's growth steps"]
+    """Per program and path: peak in use, peak reserved, their ratio, the allocations that grew the
+    reserve."""
+    out = ["fragmentation: peak in use / peak reserved (reserved over in use) and the allocations that took "
+           "memory from CUDA (growths)"]
     for name, res in report["results"].items():
         out.append(f"{name}: {report['params']['descriptions'].get(name, '')}")
         for label, r in res["paths"].items():
