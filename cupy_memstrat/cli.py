@@ -165,21 +165,16 @@ def _cmd_replay(args) -> int:
         return 2
     try:
         trace = read_trace(args.trace, test=args.test)
+        if not trace.n_allocs:
+            raise TraceError(f"{trace.source} holds no allocation: nothing to replay")
+        say = None if args.quiet else (lambda msg: print(f"replay: {msg}", file=sys.stderr, flush=True))
+        report = replay(trace, strategies=args.strategies, cupy_paths=cupy_paths, limit=args.limit,
+                        touch=args.touch, progress=say)
     except TraceError as exc:
         print(f"replay: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"replay: cannot read {args.trace!r}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    if not trace.n_allocs:
-        print(f"replay: {trace.source} holds no allocation: nothing to replay", file=sys.stderr)
-        return 2
-    say = None if args.quiet else (lambda msg: print(f"replay: {msg}", file=sys.stderr, flush=True))
-    try:
-        report = replay(trace, strategies=args.strategies, cupy_paths=cupy_paths, limit=args.limit,
-                        touch=args.touch, progress=say)
-    except TraceError as exc:
-        print(f"replay: {exc}", file=sys.stderr)
         return 2
     except MemstratError as exc:
         print(f"replay needs a CUDA device and CuPy: {_without_fake_hint(exc)}", file=sys.stderr)

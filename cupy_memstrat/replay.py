@@ -103,29 +103,28 @@ class _Path:
     """One way of allocating: CuPy's pool, CuPy's async pool, or a strategy."""
 
     def __init__(self, label, backend, strategy=None, pool=None):
+        from .backends import RealBackend
+
         self.label, self.backend, self.strategy, self.pool = label, backend, strategy, pool
         self.limit_by = None
-        if strategy is not None and self._real:
-            self._malloc = strategy.cupy_allocator()
-        elif strategy is not None:
+        # On the GPU every path allocates as CuPy does (a MemoryPointer, freed when dropped); on
+        # the simulated GPU, which has no CuPy, a strategy's hot path takes and frees pointers.
+        self._hot = None
+        if strategy is not None and not isinstance(backend, RealBackend):
             self._hot = strategy.hot_path_functions()
+        elif strategy is not None:
+            self._malloc = strategy.cupy_allocator()
         else:
             self._malloc = pool.malloc
 
-    @property
-    def _real(self) -> bool:
-        from .backends import RealBackend
-
-        return isinstance(self.backend, RealBackend)
-
     def alloc(self, size, device):
         """A handle that frees the block when :meth:`free` is given it."""
-        if self.strategy is not None and not self._real:
+        if self._hot is not None:
             return self._hot[0](size, device)
         return self._malloc(size)
 
     def free(self, handle, device) -> None:
-        if self.strategy is not None and not self._real:
+        if self._hot is not None:
             self._hot[1](handle, device)
         # a MemoryPointer frees its block when the last reference goes (the caller's del)
 
