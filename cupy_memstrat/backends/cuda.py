@@ -234,6 +234,81 @@ class RealBackend:
             raise self.Error(int(err))
         return int(pool)
 
+    # -- virtual memory management (cuda.bindings' driver API) --------------------
+    def _driver(self):
+        try:
+            from cuda.bindings import driver
+        except ImportError as exc:
+            raise CuPyNotInstalledError(
+                "virtual memory management needs cuda.bindings (the cuda-python bindings): "
+                "pip install 'cupy-memstrat[cuda13]' (or [cuda12])") from exc
+        return driver
+
+    def _check_driver(self, err) -> None:
+        # CUresult's codes the seam names have the runtime's values (codes.ERROR_NOT_SUPPORTED)
+        if int(err) != ERROR_SUCCESS:
+            raise self.Error(int(err))
+
+    def _vmm_prop(self, driver, device: int):
+        prop = driver.CUmemAllocationProp()
+        prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device
+        return prop
+
+    def vmm_granularity(self, device: int) -> int:
+        driver = self._driver()
+        err, g = driver.cuMemGetAllocationGranularity(
+            self._vmm_prop(driver, device), driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+        self._check_driver(err)
+        return int(g)
+
+    def vmm_reserve(self, size: int, alignment: int = 0, hint: int = 0) -> int:
+        driver = self._driver()
+        err, ptr = driver.cuMemAddressReserve(size, alignment, hint, 0)
+        self._check_driver(err)
+        return int(ptr)
+
+    def vmm_free_address(self, ptr: int, size: int) -> None:
+        (err,) = self._driver().cuMemAddressFree(ptr, size)
+        self._check_driver(err)
+
+    def vmm_create(self, device: int, size: int) -> int:
+        driver = self._driver()
+        cur = self.get_device()
+        if cur != device:  # the driver API works in the current context: the device's primary one
+            self.set_device(device)
+        try:
+            err, handle = driver.cuMemCreate(size, self._vmm_prop(driver, device), 0)
+        finally:
+            if cur != device:
+                self.set_device(cur)
+        self._check_driver(err)
+        return int(handle)
+
+    def vmm_release(self, handle: int) -> None:
+        driver = self._driver()
+        (err,) = driver.cuMemRelease(driver.CUmemGenericAllocationHandle(handle))
+        self._check_driver(err)
+
+    def vmm_map(self, ptr: int, size: int, handle: int) -> None:
+        driver = self._driver()
+        (err,) = driver.cuMemMap(ptr, size, 0, driver.CUmemGenericAllocationHandle(handle), 0)
+        self._check_driver(err)
+
+    def vmm_set_access(self, ptr: int, size: int, device: int) -> None:
+        driver = self._driver()
+        desc = driver.CUmemAccessDesc()
+        desc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = device
+        desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        (err,) = driver.cuMemSetAccess(ptr, size, [desc], 1)
+        self._check_driver(err)
+
+    def vmm_unmap(self, ptr: int, size: int) -> None:
+        (err,) = self._driver().cuMemUnmap(ptr, size)
+        self._check_driver(err)
+
     def device_properties(self, device: int) -> dict:
         rt = self._runtime
         props = rt.getDeviceProperties(device)

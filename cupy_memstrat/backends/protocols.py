@@ -18,6 +18,9 @@ The interface is split by capability, one :class:`typing.Protocol` each:
   strategy (docs/async.md);
 * :class:`ManagedBackend`: managed memory, the ``managed`` strategy,
   :func:`cupy_memstrat.prefetch` and :func:`cupy_memstrat.advise` (docs/managed.md);
+* :class:`VmmBackend`: CUDA's virtual memory management (an address range
+  reserved once, physical memory mapped into it in pages of the allocation
+  granularity), for a strategy whose blocks never fragment;
 * :class:`CheckBackend`: stream queries, events, ``memset`` and the
   verification kernels of the checking layer (docs/checks.md);
 * :class:`Backend`: all of them.
@@ -39,6 +42,7 @@ __all__ = [
     "StreamBackend",
     "PoolBackend",
     "ManagedBackend",
+    "VmmBackend",
     "CheckBackend",
     "Backend",
     "VerifyKernels",
@@ -293,6 +297,85 @@ class ManagedBackend(Protocol):
         """
 
 
+class VmmBackend(Protocol):
+    """CUDA's virtual memory management (driver API ``cuMem*``): reserve a range of
+    addresses, create physical memory on a device, map it into the range and grant the
+    device access; unmap and release. Addresses and handles are ints, sizes bytes.
+
+    Measured on an H100 (driver 580, CUDA 13.0; docs/results/h100/vmm-facts.json): the
+    granularity is 2 MiB (minimum and recommended alike); reserved ranges start on a
+    32 MiB boundary or the alignment asked for; 64 TiB of addresses can be reserved at
+    once, 256 TiB cannot (out of memory); memory is unusable until its access is set, and
+    again after it was unmapped and mapped anew.
+    """
+
+    def vmm_granularity(self, device: int) -> int:
+        """``cuMemGetAllocationGranularity`` (minimum) of pinned device memory on
+        ``device``: the unit of every size and address below, in bytes."""
+
+    def vmm_reserve(self, size: int, alignment: int = 0, hint: int = 0) -> int:
+        """``cuMemAddressReserve``: ``size`` bytes of addresses (a multiple of the
+        granularity), aligned to ``alignment`` (0: the driver's choice), at ``hint`` where
+        that range is free. No memory is used.
+
+        Raises:
+            Error: ``cudaErrorInvalidValue`` for 0 or a size off the granularity,
+                ``cudaErrorMemoryAllocation`` when the addresses cannot be had.
+        """
+
+    def vmm_free_address(self, ptr: int, size: int) -> None:
+        """``cuMemAddressFree`` of a whole range :meth:`vmm_reserve` returned.
+
+        Raises:
+            Error: ``cudaErrorInvalidValue`` for a range not reserved (or freed already).
+        """
+
+    def vmm_create(self, device: int, size: int) -> int:
+        """``cuMemCreate``: ``size`` bytes of physical memory on ``device`` (a multiple of
+        the granularity); the device's free memory drops by ``size`` at once. Returns the
+        handle.
+
+        Raises:
+            Error: ``cudaErrorInvalidValue`` for 0 or a size off the granularity,
+                ``cudaErrorMemoryAllocation`` when the device lacks the memory (not
+                sticky: the next call works).
+        """
+
+    def vmm_release(self, handle: int) -> None:
+        """``cuMemRelease``: give the physical memory back; while it is still mapped it
+        stays until :meth:`vmm_unmap`.
+
+        Raises:
+            Error: ``cudaErrorInvalidValue`` for an unknown handle.
+        """
+
+    def vmm_map(self, ptr: int, size: int, handle: int) -> None:
+        """``cuMemMap`` of the whole of ``handle`` (``size`` bytes, offset 0) at ``ptr`` in a
+        reserved range. The memory is not usable before :meth:`vmm_set_access`.
+
+        Raises:
+            Error: ``cudaErrorInvalidValue`` for an address off the granularity, outside
+                a reserved range, a size other than the handle's, or pages mapped already.
+        """
+
+    def vmm_set_access(self, ptr: int, size: int, device: int) -> None:
+        """``cuMemSetAccess``: read and write access from ``device`` to ``size`` mapped
+        bytes at ``ptr`` (one call may span several mappings).
+
+        Raises:
+            Error: ``cudaErrorInvalidValue`` where part of the range is not mapped.
+        """
+
+    def vmm_unmap(self, ptr: int, size: int) -> None:
+        """``cuMemUnmap`` of whole mappings (one call may span several); the range needs
+        :meth:`vmm_set_access` again if it is mapped anew.
+
+        Raises:
+            Error: ``cudaErrorInvalidValue`` for a range that is not mapped or cuts a
+                mapping in two.
+        """
+
+
 class VerifyKernels(Protocol):
     """What :meth:`CheckBackend.check_kernels` returns: the checking layer's
     verification kernel, a results buffer of ``SLOTS`` slots per device and a
@@ -359,13 +442,14 @@ class CheckBackend(Protocol):
         (:class:`VerifyKernels`; compiled on first use on a real device)."""
 
 
-class Backend(CoreBackend, DeviceBackend, StreamBackend, PoolBackend, ManagedBackend, CheckBackend, Protocol):
+class Backend(CoreBackend, DeviceBackend, StreamBackend, PoolBackend, ManagedBackend, VmmBackend, CheckBackend,
+              Protocol):
     """Every capability: what :class:`cupy_memstrat.backends.RealBackend` and
     :class:`cupy_memstrat.testing.FakeBackend` implement."""
 
 
 #: the capability protocols, in the order of this module
-PROTOCOLS = (CoreBackend, DeviceBackend, StreamBackend, PoolBackend, ManagedBackend, CheckBackend)
+PROTOCOLS = (CoreBackend, DeviceBackend, StreamBackend, PoolBackend, ManagedBackend, VmmBackend, CheckBackend)
 
 _NOT_MEMBERS = frozenset(vars(Protocol)) | {"__annotations__", "__dict__", "__weakref__", "__module__", "__doc__"}
 

@@ -9,9 +9,10 @@ from .core import MAX_DEVICES, FakeCUDAError, _CoreMixin
 from .managed import _ManagedMixin
 from .pools import _PoolMixin
 from .streams import _StreamMixin
+from .vmm import _VmmMixin
 
 
-class FakeBackend(_CoreMixin, _StreamMixin, _PoolMixin, _ManagedMixin, _CheckMixin):
+class FakeBackend(_CoreMixin, _StreamMixin, _PoolMixin, _ManagedMixin, _VmmMixin, _CheckMixin):
     """Simulated CUDA devices: every protocol of :mod:`cupy_memstrat.backends.protocols`
     (:class:`~cupy_memstrat.backends.Backend`), one mixin per capability, and
     the test helpers named in :mod:`cupy_memstrat.testing`.
@@ -67,3 +68,4 @@ class FakeBackend(_CoreMixin, _StreamMixin, _PoolMixin, _ManagedMixin, _CheckMix
         self._init_pools(devices)  # after the streams: a pool's handle comes from the same counter
         self._init_checks()
         self._init_managed()
+        self._init_vmm()

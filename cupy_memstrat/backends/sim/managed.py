@@ -87,6 +87,8 @@ class _ManagedMixin:
             for p, (size, _d) in self._live.items():
                 if p <= ptr < p + size:
                     return "device"
+            if self._mappings_in(ptr, 1):  # mapped virtual memory (sim/vmm.py)
+                return "device"
         return "unregistered"
 
     def _move(self, m: _Managed, page: int, to: int, fault: bool) -> None:
