@@ -61,7 +61,7 @@ def test_info_says_which_hot_path_each_strategy_runs(monkeypatch):
         assert per[name] == s.hot_path == ("c" if _support.c_hotpath is not None else "python"), name
         s.close()
     if _support.c_hotpath is not None:
-        assert "per strategy: async c, device c, managed c, pool c" in format_report(report)
+        assert "per strategy: async c, device c, expandable c, managed c, pool c" in format_report(report)
     monkeypatch.setenv(_support.HOT_PATH_ENV, "python")
     assert set(collect(FakeBackend())["hot_path"]["strategies"].values()) == {"python"}
 

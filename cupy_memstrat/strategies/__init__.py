@@ -7,12 +7,13 @@ from .async_pool import AsyncPoolStrategy, PoolStats
 from .base import Strategy
 from .cupy_pool import CuPyPoolStrategy
 from .device import DeviceStrategy
+from .expandable import ExpandableStrategy
 from .managed import ManagedStats, ManagedStrategy
 from .rmm_adapter import RMMStrategy
 from .torch_adapter import TorchStrategy
 
 __all__ = ["Strategy", "CuPyPoolStrategy", "DeviceStrategy", "AsyncPoolStrategy", "PoolStats", "ManagedStrategy",
-           "ManagedStats", "RMMStrategy", "TorchStrategy"]
+           "ManagedStats", "ExpandableStrategy", "RMMStrategy", "TorchStrategy"]
 
 
 @hookimpl
@@ -21,5 +22,6 @@ def memstrat_register_strategies(registry):
     registry.add(AsyncPoolStrategy)
     registry.add(ManagedStrategy)
     registry.add(CuPyPoolStrategy)
+    registry.add(ExpandableStrategy)
     registry.add(RMMStrategy)
     registry.add(TorchStrategy)

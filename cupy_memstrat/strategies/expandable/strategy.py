@@ -1,0 +1,302 @@
+"""The ``expandable`` strategy: one reserved range of virtual addresses per device, physical
+memory mapped into it page by page as it grows, blocks cut from it so that a freed block
+always joins its free neighbours."""
+
+from __future__ import annotations
+
+import threading
+
+from ... import backends as _backends
+from ...options import Option, as_bool
+from ...sizes import format_size, parse_size
+from ..base import Strategy
+from .space import Space
+
+__all__ = ["ExpandableStrategy"]
+
+_ROUND = 512  # blocks are multiples of 512 B, as CuPy's pools round
+_ADDRESS_FACTOR = 2  # addresses reserved per device: twice its memory
+
+
+def _as_max_size(value, what: str):
+    if value is None:
+        return 0
+    if isinstance(value, str) and value.strip().endswith("%"):
+        parse_size(value, total=100, what=what)
+        return value.strip()
+    n = parse_size(value, what=what)
+    if n < 0:
+        raise ValueError(f"{what}: expected a size >= 0 (0: no limit), got {value!r}")
+    return n
+
+
+class ExpandableStrategy(Strategy):
+    """One growing range of virtual addresses per device (CUDA's virtual memory management),
+    physical memory mapped into it in pages of the allocation granularity (2 MiB on the H100,
+    measured: docs/results/h100/vmm-facts.json), blocks cut from the range.
+
+    * **Reserve, then map.** On a device's first allocation the strategy reserves twice the
+      device's memory of addresses (``cuMemAddressReserve``; no memory is used). A block is
+      cut from the smallest free range of addresses that holds it; the pages it touches that
+      have no memory yet get a page each (``cuMemCreate``, ``cuMemMap``, ``cuMemSetAccess``).
+    * **No fragmentation between blocks.** A freed block joins its free neighbours, and the
+      pages under it stay mapped for the next block there. A request larger than every hole
+      extends the used part of the range instead: memory reserved is memory in use plus
+      pages that are partly used or wait for a synchronisation.
+    * **Streams.** A freed block is reused at once by allocations on the stream it was
+      allocated on (CuPy's stream key: :meth:`~cupy_memstrat.Strategy.stream_key`); other
+      streams get it only after a device synchronisation the strategy makes itself, at
+      :meth:`trim` and when memory runs out. :func:`cupy_memstrat.record_stream` holds a
+      block back until the recorded streams are done.
+    * **Trim** unmaps and releases every mapped page that no block touches, anywhere in the
+      range (``cuMemUnmap``, ``cuMemRelease``), after a device synchronisation; live data
+      never moves.
+    * **Out of memory** (the device's physical memory, ``max_size``, or, in a range cut into
+      many holes, the addresses): the strategy trims, collects garbage and retries in CuPy's
+      order, then raises :class:`~cupy_memstrat.OutOfMemoryError` saying which ran out.
+
+    Options (besides ``track_origins`` and ``oom_snapshot``):
+        max_size: most bytes of physical memory mapped per device (a size or ``"N%"`` of the
+            device's memory); 0 or None: no limit but the device's.
+
+    Costs, measured on an H100: mapping a 2 MiB page costs about what a ``cudaMalloc`` of
+    2 MiB costs (38 us against 40 us), so growing by 1 GiB takes about 20 ms once; blocks
+    reused from mapped pages cost no CUDA call.
+
+    Raises:
+        ValueError: a bad option, before anything is reserved.
+        NoDeviceError, CuPyNotInstalledError: as every strategy.
+    """
+
+    name = "expandable"
+    aliases = ("vmm",)
+    description = ("one growing virtual address range per device, memory mapped in 2 MiB pages: freed blocks "
+                   "join their neighbours, no fragmentation between blocks")
+    reserved_is_in_use = False
+    block_granule = _ROUND
+    options = (
+        Option("max_size", _as_max_size, 0,
+               "most bytes of memory mapped per device (size or N%); 0: no limit but the device's"),
+        Option("remap", as_bool, True,
+               "grow by moving mapped pages no block uses (after a device synchronisation) before mapping new "
+               "memory; False: map new memory, keep the free pages until a trim"),
+    )
+
+    def __init__(self, *, backend=None, **options):
+        super().__init__(backend=backend, **options)
+        missing = _backends.missing(self.backend, _backends.VmmBackend)
+        if missing:
+            raise TypeError(f"expandable: the backend lacks CUDA's virtual memory management ({', '.join(missing)})")
+        n = self.accounts.n_devices
+        self._spaces: list[Space | None] = [None] * n
+        self._limits: list[int | None] = [None] * n
+        self._blocks: dict[int, tuple[int, int, int]] = {}  # ptr -> (size, device, stream key)
+        self._why: list[str | None] = [None] * n  # what ran out at the last failed allocation
+        self._lock = threading.RLock()
+        #: pages moved to where the range grew, per device (option ``remap``)
+        self.n_pages_moved = [0] * n
+
+    # -- the space of a device ------------------------------------------------------------
+    def _space(self, device: int) -> Space:
+        space = self._spaces[device]
+        if space is None:
+            b = self.backend
+            total = b.device_properties(device)["total_memory"]
+            page = b.vmm_granularity(device)
+            size = -(-total * _ADDRESS_FACTOR // page) * page
+            base = b.vmm_reserve(size)
+            space = self._spaces[device] = Space(base, size, page)
+            limit = self.config["max_size"]
+            self._limits[device] = (parse_size(limit, total=total, what="expandable: max_size")
+                                    if isinstance(limit, str) else limit) or None
+        return space
+
+    # -- the hooks the hot path calls --------------------------------------------------------
+    def allocate(self, size: int) -> int:
+        """A block of ``size`` bytes (rounded up to 512) on the current device.
+
+        Raises:
+            backend.Error: ``cudaErrorMemoryAllocation`` when the device's memory,
+                ``max_size`` or the free addresses do not suffice (the hot path then
+                recovers in CuPy's order).
+        """
+        b = self.backend
+        device = b.get_device()
+        key = self.stream_key(device)
+        nbytes = -(-size // _ROUND) * _ROUND
+        with self._lock:
+            space = self._space(device)
+            start = space.take(nbytes, key)
+            if start is None:
+                self._why[device] = (f"no free range of {format_size(nbytes)} in the {format_size(space.size)} of "
+                                     "addresses reserved")
+                raise b.Error(_backends.ERROR_MEMORY_ALLOCATION)
+            try:
+                self._map_pages(space, device, start, nbytes)
+            except BaseException:
+                space.give(start, nbytes, key)
+                raise
+            self._blocks[start] = (nbytes, device, key)
+        return start
+
+    def _map_pages(self, space: Space, device: int, start: int, nbytes: int) -> None:
+        pages = space.unmapped_pages(start, nbytes)
+        if not pages:
+            return
+        b, page = self.backend, space.page
+        limit = self._limits[device]
+        moved = self._move_free_pages(space, device, pages) if self.config["remap"] else []
+        pages = pages[len(moved):]
+        if not pages:
+            return
+        if limit is not None and space.mapped_bytes + len(pages) * page > limit:
+            self._why[device] = f"max_size {format_size(limit)} reached"
+            raise b.Error(_backends.ERROR_MEMORY_ALLOCATION)
+        if len(pages) > 64 and len(pages) * page > b.mem_get_info(device)[0]:
+            # a large growth the device cannot hold: refused before thousands of pages are made and undone
+            self._why[device] = "the device's memory is used up"
+            raise b.Error(_backends.ERROR_MEMORY_ALLOCATION)
+        done = []
+        try:
+            for p in pages:
+                h = b.vmm_create(device, page)
+                try:
+                    b.vmm_map(p, page, h)
+                except BaseException:
+                    b.vmm_release(h)
+                    raise
+                done.append((p, h))
+            self._set_access(device, [p for p, _ in done], page)
+        except BaseException as exc:
+            for p, h in done:  # nothing half made stays behind
+                b.vmm_unmap(p, page)
+                b.vmm_release(h)
+            if getattr(exc, "status", None) == _backends.ERROR_MEMORY_ALLOCATION:
+                self._why[device] = "the device's memory is used up"
+            raise
+        for p, h in done:
+            space.map(p, h)
+        self.record_reserved(device, len(done) * page)
+
+    def _move_free_pages(self, space: Space, device: int, pages: list[int]) -> list[int]:
+        """Move mapped pages no block touches to ``pages`` (the highest first), as many as
+        there are, so that the range grows without taking more memory from CUDA. Their
+        memory may still be read by work queued before its blocks were freed, and an unmap
+        does not wait for it: the device is synchronised first. Returns the pages mapped."""
+        free = space.free_pages()
+        if not free:
+            return []
+        b, page = self.backend, space.page
+        b.device_synchronize(device)
+        space.settle()
+        out = []
+        for old, new in zip(reversed(free), pages):
+            h = space.unmap(old)
+            b.vmm_unmap(old, page)
+            try:
+                b.vmm_map(new, page, h)
+            except BaseException:
+                b.vmm_release(h)
+                self.record_reserved(device, -page)
+                raise
+            space.map(new, h)
+            out.append(new)
+        self._set_access(device, out, page)
+        self.n_pages_moved[device] += len(out)
+        return out
+
+    def _set_access(self, device: int, pages: list[int], page: int) -> None:
+        for run_start, run_len in _runs(pages, page):
+            self.backend.vmm_set_access(run_start, run_len, device)
+
+    def deallocate(self, ptr: int) -> None:
+        """The block at ``ptr`` is free again, first for its own stream."""
+        with self._lock:
+            nbytes, device, key = self._blocks.pop(ptr)
+            self._spaces[device].give(ptr, nbytes, key)
+
+    # -- off the hot path ---------------------------------------------------------------
+    def _recover_hook(self, size: int, device: int, exc: BaseException) -> int:
+        __tracebackhide__ = True  # pytest shows the user's frames, not ours
+        return self.recovery.recover(size, device, exc, lambda: self.allocate(size),
+                                     detail=lambda: f" ({self._why[device]})" if self._why[device] else "")
+
+    def trim(self, keep_bytes=0, device: int | None = None) -> int:
+        """Unmap and release every mapped page no block touches, anywhere in the range, after
+        synchronising the device (so that every free is ordered), down to ``keep_bytes``
+        mapped and unused. Live blocks never move.
+
+        Returns:
+            int: bytes given back to CUDA.
+
+        Raises:
+            TypeError, ValueError: a bad ``keep_bytes`` or ``device``.
+        """
+        targets = self._trim_devices(keep_bytes, device)
+        self.deferred.flush()
+        released = 0
+        b = self.backend
+        for d, keep in targets:
+            with self._lock:
+                space = self._spaces[d]
+                if space is None:
+                    continue
+                b.device_synchronize(d)
+                space.settle()
+                free = space.free_pages()
+                spare = len(free) * space.page - keep
+                out = free[len(free) - max(0, spare) // space.page:] if spare > 0 else []
+                for p in out:  # the highest first stay last: release from the top of the range
+                    h = space.unmap(p)
+                    b.vmm_unmap(p, space.page)
+                    b.vmm_release(h)
+                if out:
+                    n = len(out) * space.page
+                    self.record_reserved(d, -n)
+                    released += n
+        return released
+
+    def largest_free_block(self, device: int) -> int | None:
+        """The largest free range of addresses that is mapped throughout: what the strategy
+        serves without mapping more (exact)."""
+        space = self._spaces[device]
+        if space is None:
+            return 0
+        with self._lock:
+            return space.largest_free_mapped()
+
+    def close(self) -> None:
+        super().close()
+        b = self.backend
+        with self._lock:
+            for d, space in enumerate(self._spaces):
+                if space is None or self._blocks_on(d):
+                    continue
+                try:
+                    b.device_synchronize(d)
+                    for p in list(space.mapped):
+                        b.vmm_unmap(p, space.page)
+                        b.vmm_release(space.unmap(p))
+                    b.vmm_free_address(space.base, space.size)
+                except Exception:  # noqa: BLE001 - closing must not raise; CUDA frees it at exit
+                    b.clear_last_error()
+                    continue
+                self._spaces[d] = None
+
+    def _blocks_on(self, device: int) -> bool:
+        return any(d == device for _n, d, _k in self._blocks.values())
+
+
+def _runs(pages: list[int], page: int):
+    """Runs of consecutive pages: ``(start, bytes)``."""
+    run_start = prev = None
+    for p in pages:
+        if run_start is None:
+            run_start = prev = p
+        elif p == prev + page:
+            prev = p
+        else:
+            yield run_start, prev + page - run_start
+            run_start = prev = p
+    if run_start is not None:
+        yield run_start, prev + page - run_start

@@ -1,0 +1,169 @@
+"""The ``expandable`` strategy on the simulated GPU: its address space (no CUDA), the reserve
+kept to what is in use on the fragmenting programs, stream order, trim, out of memory and bad
+options."""
+
+import pytest
+
+import cupy_memstrat
+from cupy_memstrat.bench import fragmentation
+from cupy_memstrat.replay import replay
+from cupy_memstrat.strategies.expandable.space import Space
+from cupy_memstrat.testing import FakeBackend
+
+MiB, PAGE = 1 << 20, 2 << 20
+
+
+# -- the address space, no CUDA ---------------------------------------------------------------
+
+
+def test_a_request_takes_the_smallest_hole_that_holds_it_and_a_freed_block_joins_its_neighbours():
+    sp = Space(0, 64 * MiB, PAGE)
+    a, b, c = sp.take(4 * MiB, 1), sp.take(1 * MiB, 1), sp.take(2 * MiB, 1)
+    assert (a, b, c) == (0, 4 * MiB, 5 * MiB)
+    sp.give(a, 4 * MiB, 1)
+    assert sp.take(8 * MiB, 1) == 7 * MiB  # no hole holds it: the used part extends
+    assert sp.take(3 * MiB, 1) == 0  # the 4 MiB hole, the smallest that holds it
+    sp.give(b, 1 * MiB, 1)
+    sp.give(0, 3 * MiB, 1)
+    assert (0, 5 * MiB, 1) in sp.free_ranges()  # 3 MiB + the 1 MiB left + the 1 MiB block: one range
+
+
+def test_a_free_range_is_its_streams_until_a_synchronisation():
+    sp = Space(0, 64 * MiB, PAGE)
+    a = sp.take(4 * MiB, 1)
+    sp.take(1 * MiB, 1)
+    sp.give(a, 4 * MiB, 1)
+    assert sp.take(4 * MiB, 2) != a and sp.tagged_bytes() == 4 * MiB  # stream 2 does not get stream 1's block
+    assert sp.settle() == 1 and sp.tagged_bytes() == 0
+    assert sp.take(4 * MiB, 2) == a
+
+
+def test_pages_no_block_touches_are_free_and_the_largest_free_block_is_mapped_throughout():
+    sp = Space(0, 64 * MiB, PAGE)
+    a = sp.take(5 * MiB, 1)  # touches pages 0, 2 MiB and 4 MiB
+    assert sp.unmapped_pages(a, 5 * MiB) == [0, 2 * MiB, 4 * MiB]
+    for p in (0, 2 * MiB, 4 * MiB):
+        sp.map(p, 100 + p)
+    assert sp.free_pages() == [] and sp.largest_free_mapped() == 1 * MiB  # the rest of the last page
+    sp.give(a, 5 * MiB, 1)
+    # the freed block is stream 1's until a synchronisation: apart from the rest of the range
+    assert sp.free_pages() == [0, 2 * MiB, 4 * MiB] and sp.largest_free_mapped() == 5 * MiB
+    sp.settle()
+    assert sp.largest_free_mapped() == 6 * MiB
+    sp.unmap(2 * MiB)
+    assert sp.largest_free_mapped() == 2 * MiB
+
+
+# -- the strategy ---------------------------------------------------------------------------------
+
+
+def _s(fake=None, **options):
+    fake = fake or FakeBackend(memory="8GiB")
+    return fake, cupy_memstrat.create("expandable", backend=fake, **options)
+
+
+@pytest.mark.parametrize("program", ["16-then-32", "32-then-16", "growing-buffer", "random-sizes",
+                                     "alternating-batches"])
+def test_the_reserve_stays_within_5_percent_of_the_peak_in_use_rounded_up_to_pages(program):
+    fake = FakeBackend(memory="80GiB")
+    row = replay(fragmentation.program(program), backend=fake, strategies=["expandable"])["results"]["expandable"]
+    pages = -(-row["peak_in_use"] // PAGE) * PAGE
+    assert row["completed"] and row["peak_reserved"] <= 1.05 * pages
+    assert fake.used_bytes(0) == 0  # the replay trimmed: every page released
+
+
+def test_without_remap_a_growing_buffer_leaves_free_pages_behind():
+    # the control of the test above: moving free pages is what keeps the reserve down
+    fake = FakeBackend(memory="80GiB")
+    trace = fragmentation.program("growing-buffer")
+    row = replay(trace, backend=fake, strategies=["expandable:remap=false"])["results"]["expandable:remap=false"]
+    assert row["peak_reserved"] > 1.5 * row["peak_in_use"]
+
+
+def test_16_mib_then_32_mib_keeps_128_mib_and_moves_pages_instead_of_taking_more():
+    fake, s = _s()
+    small = [s.raw_malloc(16 * MiB) for _ in range(8)]
+    for p in small:
+        s.raw_free(p)
+    big = [s.raw_malloc(32 * MiB) for _ in range(4)]
+    st = s.stats(0)
+    assert st.bytes_in_use == st.bytes_reserved == 128 * MiB and fake.used_bytes(0) == 128 * MiB
+    for p in big:
+        s.raw_free(p)
+    assert s.stats(0).largest_free_block == 128 * MiB
+
+
+def test_a_block_freed_on_one_stream_goes_to_another_only_after_a_synchronisation():
+    fake, s = _s(remap=False)
+    a, b = fake.stream(), fake.stream()
+    with a:
+        p = s.raw_malloc(4 * MiB)
+        s.raw_malloc(MiB)  # keeps p's range from joining the rest of the space
+    s.raw_free(p)
+    with b:
+        q = s.raw_malloc(4 * MiB)
+    assert q != p  # b never gets a's block while a's work may still use it
+    with a:
+        assert s.raw_malloc(4 * MiB) == p  # a's own, at once
+        s.raw_free(p)
+    syncs = fake.n_device_synchronize_calls
+    s.trim()
+    assert fake.n_device_synchronize_calls == syncs + 1
+    with b:
+        assert s.raw_malloc(4 * MiB) == p  # ordered: any stream's
+
+
+def test_trim_returns_unused_pages_to_the_device_and_keeps_live_blocks_where_they_are():
+    fake, s = _s()
+    keep = s.raw_malloc(3 * MiB)
+    tmp = [s.raw_malloc(8 * MiB) for _ in range(4)]
+    for p in tmp:
+        s.raw_free(p)
+    free0 = fake.mem_get_info(0)[0]
+    released = s.trim()
+    assert released == fake.mem_get_info(0)[0] - free0 == 32 * MiB
+    assert s.stats(0).bytes_reserved == 4 * MiB  # the two pages the live 3 MiB block touches
+    assert fake.vmm_accessible(keep, 3 * MiB)
+    s.raw_free(keep)
+    assert s.trim() == 4 * MiB and fake.used_bytes(0) == 0
+
+
+def test_max_size_refuses_clearly_and_loses_nothing():
+    fake, s = _s(max_size="64MiB")
+    live = s.raw_malloc(48 * MiB)
+    with pytest.raises(cupy_memstrat.OutOfMemoryError, match=r"max_size 64.0 MiB reached") as info:
+        s.raw_malloc(32 * MiB)
+    assert "largest free block" in str(info.value)
+    assert s.stats(0).n_live == 1 and fake.vmm_accessible(live, 48 * MiB)
+    s.raw_free(live)
+    s.raw_free(s.raw_malloc(64 * MiB))  # the limit holds what it says
+
+
+def test_the_devices_memory_used_up_is_said_and_the_strategy_works_after():
+    fake, s = _s(FakeBackend(memory="256MiB"))
+    live = s.raw_malloc(200 * MiB)
+    with pytest.raises(cupy_memstrat.OutOfMemoryError, match="the device's memory is used up"):
+        s.raw_malloc(100 * MiB)
+    assert fake.used_bytes(0) == 200 * MiB  # nothing half made stays behind
+    s.raw_free(live)
+    s.raw_free(s.raw_malloc(250 * MiB))  # the pages move, more are made: it fits now
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"max_size": "lots"}, "max_size: cannot parse 'lots'"),
+    ({"max_size": "150%"}, "max_size"),
+    ({"remap": "maybe"}, "remap"),
+    ({"page": "4MiB"}, "unknown option"),
+])
+def test_bad_options_are_refused_before_anything_is_reserved(options, message):
+    fake = FakeBackend(memory="1GiB")
+    with pytest.raises((ValueError, TypeError), match=message):
+        cupy_memstrat.create("expandable", backend=fake, **options)
+    assert fake.n_vmm_calls == 0
+
+
+def test_close_gives_every_page_and_the_addresses_back():
+    fake, s = _s()
+    s.raw_free(s.raw_malloc(10 * MiB))
+    s.close()
+    assert fake.used_bytes(0) == 0 and fake.vmm_mapped_bytes() == 0
