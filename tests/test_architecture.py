@@ -279,3 +279,13 @@ def test_the_documentation_site_builds_without_a_warning(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert "record_reserved" in (tmp_path / "html" / "api.html").read_text()
     assert (tmp_path / "html" / "index.html").exists()
+
+
+def test_every_package_is_in_the_distribution():
+    """pyproject.toml lists the packages a wheel carries; a package folder missing from the list
+    imports here (the source tree) and fails on a user's machine."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {str(p.parent.relative_to(ROOT)).replace("/", ".")
+               for top in ("cupy_memstrat", "pytest_gpumem") for p in (ROOT / top).rglob("__init__.py")}
+    assert on_disk - listed == set(), f"packages missing from pyproject.toml: {sorted(on_disk - listed)}"
