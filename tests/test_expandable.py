@@ -153,6 +153,9 @@ def test_the_devices_memory_used_up_is_said_and_the_strategy_works_after():
     ({"max_size": "lots"}, "max_size: cannot parse 'lots'"),
     ({"max_size": "150%"}, "max_size"),
     ({"remap": "maybe"}, "remap"),
+    ({"release_threshold": "-1MiB"}, "release_threshold"),
+    ({"release_threshold": "lots"}, "release_threshold: cannot parse 'lots'"),
+    ({"release_threshold": "200%"}, "release_threshold"),
     ({"page": "4MiB"}, "unknown option"),
 ])
 def test_bad_options_are_refused_before_anything_is_reserved(options, message):
@@ -162,8 +165,80 @@ def test_bad_options_are_refused_before_anything_is_reserved(options, message):
     assert fake.n_vmm_calls == 0
 
 
+@pytest.mark.parametrize("threshold, kept", [(None, 256 * MiB), ("0", 2 * MiB), ("64MiB", 64 * MiB),
+                                              ("1GiB", 256 * MiB)])
+def test_the_release_threshold_gives_unused_pages_back_at_the_next_allocation(threshold, kept):
+    # None, the default, is the control: everything freed stays mapped until a trim
+    fake, s = _s(release_threshold=threshold)
+    keep = s.raw_malloc(2 * MiB)
+    big = [s.raw_malloc(64 * MiB) for _ in range(4)]
+    for p in big:
+        s.raw_free(p)
+    free_before = fake.mem_get_info(0)[0]
+    syncs = fake.n_device_synchronize_calls
+    small = s.raw_malloc(MiB)  # the next allocation trims, once
+    assert s.stats(0).bytes_reserved - s.stats(0).bytes_in_use <= kept + 2 * MiB
+    released = fake.mem_get_info(0)[0] - free_before
+    assert released == (0 if kept == 256 * MiB else 256 * MiB - kept)
+    assert fake.n_device_synchronize_calls == syncs + (0 if kept == 256 * MiB else 1)
+    s.raw_free(small)
+    syncs = fake.n_device_synchronize_calls
+    for _ in range(20):  # churn within a page: no synchronisation each time
+        s.raw_free(s.raw_malloc(MiB))
+    assert fake.n_device_synchronize_calls - syncs <= 1
+    assert fake.vmm_accessible(keep, 2 * MiB)  # the live block never moved or lost its page
+
+
 def test_close_gives_every_page_and_the_addresses_back():
     fake, s = _s()
     s.raw_free(s.raw_malloc(10 * MiB))
     s.close()
     assert fake.used_bytes(0) == 0 and fake.vmm_mapped_bytes() == 0
+
+
+def test_a_freed_block_serves_its_streams_next_request_of_its_size_and_is_counted_cached():
+    fake, s = _s()
+    p = s.raw_malloc(3 * MiB)
+    s.raw_free(p)
+    calls = fake.n_vmm_calls
+    assert s.raw_malloc(3 * MiB) == p and fake.n_vmm_calls == calls  # no CUDA call
+    s.raw_free(p)
+    st = s.stats(0)
+    assert st.bytes_in_use == 0 and st.bytes_reserved == 4 * MiB and st.largest_free_block >= 3 * MiB
+
+
+def test_threads_allocating_and_freeing_never_share_a_live_block():
+    import threading
+    fake, s = _s()
+    live: set[int] = set()
+    clash: list[int] = []
+    guard = threading.Lock()
+
+    def work(seed):
+        mine = []
+        for i in range(400):
+            if mine and (i + seed) % 3 == 0:
+                p = mine.pop()
+                with guard:
+                    live.discard(p)
+                s.raw_free(p)
+            else:
+                p = s.raw_malloc((1 + (i + seed) % 4) * MiB)
+                with guard:
+                    if p in live:
+                        clash.append(p)
+                    live.add(p)
+                mine.append(p)
+        for p in mine:
+            with guard:
+                live.discard(p)
+            s.raw_free(p)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert clash == [] and s.stats(0).bytes_in_use == 0
+    s.trim()
+    assert fake.used_bytes(0) == 0

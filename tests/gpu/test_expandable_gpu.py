@@ -91,6 +91,30 @@ def test_trim_gives_the_unused_pages_back_to_the_device(cp, made):
         del keep
 
 
+@pytest.mark.gpu_exclusive  # reads the device's free memory: no other test may allocate meanwhile
+@pytest.mark.parametrize("threshold", [None, "64MiB"])
+def test_the_release_threshold_gives_unused_pages_back_at_the_next_allocation(cp, made, threshold):
+    # None, the default, is the control: the freed gigabyte stays mapped
+    s = cupy_memstrat.create("expandable", release_threshold=threshold)
+    made.append(s)
+    with cupy_memstrat.using(s):
+        keep = cp.ones(3 * MiB, dtype=cp.uint8)
+        tmp = [cp.ones(256 * MiB, dtype=cp.uint8) for _ in range(4)]
+        del tmp
+        cp.cuda.Device().synchronize()
+        free0 = cp.cuda.runtime.memGetInfo()[0]
+        small = cp.ones(MiB, dtype=cp.uint8)  # the next allocation trims down to the threshold
+        free1 = cp.cuda.runtime.memGetInfo()[0]
+        st = s.stats(0)
+        if threshold is None:
+            assert st.bytes_reserved >= 1024 * MiB and abs(free1 - free0) < 64 * MiB
+        else:
+            assert st.bytes_reserved - st.bytes_in_use <= 64 * MiB + 2 * MiB
+            assert free1 - free0 >= 1024 * MiB - 64 * MiB - 2 * MiB
+        assert int(keep.sum()) == 3 * MiB and int(small.sum()) == MiB
+        del keep, small
+
+
 @pytest.mark.gpu_exclusive  # asks for more than the device has (physical memory, not managed: refused at once)
 def test_out_of_memory_says_what_ran_out_and_loses_nothing(cp, made):
     s = cupy_memstrat.create("expandable", max_size="64MiB")

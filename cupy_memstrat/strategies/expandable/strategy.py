@@ -18,6 +18,18 @@ _ROUND = 512  # blocks are multiples of 512 B, as CuPy's pools round
 _ADDRESS_FACTOR = 2  # addresses reserved per device: twice its memory
 
 
+def _as_threshold(value, what: str):
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "keep all")):
+        return None
+    if isinstance(value, str) and value.strip().endswith("%"):
+        parse_size(value, total=100, what=what)
+        return value.strip()
+    n = parse_size(value, what=what)
+    if n < 0:
+        raise ValueError(f"{what}: expected a size >= 0 or None (keep all), got {value!r}")
+    return n
+
+
 def _as_max_size(value, what: str):
     if value is None:
         return 0
@@ -58,6 +70,14 @@ class ExpandableStrategy(Strategy):
     Options (besides ``track_origins`` and ``oom_snapshot``):
         max_size: most bytes of physical memory mapped per device (a size or ``"N%"`` of the
             device's memory); 0 or None: no limit but the device's.
+        release_threshold: most bytes mapped and unused per device (a size or ``"N%"``), as
+            the release threshold of CUDA's stream-ordered pools: a free that leaves more
+            unused makes the next allocation on the device trim down to it (a device
+            synchronisation). It keeps at most the threshold plus one page, besides the unused
+            parts of pages live blocks touch. None (the default): keep everything until
+            :meth:`trim` or an out-of-memory error, as CuPy's pool does.
+        remap: grow by moving mapped pages no block uses before mapping new memory (default
+            True).
 
     Costs, measured on an H100: mapping a 2 MiB page costs about what a ``cudaMalloc`` of
     2 MiB costs (38 us against 40 us), so growing by 1 GiB takes about 20 ms once; blocks
@@ -77,6 +97,9 @@ class ExpandableStrategy(Strategy):
     options = (
         Option("max_size", _as_max_size, 0,
                "most bytes of memory mapped per device (size or N%); 0: no limit but the device's"),
+        Option("release_threshold", _as_threshold, None,
+               "most bytes mapped and unused per device (size or N%) before the next allocation trims (a "
+               "device synchronisation); None: keep all until trim()"),
         Option("remap", as_bool, True,
                "grow by moving mapped pages no block uses (after a device synchronisation) before mapping new "
                "memory; False: map new memory, keep the free pages until a trim"),
@@ -90,7 +113,17 @@ class ExpandableStrategy(Strategy):
         n = self.accounts.n_devices
         self._spaces: list[Space | None] = [None] * n
         self._limits: list[int | None] = [None] * n
-        self._blocks: dict[int, tuple[int, int, int]] = {}  # ptr -> (size, device, stream key)
+        self._thresholds: list[int | None] = [None] * n  # release_threshold in bytes, per device
+        #: unused bytes above which a free asks for a trim; and whether one is due, per device
+        self._trim_at: list[int | None] = [None] * n
+        self._trim_due = [False] * n
+        self._live_bytes = [0] * n  # bytes of live blocks (a hint for release_threshold)
+        self._blocks: dict[int, tuple[int, int, int]] = {}  # ptr -> (size, device, stream key), kept ones too
+        #: freed blocks kept whole for their stream's next request of the same size:
+        #: (device, stream key, size) -> pointers; and their bytes per device, a hint read
+        #: without the lock (growth looks at it; trim, statistics and close release regardless)
+        self._kept: dict[tuple[int, int, int], list[int]] = {}
+        self._kept_bytes = [0] * n
         self._why: list[str | None] = [None] * n  # what ran out at the last failed allocation
         self._lock = threading.RLock()
         #: pages moved to where the range grew, per device (option ``remap``)
@@ -109,6 +142,9 @@ class ExpandableStrategy(Strategy):
             limit = self.config["max_size"]
             self._limits[device] = (parse_size(limit, total=total, what="expandable: max_size")
                                     if isinstance(limit, str) else limit) or None
+            thr = self.config["release_threshold"]
+            self._thresholds[device] = self._trim_at[device] = (
+                parse_size(thr, total=total, what="expandable: release_threshold") if isinstance(thr, str) else thr)
         return space
 
     # -- the hooks the hot path calls --------------------------------------------------------
@@ -122,11 +158,31 @@ class ExpandableStrategy(Strategy):
         """
         b = self.backend
         device = b.get_device()
-        key = self.stream_key(device)
+        h = b.current_stream_ptr(device)  # the stream key (Strategy.stream_key), without its checks
+        key = -threading.get_ident() if h == _backends.STREAM_PER_THREAD else h
         nbytes = -(-size // _ROUND) * _ROUND
+        if self._trim_due[device]:  # a free left more unused than release_threshold
+            self._trim_to_threshold(device)
+        kept = self._kept.get((device, key, nbytes))
+        if kept:  # a block of this size this stream freed: no search, no CUDA call
+            try:
+                ptr = kept.pop()
+            except IndexError:  # another thread took the last one
+                pass
+            else:
+                self._kept_bytes[device] -= nbytes
+                self._live_bytes[device] += nbytes
+                return ptr
         with self._lock:
             space = self._space(device)
             start = space.take(nbytes, key)
+            if (start is None or space.unmapped_pages(start, nbytes)) and self._kept_bytes[device]:
+                # before the range grows: the kept blocks join their free neighbours, and the
+                # request is looked for again
+                if start is not None:
+                    space.give(start, nbytes, key)
+                self._release_kept(device)
+                start = space.take(nbytes, key)
             if start is None:
                 self._why[device] = (f"no free range of {format_size(nbytes)} in the {format_size(space.size)} of "
                                      "addresses reserved")
@@ -137,6 +193,7 @@ class ExpandableStrategy(Strategy):
                 space.give(start, nbytes, key)
                 raise
             self._blocks[start] = (nbytes, device, key)
+            self._live_bytes[device] += nbytes
         return start
 
     def _map_pages(self, space: Space, device: int, start: int, nbytes: int) -> None:
@@ -210,10 +267,45 @@ class ExpandableStrategy(Strategy):
             self.backend.vmm_set_access(run_start, run_len, device)
 
     def deallocate(self, ptr: int) -> None:
-        """The block at ``ptr`` is free again, first for its own stream."""
+        """The block at ``ptr`` is free again, first for its own stream: kept whole for the
+        stream's next request of its size, and given to the address space (where it joins its
+        free neighbours) before the range grows, at a trim, or when statistics are read."""
+        nbytes, device, key = self._blocks[ptr]
+        kept = self._kept.get((device, key, nbytes))
+        if kept is None:
+            with self._lock:
+                kept = self._kept.setdefault((device, key, nbytes), [])
+        self._kept_bytes[device] += nbytes
+        kept.append(ptr)
+        self._live_bytes[device] -= nbytes
+        at = self._trim_at[device]
+        if at is not None and self._spaces[device].mapped_bytes - self._live_bytes[device] > at:
+            self._trim_due[device] = True
+
+    def _trim_to_threshold(self, device: int) -> None:
+        """Trim ``device`` down to its release threshold; the next trim is asked for only once
+        the unused bytes pass what this one could not release, plus one page."""
+        self._trim_due[device] = False
+        thr = self._thresholds[device]
+        self.trim(keep_bytes=thr, device=device)
+        space = self._spaces[device]
         with self._lock:
-            nbytes, device, key = self._blocks.pop(ptr)
-            self._spaces[device].give(ptr, nbytes, key)
+            self._trim_at[device] = max(thr, space.mapped_bytes - self._live_bytes[device]) + space.page
+
+    def _release_kept(self, device: int) -> None:
+        """Give the kept blocks of ``device`` to its address space (under the lock)."""
+        space = self._spaces[device]
+        for (d, key, nbytes), kept in self._kept.items():
+            if d != device:
+                continue
+            while kept:
+                try:
+                    ptr = kept.pop()
+                except IndexError:
+                    break
+                self._kept_bytes[device] -= nbytes
+                del self._blocks[ptr]
+                space.give(ptr, nbytes, key)
 
     # -- off the hot path ---------------------------------------------------------------
     def _recover_hook(self, size: int, device: int, exc: BaseException) -> int:
@@ -241,6 +333,7 @@ class ExpandableStrategy(Strategy):
                 space = self._spaces[d]
                 if space is None:
                     continue
+                self._release_kept(d)
                 b.device_synchronize(d)
                 space.settle()
                 free = space.free_pages()
@@ -263,6 +356,7 @@ class ExpandableStrategy(Strategy):
         if space is None:
             return 0
         with self._lock:
+            self._release_kept(device)
             return space.largest_free_mapped()
 
     def close(self) -> None:
@@ -270,7 +364,10 @@ class ExpandableStrategy(Strategy):
         b = self.backend
         with self._lock:
             for d, space in enumerate(self._spaces):
-                if space is None or self._blocks_on(d):
+                if space is None:
+                    continue
+                self._release_kept(d)
+                if self._blocks_on(d):
                     continue
                 try:
                     b.device_synchronize(d)
