@@ -10,7 +10,7 @@
 #   replays      two real programs recorded and replayed under CuPy's pools and every strategy
 #                (python -m cupy_memstrat replay): bench workloads' cg-poisson, recorded with run --record,
 #                and a module of CuPy's own tests under the plugin (--gpumem-history-keep=all; needs
-#                CUPY_TESTS, as cupy-suite)
+#                CUPY_TESTS, as cupy-suite), the latter also under --limit REPLAY_LIMIT (default 4.5GiB)
 #   cupy-suite   CuPy's own tests (creation, manipulation, cuda_tests/test_memory.py) under CuPy's pool,
 #                then under each STRATEGY (default: device async managed pool), compared test by test
 #                (tools/compare_junit.py); needs CUPY_TESTS, a copy of the tests/ folder of the CuPy
@@ -170,6 +170,11 @@ while [ $i -lt ${#steps[@]} ]; do
         timeout 300 "$PY" -m cupy_memstrat replay "$OUT/recordings/cupy-tests.json" --json "$OUT/replay-cupy-tests.json" \
           --png "$OUT/replay-cupy-tests.png" 2>&1 | tee -a "$OUT/replay.log" | tail -12
         [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+        # the same under a limit between the peak in use and CuPy's pool's peak reserved: which fit
+        # (exit status 1 there means no path fits: a finding, not a failure of the step)
+        timeout 300 "$PY" -m cupy_memstrat replay "$OUT/recordings/cupy-tests.json" --limit "${REPLAY_LIMIT:-4.5GiB}" \
+          --json "$OUT/replay-cupy-tests-limit.json" --quiet 2>&1 | tee -a "$OUT/replay.log" | tail -12
+        [ "${PIPESTATUS[0]}" -gt 1 ] && status=1
       else
         echo "replays: CUPY_TESTS not set: the CuPy test module is not recorded" >&2
       fi

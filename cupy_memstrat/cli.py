@@ -191,6 +191,9 @@ def _cmd_replay(args) -> int:
             print(f"wrote {plot(report, args.png)}")
         except (RuntimeError, ValueError) as exc:
             print(f"replay: no figure: {exc}", file=sys.stderr)
+    if args.limit is not None and not any(r.get("fits") for r in report["results"].values()):
+        print(f"replay: no path fits under --limit {args.limit}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -700,10 +703,12 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser(
         "replay", help="replay a recorded program's allocations under each strategy and CuPy's pools (needs a GPU)",
         description="Replay the allocations and frees of a recording (cupy_memstrat.snapshot, or run --record), "
-        "a pytest_gpumem report (--gpumem-history=all --gpumem-json) or an RMM log (CSV), in order, with their "
-        "sizes and streams, under each strategy and CuPy's MemoryPool and MemoryAsyncPool: peak in use, peak "
-        "reserved, growth steps, time per allocation, and whether it fits under --limit. The trace is read "
-        "and checked whole before anything is allocated.",
+        "a pytest_gpumem report (--gpumem-history --gpumem-history-keep=all --gpumem-json) or an RMM log "
+        "(CSV), in order, with their sizes and streams, under each strategy and CuPy's MemoryPool and "
+        "MemoryAsyncPool: peak in use, peak reserved, growth steps, time per allocation, and whether it fits "
+        "under --limit. The trace is read "
+        "and checked whole before anything is allocated. Exit status: 0 when the replay ran (with --limit: and "
+        "at least one path fits), 1 when --limit is given and no path fits, 2 on bad input.",
     )
     rp.add_argument("trace", help="the recording, report or RMM log")
     rp.add_argument("--strategies", metavar="SPEC;SPEC...", type=_spec_list, default=None,

@@ -298,7 +298,7 @@ def replay(trace: Trace, *, strategies=None, cupy_paths=None, limit=None, touch:
         limit: bytes (or a size string) a path may use per device; ``None``: no limit.
         touch: write each block once after allocating it.
         backend: the CUDA seam (default: the process's).
-        progress: called with a line of text as each path finishes.
+        progress: called with a line of text as each path starts.
 
     Raises:
         TraceError: an allocation larger than its device, or a device the machine lacks
@@ -341,7 +341,8 @@ def replay(trace: Trace, *, strategies=None, cupy_paths=None, limit=None, touch:
     results = {}
     devices = trace.devices or [0]
     try:
-        for p in paths:
+        for i, p in enumerate(paths):
+            say(f"replaying under {p.label} ({i + 1} of {len(paths)})")
             try:
                 p.reset(devices)
                 timed = _run_once(p, trace, _streams(trace, b, real), probe=False, touch=touch, real=real)
@@ -382,9 +383,6 @@ def replay(trace: Trace, *, strategies=None, cupy_paths=None, limit=None, touch:
                     p.pool.set_limit(size=0)
                 p.reset(devices)
             results[p.label] = row
-            say(f"{p.label}: peak reserved {format_size(row['peak_reserved'])} for "
-                f"{format_size(row['peak_in_use'])} in use" + ("" if row["completed"] else
-                                                               f"; out of memory at {row['failed_at']}"))
     finally:
         for p in paths:
             if p.strategy is not None:
@@ -410,7 +408,8 @@ def format_table(report: dict) -> str:
     """The report as a table: one row per path."""
     t = report["trace"]
     p = report["params"]
-    lines = [f"replay of {t['source']}: {t['allocations']:,} allocations on {t['streams']} stream(s), "
+    n, k = t["allocations"], t["streams"]
+    lines = [f"replay of {t['source']}: {n:,} allocation{'' if n == 1 else 's'} on {k} stream{'' if k == 1 else 's'}, "
              f"peak in use {format_size(t['peak_in_use'])} as recorded"
              + (f" (recorded with {t['recorded_with']})" if t.get("recorded_with") else "")
              + (f"; limit {format_size(p['limit'])} per device" if p.get("limit") else "")
@@ -420,15 +419,25 @@ def format_table(report: dict) -> str:
         head += "  fits (held by)"
     lines.append(head)
     for label, r in report["results"].items():
-        ratio = f"{r['reserved_over_in_use']:.2f}" if r["reserved_over_in_use"] else "-"
+        x = r["reserved_over_in_use"]
+        ratio = "-" if not x else f"{x:.2f}" if x < 100 else f"{x:.0f}" if x < 1e6 else f"{x:.0e}"
         us = f"{r['us_per_alloc']:.2f}" if r["us_per_alloc"] is not None else "-"
         line = (f"  {label:26s} {format_size(r['peak_in_use']):>12s} {format_size(r['peak_reserved']):>14s} "
                 f"{ratio:>6s} {r['growth_steps']:>8d} {us:>9s}")
         if p.get("limit"):
-            line += f"  {'yes' if r['fits'] else 'no, at ' + str(r['failed_at'])} ({r['limit_held_by']})"
+            line += f"  {_fits_text(r, p['limit'] * max(1, len(t.get('devices') or [0])))} ({r['limit_held_by']})"
         elif not r["completed"]:
             line += f"  out of memory at {r['failed_at']}"
         lines.append(line)
     for label, why in (report.get("left_out") or {}).items():
         lines.append(f"  {label}: not replayed: {why}")
     return "\n".join(lines)
+
+
+def _fits_text(row: dict, limit: int) -> str:
+    """The "fits" cell: yes, or why not (out of memory at an event, or a reserve over the limit)."""
+    if row["fits"]:
+        return "yes"
+    if not row["completed"]:
+        return f"no: out of memory at {row['failed_at']}"
+    return f"no: reserved {format_size(row['peak_reserved'])} > limit {format_size(limit)}"

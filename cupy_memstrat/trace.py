@@ -198,7 +198,7 @@ def _from_report(b: _Builder, doc: dict, test: str | None) -> None:
                                 "give a part of one node id")
     if not tests:
         b.fail("its tests", "no test in this pytest_gpumem report has a timeline (run pytest with "
-                            "--gpumem-history=all and --gpumem-json)")
+                            "--gpumem-history --gpumem-history-keep=all --gpumem-json)")
     for t in tests:
         _from_snapshot(b, t["history"], prefix=f"test {t.get('nodeid')}, ")
 

@@ -24,6 +24,7 @@ report. docs/pytest.md describes each limit.
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -504,10 +505,16 @@ class Faults(Limit):
 FRAGMENTATION_SLACK = 32 << 20
 
 
+_RATIO_TEXT = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
+
+
 def _ratio(value, what: str) -> float:
     """A fragmentation ratio: a finite number >= 1 (an int, a float or its text)."""
     if isinstance(value, bool):
         raise ValueError(f"{what}: expected a number >= 1 such as 1.5, got {value!r}")
+    if isinstance(value, str) and not _RATIO_TEXT.fullmatch(value.strip()):
+        # float() would take "1_5", "1e0", "inf" and other scripts' digits
+        raise ValueError(f"{what}: expected a number >= 1 such as 1.5 (ASCII digits), got {value!r}")
     try:
         r = float(value.strip()) if isinstance(value, str) else float(value)
     except (TypeError, ValueError):
@@ -530,10 +537,21 @@ def parse_fragmentation(raw: str):
     if v.lower() in OFF_WORDS:
         return None
     ratio, plus, slack = v.partition("+")
-    if plus and not slack.strip():
+    if not ratio.strip() or (plus and not slack.strip()):
         raise ValueError(f"expected RATIO or RATIO+SLACK such as 1.5 or 1.5+64MiB, got {raw!r}")
-    return (_ratio(ratio, "ratio"),
-            cupy_memstrat.parse_size(slack, what="slack") if plus else FRAGMENTATION_SLACK)
+    return (_ratio(ratio, "ratio"), _slack(slack) if plus else FRAGMENTATION_SLACK)
+
+
+def _slack(value) -> int:
+    """The slack of a fragmentation limit: a size in bytes or units (a percentage has no total
+    to be a percentage of)."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        raise ValueError(f"slack: expected a size such as 64MiB, got {value!r} (a percentage of what is in use "
+                         "is what the ratio says: raise the ratio instead)")
+    try:
+        return cupy_memstrat.parse_size(value, what="slack")
+    except ValueError as exc:
+        raise ValueError(str(exc).replace(", or a percentage such as '80%'", "")) from None
 
 
 class Fragmentation(Limit):
@@ -556,8 +574,12 @@ class Fragmentation(Limit):
         extra = sorted(set(kwargs) - {"ratio", "slack"})
         if extra:
             raise ValueError(f"unknown argument {extra[0]!r}; expected ratio, slack")
-        if len(args) > 2 or (args and "ratio" in kwargs) or (len(args) > 1 and "slack" in kwargs):
-            raise ValueError("expected at most two arguments, ratio and slack")
+        if args and "ratio" in kwargs:
+            raise ValueError(f"the ratio given twice: {args[0]!r} and ratio={kwargs['ratio']!r}")
+        if len(args) > 1 and "slack" in kwargs:
+            raise ValueError(f"the slack given twice: {args[1]!r} and slack={kwargs['slack']!r}")
+        if len(args) > 2:
+            raise ValueError(f"expected at most two arguments, ratio and slack, got {len(args)}")
         if not args and "ratio" not in kwargs:
             raise ValueError("missing the ratio argument, e.g. limit_fragmentation(1.5)")
         ratio = args[0] if args else kwargs["ratio"]
@@ -566,8 +588,11 @@ class Fragmentation(Limit):
             if slack is not None:
                 raise ValueError(f"slack={slack!r} given with no ratio; give a ratio such as 1.5")
             return None
-        return (_ratio(ratio, "ratio"),
-                FRAGMENTATION_SLACK if slack is None else cupy_memstrat.parse_size(slack, what="slack"))
+        if isinstance(ratio, str) and "+" in ratio:  # the command line's form, "1.5+64MiB"
+            if slack is not None:
+                raise ValueError(f"the slack given twice: in {ratio!r} and as {slack!r}")
+            return parse_fragmentation(ratio)
+        return (_ratio(ratio, "ratio"), FRAGMENTATION_SLACK if slack is None else _slack(slack))
 
     def apply(self, plan, marker) -> None:
         plan.fragmentation = self.parse(marker)

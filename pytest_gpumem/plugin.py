@@ -475,7 +475,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if state.settings.history and not state.settings.json and state.worker is None:
         n = sum(1 for r in recs if "history" in r) or state.n_histories
         if n:
-            tr.write_line(f"gpumem: --gpumem-history recorded the timeline of {n} failing "
+            which = "" if state.settings.history_keep == "all" else "failing "
+            tr.write_line(f"gpumem: --gpumem-history recorded the timeline of {n} {which}"
                           f"test{'' if n == 1 else 's'}; {'it goes' if n == 1 else 'they go'} into "
                           "--gpumem-json=PATH (none given), "
                           "drawn by python -m cupy_memstrat plot")

@@ -76,16 +76,21 @@ def test_looser():
 @pytest.mark.limit_fragmentation(1.0, slack="64MiB")
 def test_stricter():
     sixteen_then_32()
+@pytest.mark.limit_fragmentation("1.0+64MiB")
+def test_stricter_as_on_the_command_line():
+    sixteen_then_32()
 def test_by_the_option():
     sixteen_then_32()
 """)
     r = run(pytester, "--gpumem-strategy=managed", "--gpumem-max-fragmentation=1.5", "--gpumem-json=out.json")
-    r.assert_outcomes(passed=2, failed=2)
+    r.assert_outcomes(passed=2, failed=3)
     r.stdout.fnmatch_lines(["*> 1x + 64.0 MiB (limit_fragmentation marker)"])
     recs = records(pytester)
     assert recs["test_switched_off"]["verdict"] is None and "fragmentation" not in recs["test_switched_off"]["limits"]
     assert recs["test_looser"]["verdict"] is None
     assert recs["test_stricter"]["verdict"] == recs["test_by_the_option"]["verdict"] == "fragmentation"
+    assert recs["test_stricter_as_on_the_command_line"]["limits"]["fragmentation"] == \
+        recs["test_stricter"]["limits"]["fragmentation"]
     # the marker alone, with no option at all, measures its test
     pytester.makepyfile(HEAD + "@pytest.mark.limit_fragmentation(1.5)\ndef test_a():\n    sixteen_then_32()\n")
     r = run(pytester, "--gpumem-strategy=managed")
@@ -145,12 +150,16 @@ def test_every_measured_test_reports_its_peak_reserved_in_json_and_junit(pyteste
 
 
 @pytest.mark.parametrize("value, message", [
-    ("lots", "ratio: expected a number >= 1 such as 1.5, got 'lots'"),
+    ("lots", "ratio: expected a number >= 1 such as 1.5 (ASCII digits), got 'lots'"),
     ("0.5", "ratio: expected a finite number >= 1 (reserved memory is never below the memory in use), got '0.5'"),
-    ("nan", "expected a finite number >= 1"),
-    ("inf", "expected a finite number >= 1"),
+    ("nan", "ratio: expected a number >= 1 such as 1.5 (ASCII digits), got 'nan'"),
+    ("inf", "ratio: expected a number >= 1 such as 1.5 (ASCII digits), got 'inf'"),
+    ("1_5", "ratio: expected a number >= 1 such as 1.5 (ASCII digits), got '1_5'"),
+    ("\uff11.5", "ratio: expected a number >= 1 such as 1.5 (ASCII digits)"),
     ("1.5+", "expected RATIO or RATIO+SLACK such as 1.5 or 1.5+64MiB, got '1.5+'"),
+    ("+64MiB", "expected RATIO or RATIO+SLACK such as 1.5 or 1.5+64MiB, got '+64MiB'"),
     ("1.5+lots", "slack: cannot parse 'lots' as a size"),
+    ("1.5+10%", "slack: expected a size such as 64MiB, got '10%'"),
     ("1.5+-1MiB", "slack:"),
 ])
 @pytest.mark.parametrize("where", ["option", "env", "ini"])
@@ -174,10 +183,12 @@ def test_bad_values_are_usage_errors_naming_the_source(pytester, fake_env, value
 @pytest.mark.parametrize("marker, message", [
     ("limit_fragmentation()", "*missing the ratio argument, e.g. limit_fragmentation(1.5)"),
     ("limit_fragmentation(0.9)", "*ratio: expected a finite number >= 1*got 0.9"),
-    ("limit_fragmentation('x')", "*ratio: expected a number >= 1 such as 1.5, got 'x'"),
+    ("limit_fragmentation('x')", "*ratio: expected a number >= 1 such as 1.5 (ASCII digits), got 'x'"),
     ("limit_fragmentation(True)", "*ratio: expected a number >= 1 such as 1.5, got True"),
     ("limit_fragmentation(1.5, slack='lots')", "*slack: cannot parse 'lots' as a size*"),
-    ("limit_fragmentation(1.5, 1, 2)", "*expected at most two arguments, ratio and slack"),
+    ("limit_fragmentation(1.5, 1, 2)", "*expected at most two arguments, ratio and slack, got 3"),
+    ("limit_fragmentation(1.5, ratio=2)", "*the ratio given twice: 1.5 and ratio=2"),
+    ("limit_fragmentation('1.5+64MiB', slack='1MiB')", "*the slack given twice: in '1.5+64MiB' and as '1MiB'"),
     ("limit_fragmentation(ratio=1.5, rate=2)", "*unknown argument 'rate'; expected ratio, slack"),
     ("limit_fragmentation(None, slack='1MiB')", "*slack='1MiB' given with no ratio; give a ratio such as 1.5"),
 ])

@@ -981,6 +981,8 @@ def test_use_in_body():
     r.stdout.fnmatch_lines(["*leaked 1 allocation*", "*allocations made by the test*",
                             "     1.0 MiB  device 0  0x*  *.py:* in alloc"])  # the recording knew where
     assert "(where each was allocated" not in r.stdout.str()
+    r = run(pytester, "--gpumem-history", "--gpumem-history-keep=all", "--gpumem-leaks=warn", "-p", "no:randomly")
+    r.stdout.fnmatch_lines(["gpumem: --gpumem-history recorded the timeline of 2 tests; they go into *"])
     r = run(pytester, "--gpumem-history", "--gpumem-leaks=fail", "-p", "no:randomly", "--gpumem-json=out.json")
     tests = {t["nodeid"].split("::")[1]: t for t in json.loads((pytester.path / "out.json").read_text())["tests"]}
     assert tests["test_leak"]["history"]["events"]

@@ -118,7 +118,7 @@ def test_a_replay_gives_every_path_the_same_program_and_the_table_says_so():
     assert rows["device"]["growth_steps"] == 12  # one cudaMalloc per allocation, also after the frees
     assert fake.used_bytes(0) == 0  # every path gave its memory back
     text = format_table(rep)
-    assert "16-then-32: 12 allocations on 1 stream(s), peak in use 128.0 MiB as recorded" in text
+    assert "16-then-32: 12 allocations on 1 stream, peak in use 128.0 MiB as recorded" in text
     assert "device" in text and "1.00" in text
 
 
@@ -130,8 +130,12 @@ def test_a_limit_is_held_by_a_cap_or_by_memory_set_aside_and_the_report_says_whi
     assert dev["failed_at"] == "16-then-32, event 6"  # the seventh 16 MiB block does not fit in 100 MiB
     assert asy["limit_held_by"] == "max_size" and asy["fits"] is False  # its cap acts in steps: 128 MiB reserved
     assert fake.used_bytes(0) == 0
+    text = format_table(rep)
+    assert "no: out of memory at 16-then-32, event 6 (memory set aside)" in text
+    assert "no: reserved 128.0 MiB > limit 100.0 MiB (max_size)" in text  # completed, but over the limit
     roomy = replay(fragmentation.program("16-then-32"), backend=fake, strategies=["device"], limit="1GiB")
     assert roomy["results"]["device"]["fits"] is True
+    assert "  yes (memory set aside)" in format_table(roomy)
 
 
 def test_managed_under_a_limit_keeps_the_headroom_a_device_of_that_size_would_get():
@@ -222,6 +226,9 @@ def test_the_replay_command_writes_its_table_json_and_figure(tmp_path):
     assert "peak in use 10.0 MiB as recorded (recorded with managed); limit 512.0 MiB per device" in r.stdout
     doc = json.loads((tmp_path / "o.json").read_text())
     assert doc["results"]["device"]["fits"] is True and (tmp_path / "o.png").stat().st_size > 0
+    r = _run_cli(tmp_path, "replay", rec, "--strategies", "device", "--no-cupy", "--limit", "4MiB")
+    assert r.returncode == 1 and "replay: no path fits under --limit 4MiB" in r.stderr  # a script can gate on it
+    assert "no: out of memory at" in r.stdout
 
 
 def test_bench_fragmentation_programs_and_bad_arguments():
