@@ -201,8 +201,10 @@ def test_export_takes_one_tests_timeline_from_a_pytest_report(fake_cupy, tmp_pat
 
 
 def _good_snapshot(tmp_path):
-    _recorded("device")
+    _s, keep = _recorded("device")  # kept alive: the snapshot's segments hold its live blocks
     doc = cupy_memstrat.snapshot(str(tmp_path / "good.json"))
+    assert doc["segments"], "the mangling below needs a live segment"
+    del keep
     return doc
 
 
