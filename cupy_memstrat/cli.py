@@ -154,15 +154,18 @@ def _cmd_replay(args) -> int:
             print(f"replay: cannot write {flag} {path!r}: {why}", file=sys.stderr)
             return 2
     cupy_paths = [] if args.no_cupy else None
-    try:
-        check_args(strategies=args.strategies, cupy_paths=cupy_paths, limit=args.limit)
-    except (TypeError, ValueError) as exc:
+    def usage(exc) -> int:
         text = str(exc)
         for name in ("strategies", "limit"):
             if text.startswith(name + ": "):
                 text = f"--{name}: " + text[len(name) + 2:]
         print(f"replay: {text}", file=sys.stderr)
         return 2
+
+    try:
+        check_args(strategies=args.strategies, cupy_paths=cupy_paths, limit=args.limit)
+    except (TypeError, ValueError) as exc:
+        return usage(exc)
     try:
         trace = read_trace(args.trace, test=args.test)
         if not trace.n_allocs:
@@ -173,6 +176,8 @@ def _cmd_replay(args) -> int:
     except TraceError as exc:
         print(f"replay: {exc}", file=sys.stderr)
         return 2
+    except ValueError as exc:  # a limit above the device's memory, known once the device is
+        return usage(exc)
     except OSError as exc:
         print(f"replay: cannot read {args.trace!r}: {exc.strerror or exc}", file=sys.stderr)
         return 2
@@ -701,7 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
         g.set_defaults(func=_cmd_bench)
 
     rp = sub.add_parser(
-        "replay", help="replay a recorded program's allocations under each strategy and CuPy's pools (needs a GPU)",
+        "replay", help="replay a recorded program's allocations under each strategy and CuPy's pools",
         description="Replay the allocations and frees of a recording (cupy_memstrat.snapshot, or run --record), "
         "a pytest_gpumem report (--gpumem-history --gpumem-history-keep=all --gpumem-json) or an RMM log "
         "(CSV), in order, with their sizes and streams, under each strategy and CuPy's MemoryPool and "

@@ -93,7 +93,12 @@ def check_args(*, strategies=None, cupy_paths=None, limit=None) -> tuple[list[st
         validate(spec)
     if not cupy_paths and not specs:
         raise ValueError("nothing to replay under: no CuPy path and no strategy")
-    nbytes = None if limit is None else parse_size(limit, what="limit")
+    try:
+        nbytes = None if limit is None else parse_size(limit, what="limit")
+    except ValueError as exc:
+        if ">= 0" not in str(exc):
+            raise
+        nbytes = -1  # a negative size: the message below
     if nbytes is not None and nbytes <= 0:
         raise ValueError(f"limit: expected a size above 0, got {limit!r}")
     return cupy_paths, specs, nbytes
@@ -314,7 +319,12 @@ def replay(trace: Trace, *, strategies=None, cupy_paths=None, limit=None, touch:
     if cupy_paths is None and not real:
         cupy_paths = ()
     cupy_paths, specs, nbytes = check_args(strategies=strategies, cupy_paths=cupy_paths, limit=limit)
-    check_fits(trace, {d: b.device_properties(d)["total_memory"] for d in range(b.device_count())})
+    totals = {d: b.device_properties(d)["total_memory"] for d in range(b.device_count())}
+    check_fits(trace, totals)
+    for d in trace.devices or [0]:
+        if nbytes is not None and d in totals and nbytes > totals[d]:
+            raise ValueError(f"limit: {format_size(nbytes)} is above device {d}'s memory "
+                             f"({format_size(totals[d])}); give a limit up to it")
     say = progress or (lambda msg: None)
     paths = []
     for label in cupy_paths:
@@ -414,7 +424,8 @@ def format_table(report: dict) -> str:
              + (f" (recorded with {t['recorded_with']})" if t.get("recorded_with") else "")
              + (f"; limit {format_size(p['limit'])} per device" if p.get("limit") else "")
              + ("; each block written once" if p.get("touch") else "; no kernels")]
-    head = f"  {'path':26s} {'peak in use':>12s} {'peak reserved':>14s} {'ratio':>6s} {'growths':>8s} {'us/alloc':>9s}"
+    w = max([26] + [len(label) for label in report["results"]])
+    head = f"  {'path':{w}s} {'peak in use':>12s} {'peak reserved':>14s} {'ratio':>6s} {'growths':>8s} {'us/alloc':>9s}"
     if p.get("limit"):
         head += "  fits (held by)"
     lines.append(head)
@@ -422,7 +433,7 @@ def format_table(report: dict) -> str:
         x = r["reserved_over_in_use"]
         ratio = "-" if not x else f"{x:.2f}" if x < 100 else f"{x:.0f}" if x < 1e6 else f"{x:.0e}"
         us = f"{r['us_per_alloc']:.2f}" if r["us_per_alloc"] is not None else "-"
-        line = (f"  {label:26s} {format_size(r['peak_in_use']):>12s} {format_size(r['peak_reserved']):>14s} "
+        line = (f"  {label:{w}s} {format_size(r['peak_in_use']):>12s} {format_size(r['peak_reserved']):>14s} "
                 f"{ratio:>6s} {r['growth_steps']:>8d} {us:>9s}")
         if p.get("limit"):
             line += f"  {_fits_text(r, p['limit'] * max(1, len(t.get('devices') or [0])))} ({r['limit_held_by']})"

@@ -157,6 +157,9 @@ def test_the_devices_memory_used_up_is_said_and_the_strategy_works_after():
     ({"release_threshold": "lots"}, "release_threshold: cannot parse 'lots'"),
     ({"release_threshold": "200%"}, "release_threshold"),
     ({"page": "4MiB"}, "unknown option"),
+    ({"max_size": "0%"}, r"max_size: expected a percentage above 0%, got '0%' \(0 or None: no limit\)"),
+    ({"max_size": "2GiB"}, r"option max_size=2147483648 bytes \(2.0 GiB\) is above device 0's memory \(1.0 GiB\)"),
+    ({"release_threshold": "2GiB"}, "option release_threshold=2147483648 bytes .* is above device 0's memory"),
 ])
 def test_bad_options_are_refused_before_anything_is_reserved(options, message):
     fake = FakeBackend(memory="1GiB")
@@ -187,6 +190,25 @@ def test_the_release_threshold_gives_unused_pages_back_at_the_next_allocation(th
         s.raw_free(s.raw_malloc(MiB))
     assert fake.n_device_synchronize_calls - syncs <= 1
     assert fake.vmm_accessible(keep, 2 * MiB)  # the live block never moved or lost its page
+
+
+def test_a_max_size_below_one_page_is_refused_before_anything_is_reserved():
+    fake = FakeBackend(memory="1GiB")
+    with pytest.raises(ValueError, match=r"max_size=1.0 KiB is below one page \(2.0 MiB, device 0's allocation "
+                                         r"granularity\): no block would fit"):
+        cupy_memstrat.create("expandable", backend=fake, max_size="1KiB")
+    assert fake.used_bytes(0) == 0 and fake.vmm_mapped_bytes() == 0
+
+
+def test_a_request_larger_than_the_device_says_so():
+    fake, s = _s(FakeBackend(memory="1GiB"))
+    with pytest.raises(cupy_memstrat.OutOfMemoryError, match=r"the request is larger than the device's memory "
+                                                             r"\(1.0 GiB\)"):
+        s.raw_malloc(1536 * MiB)
+    fake, s = _s(FakeBackend(memory="1GiB"), max_size="4MiB")
+    with pytest.raises(cupy_memstrat.OutOfMemoryError, match=r"max_size 4.0 MiB reached: 0 B mapped, 6.0 MiB more "
+                                                             "needed"):
+        s.raw_malloc(5 * MiB)
 
 
 def test_close_gives_every_page_and_the_addresses_back():

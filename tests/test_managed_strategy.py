@@ -288,6 +288,16 @@ def test_the_guard_lowers_its_baseline_when_others_give_memory_back(fake):
         s.raw_malloc(800 * MiB)
 
 
+def test_the_guard_takes_a_new_baseline_whenever_it_holds_no_chunk(fake):
+    s = cupy_memstrat.create("managed", backend=fake)
+    s.raw_free(s.raw_malloc(100 * MiB))  # the first baseline: nothing used by others
+    s.trim()  # no chunk held
+    fake.malloc(800 * MiB)  # someone else's cudaMalloc, after the baseline
+    s.raw_malloc(100 * MiB)  # the guard holds nothing: the 800 MiB are others', not its chunks made resident
+    with pytest.raises(cupy_memstrat.OutOfMemoryError, match="100.0 MiB of this strategy's chunks not yet resident"):
+        s.raw_malloc(100 * MiB)  # 200 MiB not resident > 224 MiB free less 51.2 MiB headroom
+
+
 def test_a_hopeless_request_keeps_the_cache(fake, s):
     s.raw_free(s.raw_malloc(64 * MiB))
     with pytest.raises(cupy_memstrat.OutOfMemoryError):

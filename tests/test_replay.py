@@ -133,6 +133,12 @@ def test_a_limit_is_held_by_a_cap_or_by_memory_set_aside_and_the_report_says_whi
     text = format_table(rep)
     assert "no: out of memory at 16-then-32, event 6 (memory set aside)" in text
     assert "no: reserved 128.0 MiB > limit 100.0 MiB (max_size)" in text  # completed, but over the limit
+    with pytest.raises(ValueError, match=r"limit: 8.0 GiB is above device 0's memory \(4.0 GiB\)"):
+        replay(fragmentation.program("16-then-32"), backend=fake, strategies=["async"], limit="8GiB")
+    long = "async:release_threshold=1GiB,max_size=2GiB"
+    text = format_table(replay(fragmentation.program("16-then-32"), backend=fake, strategies=["device", long]))
+    rows = [line for line in text.splitlines() if line.startswith("  ")]
+    assert len({line.index(" MiB") for line in rows if " MiB" in line}) == 1  # one column, however long a spec
     roomy = replay(fragmentation.program("16-then-32"), backend=fake, strategies=["device"], limit="1GiB")
     assert roomy["results"]["device"]["fits"] is True
     assert "  yes (memory set aside)" in format_table(roomy)
@@ -148,6 +154,9 @@ def test_managed_under_a_limit_keeps_the_headroom_a_device_of_that_size_would_ge
                  limit="512MiB")
     row = rep["results"]["managed:headroom=1GiB"]
     assert row["fits"] is False and row["failed_at"] == "16-then-32, event 0"
+    # under a limit below the program's peak the guard refuses, as on a device of that size
+    rep = replay(fragmentation.program("16-then-32"), backend=fake, strategies=["managed"], limit="100MiB")
+    assert rep["results"]["managed"]["failed_at"] == "16-then-32, event 5"
     assert fake.used_bytes(0) == 0
 
 
@@ -207,7 +216,10 @@ def test_the_replay_command_refuses_bad_input_before_reading_or_allocating(tmp_p
     r = _run_cli(tmp_path, "replay", good, "--strategies", "managed,device")
     assert r.returncode == 2 and "'managed,device' names 2 strategies: separate specs with ';'" in r.stderr
     r = _run_cli(tmp_path, "replay", good, "--limit", "-3")
-    assert r.returncode == 2 and "--limit" in r.stderr
+    assert r.returncode == 2 and "--limit: expected a size above 0, got '-3'" in r.stderr
+    r = _run_cli(tmp_path, "replay", good, "--limit", "1024TiB")
+    assert r.returncode == 2 and "--limit: 1.0 PiB is above device 0's memory" in r.stderr
+    assert "Traceback" not in r.stderr
     r = _run_cli(tmp_path, "replay", good, "--json", str(tmp_path))
     assert r.returncode == 2 and "cannot write --json" in r.stderr
     r = _run_cli(tmp_path, "replay", str(tmp_path / "missing.json"))

@@ -34,7 +34,8 @@ def _as_max_size(value, what: str):
     if value is None:
         return 0
     if isinstance(value, str) and value.strip().endswith("%"):
-        parse_size(value, total=100, what=what)
+        if parse_size(value, total=1 << 40, what=what) == 0:
+            raise ValueError(f"{what}: expected a percentage above 0%, got {value!r} (0 or None: no limit)")
         return value.strip()
     n = parse_size(value, what=what)
     if n < 0:
@@ -111,6 +112,7 @@ class ExpandableStrategy(Strategy):
         if missing:
             raise TypeError(f"expandable: the backend lacks CUDA's virtual memory management ({', '.join(missing)})")
         n = self.accounts.n_devices
+        self._check_sizes(n)
         self._spaces: list[Space | None] = [None] * n
         self._limits: list[int | None] = [None] * n
         self._thresholds: list[int | None] = [None] * n  # release_threshold in bytes, per device
@@ -128,6 +130,27 @@ class ExpandableStrategy(Strategy):
         self._lock = threading.RLock()
         #: pages moved to where the range grew, per device (option ``remap``)
         self.n_pages_moved = [0] * n
+
+    def _check_sizes(self, n: int) -> None:
+        """Refuse a max_size or release_threshold above a device's memory, and a max_size
+        below one page, before anything is reserved."""
+        b = self.backend
+        for d in range(n):
+            total = b.device_properties(d)["total_memory"]
+            sizes = {}
+            for what in ("max_size", "release_threshold"):
+                v = self.config[what]
+                v = parse_size(v, total=total, what=f"expandable: {what}") if isinstance(v, str) else v
+                if v and v > total:
+                    raise ValueError(f"expandable: option {what}={v} bytes ({format_size(v)}) is above device {d}'s "
+                                     f"memory ({format_size(total)})")
+                sizes[what] = v
+            if sizes["max_size"]:
+                page = b.vmm_granularity(d)
+                if sizes["max_size"] < page:
+                    raise ValueError(f"expandable: option max_size={format_size(sizes['max_size'])} is below one "
+                                     f"page ({format_size(page)}, device {d}'s allocation granularity): no block "
+                                     "would fit")
 
     # -- the space of a device ------------------------------------------------------------
     def _space(self, device: int) -> Space:
@@ -207,11 +230,12 @@ class ExpandableStrategy(Strategy):
         if not pages:
             return
         if limit is not None and space.mapped_bytes + len(pages) * page > limit:
-            self._why[device] = f"max_size {format_size(limit)} reached"
+            self._why[device] = (f"max_size {format_size(limit)} reached: {format_size(space.mapped_bytes)} mapped, "
+                                 f"{format_size(len(pages) * page)} more needed")
             raise b.Error(_backends.ERROR_MEMORY_ALLOCATION)
         if len(pages) > 64 and len(pages) * page > b.mem_get_info(device)[0]:
             # a large growth the device cannot hold: refused before thousands of pages are made and undone
-            self._why[device] = "the device's memory is used up"
+            self._why[device] = self._no_memory(device, nbytes)
             raise b.Error(_backends.ERROR_MEMORY_ALLOCATION)
         done = []
         try:
@@ -229,7 +253,7 @@ class ExpandableStrategy(Strategy):
                 b.vmm_unmap(p, page)
                 b.vmm_release(h)
             if getattr(exc, "status", None) == _backends.ERROR_MEMORY_ALLOCATION:
-                self._why[device] = "the device's memory is used up"
+                self._why[device] = self._no_memory(device, nbytes)
             raise
         for p, h in done:
             space.map(p, h)
@@ -261,6 +285,12 @@ class ExpandableStrategy(Strategy):
         self._set_access(device, out, page)
         self.n_pages_moved[device] += len(out)
         return out
+
+    def _no_memory(self, device: int, nbytes: int) -> str:
+        total = self.backend.device_properties(device)["total_memory"]
+        if nbytes > total:
+            return f"the request is larger than the device's memory ({format_size(total)})"
+        return "the device's memory is used up"
 
     def _set_access(self, device: int, pages: list[int], page: int) -> None:
         for run_start, run_len in _runs(pages, page):

@@ -51,9 +51,11 @@ class OversubscriptionGuard:
         for attempt in (0, 1, 2):
             free, total = b.mem_get_info(device)
             used = total - free
-            if self._used0[device] is None or used < self._used0[device]:
-                self._used0[device] = used  # someone gave memory back: a lower baseline
             mine = self.reserved[device]
+            if mine == 0 or self._used0[device] is None or used < self._used0[device]:
+                # holding no chunk, every byte used is others' (exact); else someone gave
+                # memory back: a lower baseline
+                self._used0[device] = used
             resident = min(mine, max(0, used - self._used0[device]))
             need = nbytes + mine - resident
             room = free - self.headroom[device]
