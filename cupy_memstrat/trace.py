@@ -201,6 +201,9 @@ def _from_report(b: _Builder, doc: dict, test: str | None) -> None:
                             "--gpumem-history --gpumem-history-keep=all --gpumem-json)")
     for t in tests:
         _from_snapshot(b, t["history"], prefix=f"test {t.get('nodeid')}, ")
+    names = {(t["history"].get("strategy") or {}).get("name") for t in tests}
+    if len(names) == 1:  # every timeline recorded through one strategy
+        b.trace.recorded_with = names.pop()
 
 
 def _from_rmm_csv(b: _Builder, path: str) -> None:

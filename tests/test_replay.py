@@ -58,7 +58,7 @@ def test_a_pytest_gpumem_report_gives_its_tests_timelines_in_order_or_the_one_na
                      {"nodeid": "t.py::b"},  # no timeline
                      {"nodeid": "t.py::c", "history": _snapshot([_ev("alloc", 0x900, MiB), _ev("free", 0x900, MiB)])}]}
     path = _write(tmp_path, "report.json", rep)
-    assert read_trace(path).n_allocs == 3
+    assert read_trace(path).n_allocs == 3 and read_trace(path).recorded_with == "managed"  # every timeline's
     assert read_trace(path, test="::c").n_allocs == 1
     with pytest.raises(TraceError, match="matches 0 of the tests with a timeline"):
         read_trace(path, test="::b")
