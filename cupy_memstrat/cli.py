@@ -149,7 +149,7 @@ def _cmd_replay(args) -> int:
     from .trace import TraceError, read_trace
 
     for flag, path in (("--json", args.json), ("--png", args.png)):
-        why = _writable(path) if path else None
+        why = None if path is None else "an empty path" if not path.strip() else _writable(path)
         if why is not None:  # before the trace is read: a bad path must not cost the replay
             print(f"replay: cannot write {flag} {path!r}: {why}", file=sys.stderr)
             return 2
@@ -186,15 +186,19 @@ def _cmd_replay(args) -> int:
         return 2
     print(format_table(report))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+        except OSError as exc:
+            print(f"replay: cannot write --json {args.json!r}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
         print(f"wrote {args.json}")
     if args.png:
         try:
             from .bench.plot import plot
 
             print(f"wrote {plot(report, args.png)}")
-        except (RuntimeError, ValueError) as exc:
+        except (RuntimeError, ValueError, OSError) as exc:
             print(f"replay: no figure: {exc}", file=sys.stderr)
     if args.limit is not None and not any(r.get("fits") for r in report["results"].values()):
         print(f"replay: no path fits under --limit {args.limit}", file=sys.stderr)

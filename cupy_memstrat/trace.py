@@ -137,10 +137,13 @@ def _int(value, what: str, where: str, b: _Builder, *, base: int = 10, minimum: 
     if isinstance(value, int):
         n = value
     else:
+        text = str(value).strip()
+        if not text.isascii() or "_" in text:  # int() takes "1_024" and other scripts' digits
+            b.fail(where, f"{what}: expected an integer in ASCII digits, got {value!r:.60}")
         try:
-            n = int(str(value).strip(), base)
+            n = int(text, base)
         except ValueError:
-            b.fail(where, f"{what}: expected an integer, got {value!r}")
+            b.fail(where, f"{what}: expected an integer, got {value!r:.60}")
     if n < minimum:
         b.fail(where, f"{what}: expected at least {minimum}, got {n}")
     return n
@@ -180,8 +183,14 @@ def _add_history_events(b: _Builder, events, prefix: str) -> None:
             b.free(ptr, size, device, stream, where)
 
 
+def _strategy_name(doc: dict) -> str | None:
+    s = doc.get("strategy")
+    name = s.get("name") if isinstance(s, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def _from_snapshot(b: _Builder, doc: dict, prefix: str = "") -> None:
-    dropped = doc.get("dropped", 0)
+    dropped = _int(doc.get("dropped", 0), "dropped", prefix + "the recording", b)
     if dropped:
         b.fail(prefix + "the recording", f"it dropped its {dropped:,} oldest events (its buffer held "
                                          f"{doc.get('max_entries', '?')}); record with a larger "
@@ -192,7 +201,8 @@ def _from_snapshot(b: _Builder, doc: dict, prefix: str = "") -> None:
 def _from_report(b: _Builder, doc: dict, test: str | None) -> None:
     tests = [t for t in doc.get("tests") or [] if isinstance(t, dict) and isinstance(t.get("history"), dict)]
     if test is not None:
-        tests = [t for t in tests if test in str(t.get("nodeid", ""))]
+        exact = [t for t in tests if str(t.get("nodeid", "")) == test]  # an exact node id wins
+        tests = exact or [t for t in tests if test in str(t.get("nodeid", ""))]
         if len(tests) != 1:
             b.fail("its tests", f"--test {test!r} matches {len(tests)} of the tests with a timeline; "
                                 "give a part of one node id")
@@ -201,7 +211,7 @@ def _from_report(b: _Builder, doc: dict, test: str | None) -> None:
                             "--gpumem-history --gpumem-history-keep=all --gpumem-json)")
     for t in tests:
         _from_snapshot(b, t["history"], prefix=f"test {t.get('nodeid')}, ")
-    names = {(t["history"].get("strategy") or {}).get("name") for t in tests}
+    names = {_strategy_name(t["history"]) for t in tests}
     if len(names) == 1:  # every timeline recorded through one strategy
         b.trace.recorded_with = names.pop()
 
@@ -209,27 +219,37 @@ def _from_report(b: _Builder, doc: dict, test: str | None) -> None:
 def _from_rmm_csv(b: _Builder, path: str) -> None:
     with open(path, newline="") as f:
         rows = csv.reader(f)
-        header = next(rows, None)
-        if header is None or [h.strip() for h in header][:6] != _RMM_HEADER:
-            b.fail("line 1", f"expected RMM's log header {','.join(_RMM_HEADER)}, got {header!r:.80}")
-        for n, row in enumerate(rows, 2):
-            where = f"line {n}"
-            if not row:
-                continue
-            if len(row) < 6:
-                b.fail(where, f"expected 6 fields ({','.join(_RMM_HEADER)}), got {len(row)}: the log is cut short")
-            action = row[2].strip().lower()
-            if action == "allocate failure":
-                continue  # the program saw an error there; nothing was allocated
-            if action not in ("allocate", "free"):
-                b.fail(where, f"Action: expected allocate, free or allocate failure, got {row[2]!r}")
-            ptr = _int(row[3], "Pointer", where, b, base=16)
-            size = _int(row[4], "Size", where, b)
-            stream = _int(row[5], "Stream", where, b, base=16)
-            if action == "allocate":
-                b.alloc(ptr, size, 0, stream, where)
-            else:
-                b.free(ptr, size, 0, stream, where)
+        try:
+            _rmm_rows(b, rows)
+        except csv.Error as exc:
+            b.fail(f"line {rows.line_num}", f"not a CSV line of an RMM log: {exc}")
+        except UnicodeDecodeError as exc:
+            b.fail(f"after line {rows.line_num}", f"not UTF-8 text (byte {exc.start} of a read): not an RMM log")
+
+
+def _rmm_rows(b: _Builder, rows) -> None:
+    """The rows of an RMM log after its header, checked and added to the trace."""
+    header = next(rows, None)
+    if header is None or [h.strip() for h in header][:6] != _RMM_HEADER:
+        b.fail("line 1", f"expected RMM's log header {','.join(_RMM_HEADER)}, got {header!r:.80}")
+    for n, row in enumerate(rows, 2):
+        where = f"line {n}"
+        if not row:
+            continue
+        if len(row) < 6:
+            b.fail(where, f"expected 6 fields ({','.join(_RMM_HEADER)}), got {len(row)}: the log is cut short")
+        action = row[2].strip().lower()
+        if action == "allocate failure":
+            continue  # the program saw an error there; nothing was allocated
+        if action not in ("allocate", "free"):
+            b.fail(where, f"Action: expected allocate, free or allocate failure, got {row[2]!r}")
+        ptr = _int(row[3], "Pointer", where, b, base=16)
+        size = _int(row[4], "Size", where, b)
+        stream = _int(row[5], "Stream", where, b, base=16)
+        if action == "allocate":
+            b.alloc(ptr, size, 0, stream, where)
+        else:
+            b.free(ptr, size, 0, stream, where)
 
 
 def read_trace(path: str, *, test: str | None = None) -> Trace:
@@ -264,7 +284,7 @@ def read_trace(path: str, *, test: str | None = None) -> Trace:
         if doc.get("kind") == "memory-history":
             if test is not None:
                 raise TraceError(f"{name}: --test picks a test of a pytest_gpumem report; this is a recording")
-            b = _Builder(name, (doc.get("strategy") or {}).get("name"))
+            b = _Builder(name, _strategy_name(doc))
             _from_snapshot(b, doc)
             return b.trace
         raise TraceError(f"{name}: a JSON object, but neither a recording (record_history, kind "

@@ -510,18 +510,18 @@ _RATIO_TEXT = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
 
 def _ratio(value, what: str) -> float:
     """A fragmentation ratio: a finite number >= 1 (an int, a float or its text)."""
-    if isinstance(value, bool):
-        raise ValueError(f"{what}: expected a number >= 1 such as 1.5, got {value!r}")
+    if isinstance(value, (bool, bytes, bytearray)):
+        raise ValueError(f"{what}: expected a number >= 1 such as 1.5, got {value!r:.60}")
     if isinstance(value, str) and not _RATIO_TEXT.fullmatch(value.strip()):
         # float() would take "1_5", "1e0", "inf" and other scripts' digits
-        raise ValueError(f"{what}: expected a number >= 1 such as 1.5 (ASCII digits), got {value!r}")
+        raise ValueError(f"{what}: expected a number >= 1 such as 1.5 (ASCII digits), got {value!r:.60}")
     try:
         r = float(value.strip()) if isinstance(value, str) else float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what}: expected a number >= 1 such as 1.5, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{what}: expected a number >= 1 such as 1.5, got {value!r:.60}") from None
     if not (r == r and r != float("inf")) or r < 1:  # NaN, infinity, below 1
         raise ValueError(f"{what}: expected a finite number >= 1 (reserved memory is never below the memory in "
-                         f"use), got {value!r}")
+                         f"use), got {value!r:.60}")
     return r
 
 

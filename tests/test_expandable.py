@@ -216,6 +216,43 @@ def test_close_gives_every_page_and_the_addresses_back():
     s.raw_free(s.raw_malloc(10 * MiB))
     s.close()
     assert fake.used_bytes(0) == 0 and fake.vmm_mapped_bytes() == 0
+    assert s.stats(0).bytes_reserved == 0  # the statistics say what close gave back
+
+
+def test_the_strategy_works_again_after_close_with_a_release_threshold():
+    fake, s = _s(release_threshold=0)
+    s.raw_free(s.raw_malloc(3 * MiB))  # leaves a trim due
+    s.close()
+    p = s.raw_malloc(MiB)
+    assert fake.vmm_accessible(p, MiB) and s.stats(0).bytes_reserved == 2 * MiB
+    s.raw_free(p)
+
+
+def test_a_zero_byte_request_through_the_hot_path_gets_a_block_of_its_own():
+    fake, s = _s()
+    malloc, free = s.hot_path_functions()
+    z = malloc(0, 0)
+    p = malloc(MiB, 0)
+    assert z != p and not (z <= p < z + 512)
+    free(z, 0)
+    free(p, 0)
+    s.trim()
+    assert fake.used_bytes(0) == 0
+
+
+@pytest.mark.parametrize("device, error", [(-1, ValueError), (1, ValueError), ("0", TypeError), (1.0, TypeError)])
+def test_largest_free_block_refuses_a_bad_device(device, error):
+    fake, s = _s()
+    with pytest.raises(error, match="device"):
+        s.largest_free_block(device)
+
+
+@pytest.mark.parametrize("value", [".4", "0.00000001%"])
+def test_a_max_size_that_rounds_to_nothing_is_refused_not_taken_as_no_limit(value):
+    fake = FakeBackend(memory="4GiB")
+    with pytest.raises(ValueError, match="max_size"):
+        cupy_memstrat.create("expandable", backend=fake, max_size=value)
+    assert fake.vmm_mapped_bytes() == 0
 
 
 def test_a_freed_block_serves_its_streams_next_request_of_its_size_and_is_counted_cached():

@@ -587,3 +587,10 @@ def test_warnings_point_at_the_users_line(fake):
 @pytest.mark.parametrize("off", [None, False, "false", "off", "none", ""])
 def test_prefetch_is_switched_off_by_any_of_the_usual_spellings(off):
     assert cupy_memstrat.validate("managed", prefetch=off)[1]["prefetch"] is None
+
+
+@pytest.mark.parametrize("device, error", [(-1, ValueError), (1, ValueError), ("0", TypeError)])
+def test_largest_free_block_refuses_a_bad_device(fake, device, error):
+    s = cupy_memstrat.create("managed", backend=fake)
+    with pytest.raises(error, match="device"):
+        s.largest_free_block(device)

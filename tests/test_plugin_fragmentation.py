@@ -185,6 +185,7 @@ def test_bad_values_are_usage_errors_naming_the_source(pytester, fake_env, value
     ("limit_fragmentation(0.9)", "*ratio: expected a finite number >= 1*got 0.9"),
     ("limit_fragmentation('x')", "*ratio: expected a number >= 1 such as 1.5 (ASCII digits), got 'x'"),
     ("limit_fragmentation(True)", "*ratio: expected a number >= 1 such as 1.5, got True"),
+    ("limit_fragmentation(b'1.5')", "*ratio: expected a number >= 1 such as 1.5, got b'1.5'"),
     ("limit_fragmentation(1.5, slack='lots')", "*slack: cannot parse 'lots' as a size*"),
     ("limit_fragmentation(1.5, 1, 2)", "*expected at most two arguments, ratio and slack, got 3"),
     ("limit_fragmentation(1.5, ratio=2)", "*the ratio given twice: 1.5 and ratio=2"),

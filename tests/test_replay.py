@@ -82,10 +82,38 @@ def test_a_pytest_gpumem_report_gives_its_tests_timelines_in_order_or_the_one_na
     ("header.csv", "Thread,When,What\n1,2,3\n", "line 1: expected RMM's log header"),
     ("short.csv", "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x10\n", "line 2: expected 6 fields"),
     ("binary.bin", "\x80\x04garbage", "not a trace"),
+    ("dropped-text.json", _snapshot(GOOD, dropped="x"), "the recording: dropped: expected an integer, got 'x'"),
+    ("long-size.csv", "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x10," + "9" * 5000 + ",0x0\n",
+     r"line 2: Size: expected an integer, got '9{59}$"),
+    ("wide-digits.csv", "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x10,\uff11\uff10,0x0\n",
+     "line 2: Size: expected an integer in ASCII digits"),
+    ("underscore.csv", "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x10,1_024,0x0\n",
+     "line 2: Size: expected an integer in ASCII digits"),
+    ("huge-field.csv", "Thread,Time,Action,Pointer,Size,Stream\n1,0," + "a" * 140000 + ",0x10,1,0x0\n",
+     "line 2: not a CSV line of an RMM log: field larger than field limit"),
 ])
 def test_every_bad_trace_is_refused_naming_where(tmp_path, name, content, message):
     with pytest.raises(TraceError, match=message):
         read_trace(_write(tmp_path, name, content))
+
+
+def test_a_log_that_is_not_utf8_and_a_malformed_strategy_field_are_refused_or_ignored(tmp_path):
+    p = tmp_path / "latin.csv"
+    p.write_bytes(b"Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x10,1,0x0\n1,0,fr\xffe,0x10,1,0x0\n")
+    with pytest.raises(TraceError, match="latin.csv, after line .*: not UTF-8 text"):
+        read_trace(str(p))
+    t = read_trace(_write(tmp_path, "odd.json", _snapshot(GOOD[:1], strategy="device")))
+    assert t.recorded_with is None and t.n_allocs == 1  # a strategy field that is not an object: not known
+    rep = {"tests": [{"nodeid": "t.py::a", "history": _snapshot(GOOD[:1], strategy=["x"])}]}
+    assert read_trace(_write(tmp_path, "rep.json", rep)).recorded_with is None
+
+
+def test_an_exact_node_id_picks_its_test_where_it_is_part_of_another(tmp_path):
+    rep = {"tests": [{"nodeid": "t.py::test_x", "history": _snapshot(GOOD[:1])},
+                     {"nodeid": "t.py::test_x_big", "history": _snapshot(GOOD[:3])}]}
+    path = _write(tmp_path, "report.json", rep)
+    assert read_trace(path, test="t.py::test_x").n_allocs == 1
+    assert read_trace(path, test="x_big").n_allocs == 2  # GOOD[:3]: two allocations and a free
 
 
 def test_nothing_is_allocated_before_a_bad_trace_is_refused(tmp_path):
@@ -222,6 +250,8 @@ def test_the_replay_command_refuses_bad_input_before_reading_or_allocating(tmp_p
     assert "Traceback" not in r.stderr
     r = _run_cli(tmp_path, "replay", good, "--json", str(tmp_path))
     assert r.returncode == 2 and "cannot write --json" in r.stderr
+    r = _run_cli(tmp_path, "replay", good, "--json=")
+    assert r.returncode == 2 and "cannot write --json '': an empty path" in r.stderr
     r = _run_cli(tmp_path, "replay", str(tmp_path / "missing.json"))
     assert r.returncode == 2 and "cannot read" in r.stderr
     bad = _write(tmp_path, "bad.json", _snapshot([_ev("free", 0x100, MiB)]))
@@ -238,6 +268,10 @@ def test_the_replay_command_writes_its_table_json_and_figure(tmp_path):
     assert "peak in use 10.0 MiB as recorded (recorded with managed); limit 512.0 MiB per device" in r.stdout
     doc = json.loads((tmp_path / "o.json").read_text())
     assert doc["results"]["device"]["fits"] is True and (tmp_path / "o.png").stat().st_size > 0
+    if os.path.exists("/dev/full"):  # opens, then refuses every write: found after the replay
+        r = _run_cli(tmp_path, "replay", rec, "--strategies", "device", "--json", "/dev/full")
+        assert r.returncode == 2 and "replay: cannot write --json '/dev/full': No space left on device" in r.stderr
+        assert "Traceback" not in r.stderr
     r = _run_cli(tmp_path, "replay", rec, "--strategies", "device", "--no-cupy", "--limit", "4MiB")
     assert r.returncode == 1 and "replay: no path fits under --limit 4MiB" in r.stderr  # a script can gate on it
     assert "no: out of memory at" in r.stdout

@@ -40,6 +40,9 @@ def _as_max_size(value, what: str):
     n = parse_size(value, what=what)
     if n < 0:
         raise ValueError(f"{what}: expected a size >= 0 (0: no limit), got {value!r}")
+    if n == 0 and value not in (0, "0") and any(c in "123456789" for c in str(value)):
+        raise ValueError(f"{what}: {value!r} rounds to 0 bytes; expected 0 (no limit) or a size of at least "
+                         "one page (2 MiB)")
     return n
 
 
@@ -145,7 +148,7 @@ class ExpandableStrategy(Strategy):
                     raise ValueError(f"expandable: option {what}={v} bytes ({format_size(v)}) is above device {d}'s "
                                      f"memory ({format_size(total)})")
                 sizes[what] = v
-            if sizes["max_size"]:
+            if self.config["max_size"]:  # ("N%" of a small device may come to less than a page, or 0)
                 page = b.vmm_granularity(d)
                 if sizes["max_size"] < page:
                     raise ValueError(f"expandable: option max_size={format_size(sizes['max_size'])} is below one "
@@ -183,7 +186,7 @@ class ExpandableStrategy(Strategy):
         device = b.get_device()
         h = b.current_stream_ptr(device)  # the stream key (Strategy.stream_key), without its checks
         key = -threading.get_ident() if h == _backends.STREAM_PER_THREAD else h
-        nbytes = -(-size // _ROUND) * _ROUND
+        nbytes = -(-size // _ROUND) * _ROUND or _ROUND  # a 0-byte request gets a block of its own too
         if self._trim_due[device]:  # a free left more unused than release_threshold
             self._trim_to_threshold(device)
         kept = self._kept.get((device, key, nbytes))
@@ -381,7 +384,12 @@ class ExpandableStrategy(Strategy):
 
     def largest_free_block(self, device: int) -> int | None:
         """The largest free range of addresses that is mapped throughout: what the strategy
-        serves without mapping more (exact)."""
+        serves without mapping more (exact).
+
+        Raises:
+            TypeError, ValueError: a bad ``device``.
+        """
+        device = self._device_or_current(device)
         space = self._spaces[device]
         if space is None:
             return 0
@@ -399,16 +407,23 @@ class ExpandableStrategy(Strategy):
                 self._release_kept(d)
                 if self._blocks_on(d):
                     continue
+                released = 0
                 try:
                     b.device_synchronize(d)
                     for p in list(space.mapped):
                         b.vmm_unmap(p, space.page)
                         b.vmm_release(space.unmap(p))
+                        released += space.page
                     b.vmm_free_address(space.base, space.size)
                 except Exception:  # noqa: BLE001 - closing must not raise; CUDA frees it at exit
                     b.clear_last_error()
                     continue
+                finally:
+                    if released:
+                        self.record_reserved(d, -released)
                 self._spaces[d] = None
+                self._trim_due[d] = False
+                self._trim_at[d] = self._thresholds[d] = None  # set again with a new range
 
     def _blocks_on(self, device: int) -> bool:
         return any(d == device for _n, d, _k in self._blocks.values())

@@ -630,8 +630,12 @@ class ManagedStrategy(Strategy):
 
     def largest_free_block(self, device: int) -> int:
         """Bytes of the largest request the chunks already made serve (:meth:`Slab.largest_free
-        <.slab.Slab.largest_free>`): a free run, a spare chunk, or a free slot."""
-        return self.slab.largest_free(device)
+        <.slab.Slab.largest_free>`): a free run, a spare chunk, or a free slot.
+
+        Raises:
+            TypeError, ValueError: a bad ``device``.
+        """
+        return self.slab.largest_free(self._device_or_current(device))
 
     def trim(self, keep_bytes=0, device: int | None = None) -> int:
         """Give cached chunks back to CUDA (``cudaFree``): free large blocks,
