@@ -89,8 +89,14 @@ def check_args(*, strategies=None, cupy_paths=None, limit=None) -> tuple[list[st
     specs = default_specs() if strategies is None else list(strategies)
     if len(set(specs)) != len(specs):
         raise ValueError(f"strategies: each spec once, got {specs}")
+    seen = {}
     for spec in specs:
-        validate(spec)
+        name, parsed = validate(spec)
+        same = (name, repr(sorted(parsed.items())))  # an alias, or the same options written otherwise
+        if same in seen:
+            raise ValueError(f"strategies: {spec!r} is the same strategy with the same options as "
+                             f"{seen[same]!r}; give each once")
+        seen[same] = spec
     if not cupy_paths and not specs:
         raise ValueError("nothing to replay under: no CuPy path and no strategy")
     try:

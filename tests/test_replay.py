@@ -290,6 +290,9 @@ def test_bench_fragmentation_programs_and_bad_arguments():
         fragmentation.check_args(scale=2)
     with pytest.raises(ValueError, match="each spec once"):
         fragmentation.check_args(strategies=["device", "device"])
+    with pytest.raises(ValueError, match="'expandable' is the same strategy with the same options as 'vmm'"):
+        replay(fragmentation.program("16-then-32"), backend=FakeBackend(memory="1GiB"),
+               strategies=["vmm", "expandable"])
 
 
 # What the H100 gave for these programs (docs/results/h100/bench-fragmentation.json); the
