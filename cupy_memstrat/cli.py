@@ -715,9 +715,9 @@ def build_parser() -> argparse.ArgumentParser:
         "a pytest_gpumem report (--gpumem-history --gpumem-history-keep=all --gpumem-json) or an RMM log "
         "(CSV), in order, with their sizes and streams, under each strategy and CuPy's MemoryPool and "
         "MemoryAsyncPool: peak in use, peak reserved, growth steps, time per allocation, and whether it fits "
-        "under --limit. The trace is read "
-        "and checked whole before anything is allocated. Exit status: 0 when the replay ran (with --limit: and "
-        "at least one path fits), 1 when --limit is given and no path fits, 2 on bad input.",
+        "under --limit. The trace is read and checked whole before anything is allocated. Exit status: 0 "
+        "when the replay ran (with --limit: and at least one path fits), 1 when --limit is given and no path "
+        "fits, 2 on bad input.",
     )
     rp.add_argument("trace", help="the recording, report or RMM log")
     rp.add_argument("--strategies", metavar="SPEC;SPEC...", type=_spec_list, default=None,

@@ -73,16 +73,22 @@ def test_a_block_freed_on_one_stream_goes_to_another_only_after_a_synchronisatio
         del y, w, guard
 
 
+def _a_freed_gigabyte_beside_a_live_block(cp):
+    """A live 3 MiB array and 1 GiB allocated and freed after it: (the array, the device's free
+    memory then)."""
+    keep = cp.ones(3 * MiB, dtype=cp.uint8)
+    tmp = [cp.ones(256 * MiB, dtype=cp.uint8) for _ in range(4)]
+    del tmp
+    cp.cuda.Device().synchronize()
+    return keep, cp.cuda.runtime.memGetInfo()[0]
+
+
 @pytest.mark.gpu_exclusive  # reads the device's free memory: run alone (ci/gpu.sh)
 def test_trim_gives_the_unused_pages_back_to_the_device(cp, made):
     s = cupy_memstrat.create("expandable")
     made.append(s)
     with cupy_memstrat.using(s):
-        keep = cp.ones(3 * MiB, dtype=cp.uint8)
-        tmp = [cp.ones(256 * MiB, dtype=cp.uint8) for _ in range(4)]
-        del tmp
-        cp.cuda.Device().synchronize()
-        free0 = cp.cuda.runtime.memGetInfo()[0]
+        keep, free0 = _a_freed_gigabyte_beside_a_live_block(cp)
         released = s.trim()
         free1 = cp.cuda.runtime.memGetInfo()[0]
         assert released == 1024 * MiB and free1 - free0 >= released
@@ -98,11 +104,7 @@ def test_the_release_threshold_gives_unused_pages_back_at_the_next_allocation(cp
     s = cupy_memstrat.create("expandable", release_threshold=threshold)
     made.append(s)
     with cupy_memstrat.using(s):
-        keep = cp.ones(3 * MiB, dtype=cp.uint8)
-        tmp = [cp.ones(256 * MiB, dtype=cp.uint8) for _ in range(4)]
-        del tmp
-        cp.cuda.Device().synchronize()
-        free0 = cp.cuda.runtime.memGetInfo()[0]
+        keep, free0 = _a_freed_gigabyte_beside_a_live_block(cp)
         small = cp.ones(MiB, dtype=cp.uint8)  # the next allocation trims down to the threshold
         free1 = cp.cuda.runtime.memGetInfo()[0]
         st = s.stats(0)

@@ -192,6 +192,29 @@ def test_the_guard_refuses_more_than_the_device_has_free_before_asking_cuda(cp, 
     assert int(y.sum()) == 10
 
 
+@pytest.mark.gpu_exclusive  # takes most of the device's free memory: run alone (ci/gpu.sh)
+def test_the_guard_counts_memory_allocated_by_others_after_it_held_nothing(cp):
+    # the guard's first reading is taken while the device is nearly empty; then another user takes
+    # all but 1.5 GiB. Counting that as the strategy's own chunks made resident (before the fix)
+    # let the second 400 MiB through; a new reading whenever it holds no chunk refuses it
+    s = cupy_memstrat.create("managed", headroom="1GiB")
+    try:
+        s.raw_free(s.raw_malloc(64 * MiB))
+        s.trim()  # no chunk held
+        free, _ = cp.cuda.runtime.memGetInfo()
+        other = cp.cuda.runtime.malloc(free - 1536 * MiB)  # someone else's cudaMalloc
+        try:
+            a = s.raw_malloc(400 * MiB)  # 400 MiB of the 512 MiB left above the headroom
+            with pytest.raises(cupy_memstrat.OutOfMemoryError, match="oversubscription guard"):
+                s.raw_malloc(400 * MiB)
+            s.raw_free(a)
+        finally:
+            cp.cuda.runtime.free(other)
+    finally:
+        s.trim()
+        s.close()
+
+
 @pytest.mark.gpu_exclusive  # reads or fills the whole device's free memory: run alone (ci/gpu.sh)
 def test_trim_gives_resident_memory_back_to_the_device(cp, managed):
     free0, _ = cp.cuda.runtime.memGetInfo()
