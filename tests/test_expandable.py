@@ -13,6 +13,11 @@ from cupy_memstrat.testing import FakeBackend
 MiB, PAGE = 1 << 20, 2 << 20
 
 
+@pytest.fixture(autouse=True)
+def _both_hot_paths(hot_path):
+    """Each test runs on both allocation hot paths: the C one and its Python model."""
+
+
 # -- the address space, no CUDA ---------------------------------------------------------------
 
 
@@ -264,6 +269,25 @@ def test_a_freed_block_serves_its_streams_next_request_of_its_size_and_is_counte
     s.raw_free(p)
     st = s.stats(0)
     assert st.bytes_in_use == 0 and st.bytes_reserved == 4 * MiB and st.largest_free_block >= 3 * MiB
+
+
+def test_a_block_cut_again_for_another_stream_goes_back_to_that_streams_blocks():
+    """The C hot path remembers where the last freed block went; once its address is cut
+    again for another stream, a free there must go to the new stream's blocks, or the first
+    stream would take it back while the other's work may still use it."""
+    fake, s = _s()
+    a, b = fake.stream(), fake.stream()
+    with a:
+        p = s.raw_malloc(4 * MiB)
+        s.raw_free(p)  # kept for a
+    s.trim()  # ordered: the address is any stream's again
+    with b:
+        assert s.raw_malloc(4 * MiB) == p  # cut again, for b
+        s.raw_free(p)  # kept for b
+    with a:
+        assert s.raw_malloc(4 * MiB) != p  # a never gets b's block before a synchronisation
+    with b:
+        assert s.raw_malloc(4 * MiB) == p  # b's own, at once
 
 
 def test_threads_allocating_and_freeing_never_share_a_live_block():

@@ -27,7 +27,7 @@ def _allocate_here(s, size):
 
 
 @needs_c
-@pytest.mark.parametrize("name", ["device", "managed", "async", "pool", "device:check=all"])
+@pytest.mark.parametrize("name", ["device", "managed", "async", "pool", "expandable", "device:check=all"])
 @pytest.mark.parametrize("track", [True, 3])
 def test_the_c_hot_path_records_origins_as_its_reference_model_does(monkeypatch, name, track):
     """track_origins on the C hot path: each live allocation's origin (the first frame, or N
@@ -238,7 +238,7 @@ def test_a_bad_hot_path_setting_is_refused_at_use_also_on_the_fake(monkeypatch, 
 
 
 @needs_c
-@pytest.mark.parametrize("name", ["device", "managed", "async", "pool"])
+@pytest.mark.parametrize("name", ["device", "managed", "async", "pool", "expandable"])
 def test_both_hot_paths_count_a_random_sequence_alike(monkeypatch, name):
     """The C hot path keeps its counts in C and hands them over at each read; the
     Python one folds a list of events. The same random sequence of allocations,

@@ -1,4 +1,4 @@
-/* csrc/hotpath/classes.c: classes mode (managed): per-stream arenas of size-class free lists; a block goes back to
+/* csrc/hotpath/classes.c: classes mode (managed, expandable): per-stream arenas of size-class free lists; a block goes back to
  * the arena of the stream it was allocated on.
  * Part of the extension's one compilation unit: csrc/hotpath.c includes it. */
 

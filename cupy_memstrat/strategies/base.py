@@ -430,8 +430,8 @@ class Strategy:
         ``cudaErrorMemoryAllocation`` for out of memory): the base class
         then recovers in CuPy's order (gives cached memory back, collects,
         retries) or raises :class:`~cupy_memstrat.OutOfMemoryError`.
-        ``managed`` and ``async`` build hot paths of their own and have no
-        hook to override.
+        ``managed``, ``async`` and ``expandable`` build hot paths of their own and
+        have no hook to override.
         """
         if self.own_hot_path:
             raise NotImplementedError(f"{type(self).__name__} builds a hot path of its own and has no allocate "

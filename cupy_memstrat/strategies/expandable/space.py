@@ -36,6 +36,8 @@ class Space:
         self._mapped_sorted: list[int] = []
         #: live blocks touching each mapped page (a page with none may be unmapped)
         self._users: dict[int, int] = {}
+        #: bytes of the blocks taken and not given back
+        self.used_bytes = 0
 
     # -- free ranges -----------------------------------------------------------------
     def _add(self, start: int, size: int, tag) -> None:
@@ -62,12 +64,14 @@ class Space:
                 if size > nbytes:
                     self._add(start + nbytes, size - nbytes, tag)
                 self._use_pages(start, nbytes, +1)
+                self.used_bytes += nbytes
                 return start
         return None
 
     def give(self, start: int, nbytes: int, tag) -> None:
         """A block ``[start, start + nbytes)`` is free again, for stream ``tag`` (None: any)."""
         self._use_pages(start, nbytes, -1)
+        self.used_bytes -= nbytes
         self._insert(start, nbytes, tag)
 
     def _insert(self, start: int, nbytes: int, tag) -> None:

@@ -9,6 +9,7 @@ import threading
 from ... import backends as _backends
 from ...options import Option, as_bool
 from ...sizes import format_size, parse_size
+from ..arenas import build_arena_hot_path
 from ..base import Strategy
 from .space import Space
 
@@ -98,6 +99,7 @@ class ExpandableStrategy(Strategy):
                    "join their neighbours, no fragmentation between blocks")
     reserved_is_in_use = False
     block_granule = _ROUND
+    own_hot_path = True  # no allocate/deallocate hooks (the strategy contract, docs/strategies.md)
     options = (
         Option("max_size", _as_max_size, 0,
                "most bytes of memory mapped per device (size or N%); 0: no limit but the device's"),
@@ -121,14 +123,12 @@ class ExpandableStrategy(Strategy):
         self._thresholds: list[int | None] = [None] * n  # release_threshold in bytes, per device
         #: unused bytes above which a free asks for a trim; and whether one is due, per device
         self._trim_at: list[int | None] = [None] * n
-        self._trim_due = [False] * n
-        self._live_bytes = [0] * n  # bytes of live blocks (a hint for release_threshold)
-        self._blocks: dict[int, tuple[int, int, int]] = {}  # ptr -> (size, device, stream key), kept ones too
-        #: freed blocks kept whole for their stream's next request of the same size:
-        #: (device, stream key, size) -> pointers; and their bytes per device, a hint read
-        #: without the lock (growth looks at it; trim, statistics and close release regardless)
-        self._kept: dict[tuple[int, int, int], list[int]] = {}
-        self._kept_bytes = [0] * n
+        #: per device: stream key -> its arena of freed blocks, kept whole for the stream's next
+        #: request of the same size (strategies/arenas.py; ``small_max`` 0: one list for
+        #: 0-byte requests, then a list per size in 512 B units)
+        self._arenas: list[dict[int, tuple[list, dict]]] = [{} for _ in range(n)]
+        self._owner: dict[int, tuple[list, dict]] = {}  # block start -> the arena it goes back to
+        self._blocks: dict[int, tuple[int, int, int]] = {}  # ptr -> (bytes, device, stream key), kept ones too
         self._why: list[str | None] = [None] * n  # what ran out at the last failed allocation
         self._lock = threading.RLock()
         #: pages moved to where the range grew, per device (option ``remap``)
@@ -173,36 +173,54 @@ class ExpandableStrategy(Strategy):
                 parse_size(thr, total=total, what="expandable: release_threshold") if isinstance(thr, str) else thr)
         return space
 
-    # -- the hooks the hot path calls --------------------------------------------------------
-    def allocate(self, size: int) -> int:
-        """A block of ``size`` bytes (rounded up to 512) on the current device.
+    # -- the hot path -------------------------------------------------------------------
+    def _build_hot_path(self):
+        # A freed block is kept whole in the arena of the stream it was allocated on
+        # (strategies/arenas.py): the stream's next request of its size takes it with no
+        # search and no CUDA call, in C where the extension is built; the rest is _miss.
+        self._hot_malloc, self._hot_free, self.hot_path = build_arena_hot_path(
+            self, arenas=self._arenas, owner=self._owner, arena_of=self._arena_of, chunk_bytes=_ROUND,
+            small_max=0, miss=self._miss)
+        return self._hot_malloc, self._hot_free
+
+    def _arena(self, device: int, key: int) -> tuple[list, dict]:
+        arena = self._arenas[device].get(key)
+        if arena is None:
+            arena = self._arenas[device].setdefault(key, ([[]], {}))
+        return arena
+
+    def _arena_of(self, ptr: int, device: int) -> tuple[list, dict]:
+        _nbytes, d, key = self._blocks[ptr]
+        return self._arena(d, key)
+
+    def _miss(self, size: int, device: int, key: int) -> int:
+        """The slow path of an allocation: no block of ``size`` kept for stream ``key``.
+        Recovers from out of memory in CuPy's order, or raises
+        :class:`~cupy_memstrat.OutOfMemoryError` saying what ran out."""
+        __tracebackhide__ = True  # pytest shows the user's frames, not ours
+        try:
+            return self._carve(size, device, key)
+        except self._Error as exc:
+            return self.recovery.recover(size, device, exc, lambda: self._carve(size, device, key),
+                                         detail=lambda: f" ({self._why[device]})" if self._why[device] else "")
+
+    def _carve(self, size: int, device: int, key: int) -> int:
+        """A block of ``size`` bytes (rounded up to 512) cut from the device's range for
+        stream ``key``.
 
         Raises:
             backend.Error: ``cudaErrorMemoryAllocation`` when the device's memory,
-                ``max_size`` or the free addresses do not suffice (the hot path then
-                recovers in CuPy's order).
+                ``max_size`` or the free addresses do not suffice.
         """
         b = self.backend
-        device = b.get_device()
-        h = b.current_stream_ptr(device)  # the stream key (Strategy.stream_key), without its checks
-        key = -threading.get_ident() if h == _backends.STREAM_PER_THREAD else h
         nbytes = -(-size // _ROUND) * _ROUND or _ROUND  # a 0-byte request gets a block of its own too
-        if self._trim_due[device]:  # a free left more unused than release_threshold
-            self._trim_to_threshold(device)
-        kept = self._kept.get((device, key, nbytes))
-        if kept:  # a block of this size this stream freed: no search, no CUDA call
-            try:
-                ptr = kept.pop()
-            except IndexError:  # another thread took the last one
-                pass
-            else:
-                self._kept_bytes[device] -= nbytes
-                self._live_bytes[device] += nbytes
-                return ptr
         with self._lock:
             space = self._space(device)
+            at = self._trim_at[device]
+            if at is not None and self._unused_bytes(device) > at:  # more unused than release_threshold
+                self._trim_to_threshold(device)
             start = space.take(nbytes, key)
-            if (start is None or space.unmapped_pages(start, nbytes)) and self._kept_bytes[device]:
+            if (start is None or space.unmapped_pages(start, nbytes)) and self._kept_bytes(device):
                 # before the range grows: the kept blocks join their free neighbours, and the
                 # request is looked for again
                 if start is not None:
@@ -219,7 +237,8 @@ class ExpandableStrategy(Strategy):
                 space.give(start, nbytes, key)
                 raise
             self._blocks[start] = (nbytes, device, key)
-            self._live_bytes[device] += nbytes
+            self._owner[start] = self._arena(device, key)
+            self._forget_last_owner()  # the C hot path's cached owner of this address, if it had one
         return start
 
     def _map_pages(self, space: Space, device: int, start: int, nbytes: int) -> None:
@@ -299,53 +318,55 @@ class ExpandableStrategy(Strategy):
         for run_start, run_len in _runs(pages, page):
             self.backend.vmm_set_access(run_start, run_len, device)
 
-    def deallocate(self, ptr: int) -> None:
-        """The block at ``ptr`` is free again, first for its own stream: kept whole for the
-        stream's next request of its size, and given to the address space (where it joins its
-        free neighbours) before the range grows, at a trim, or when statistics are read."""
-        nbytes, device, key = self._blocks[ptr]
-        kept = self._kept.get((device, key, nbytes))
-        if kept is None:
-            with self._lock:
-                kept = self._kept.setdefault((device, key, nbytes), [])
-        self._kept_bytes[device] += nbytes
-        kept.append(ptr)
-        self._live_bytes[device] -= nbytes
-        at = self._trim_at[device]
-        if at is not None and self._spaces[device].mapped_bytes - self._live_bytes[device] > at:
-            self._trim_due[device] = True
+    def _give_back_block(self, ptr: int, size: int, device: int) -> None:
+        """A block freed with recorded streams, once they are done: kept for its stream."""
+        arena = self._owner[ptr]
+        lst = arena[0][0] if size == 0 else arena[1].setdefault((size + 511) & -512, [])
+        lst.append(ptr)
+
+    def _forget_last_owner(self) -> None:
+        forget = getattr(self._hot_free, "__self__", None)
+        if forget is not None and hasattr(forget, "forget"):
+            forget.forget()
+
+    def _kept_bytes(self, device: int) -> int:
+        """Bytes of the blocks kept in the arenas of ``device``."""
+        n = 0
+        for small, large in list(self._arenas[device].values()):
+            n += len(small[0]) * _ROUND
+            for nbytes, lst in list(large.items()):
+                n += len(lst) * nbytes
+        return n
+
+    def _unused_bytes(self, device: int) -> int:
+        """Bytes mapped on ``device`` that no live block uses (kept blocks count as unused)."""
+        space = self._spaces[device]
+        return space.mapped_bytes - space.used_bytes + self._kept_bytes(device)
 
     def _trim_to_threshold(self, device: int) -> None:
         """Trim ``device`` down to its release threshold; the next trim is asked for only once
         the unused bytes pass what this one could not release, plus one page."""
-        self._trim_due[device] = False
         thr = self._thresholds[device]
         self.trim(keep_bytes=thr, device=device)
         space = self._spaces[device]
         with self._lock:
-            self._trim_at[device] = max(thr, space.mapped_bytes - self._live_bytes[device]) + space.page
+            self._trim_at[device] = max(thr, self._unused_bytes(device)) + space.page
 
     def _release_kept(self, device: int) -> None:
         """Give the kept blocks of ``device`` to its address space (under the lock)."""
         space = self._spaces[device]
-        for (d, key, nbytes), kept in self._kept.items():
-            if d != device:
-                continue
-            while kept:
-                try:
-                    ptr = kept.pop()
-                except IndexError:
-                    break
-                self._kept_bytes[device] -= nbytes
-                del self._blocks[ptr]
-                space.give(ptr, nbytes, key)
+        for key, (small, large) in list(self._arenas[device].items()):
+            for lst in (small[0], *list(large.values())):
+                while lst:
+                    try:
+                        ptr = lst.pop()
+                    except IndexError:
+                        break
+                    nbytes = self._blocks.pop(ptr)[0]
+                    del self._owner[ptr]
+                    space.give(ptr, nbytes, key)
 
     # -- off the hot path ---------------------------------------------------------------
-    def _recover_hook(self, size: int, device: int, exc: BaseException) -> int:
-        __tracebackhide__ = True  # pytest shows the user's frames, not ours
-        return self.recovery.recover(size, device, exc, lambda: self.allocate(size),
-                                     detail=lambda: f" ({self._why[device]})" if self._why[device] else "")
-
     def trim(self, keep_bytes=0, device: int | None = None) -> int:
         """Unmap and release every mapped page no block touches, anywhere in the range, after
         synchronising the device (so that every free is ordered), down to ``keep_bytes``
@@ -422,7 +443,6 @@ class ExpandableStrategy(Strategy):
                     if released:
                         self.record_reserved(d, -released)
                 self._spaces[d] = None
-                self._trim_due[d] = False
                 self._trim_at[d] = self._thresholds[d] = None  # set again with a new range
 
     def _blocks_on(self, device: int) -> bool:

@@ -5,7 +5,6 @@ statistics and trim, over the slab (:mod:`.slab`) and the oversubscription guard
 from __future__ import annotations
 
 import operator
-import threading
 import weakref
 from dataclasses import dataclass
 
@@ -14,9 +13,10 @@ from ..._userwarn import warn_at_user
 from ...errors import ManagedMemoryWarning
 from ...options import Option, as_bool, as_size
 from ...sizes import format_count, format_size, parse_size
-from ...stats import Record, origin_capture
+from ...stats import Record
 from .._layout import block, segment
-from .._support import FOLD_AT, SIZE_T_LIMIT, c_accounting
+from .._support import SIZE_T_LIMIT
+from ..arenas import build_arena_hot_path
 from ..base import Strategy
 from ..stream_deaths import Quarantine, StreamWatch
 from .guard import OversubscriptionGuard
@@ -462,99 +462,16 @@ class ManagedStrategy(Strategy):
         return b.current_stream_ptr_capsule(), b.current_stream_ptr
 
     def _build_hot_path(self):
-        # The base class's closures with the stream-ordered chunk cache
-        # inlined (it needs the device and the stream, which a plain
-        # allocate(size) hook does not get). Same accounting as the base:
-        # events append before the live insert. A cached allocation finds
-        # its arena by stream key, then its free list by the size in 512-byte
-        # units: a list for small sizes, a dict (filled on first use) above.
-        accounts = self.accounts
-        events, live, origins, track = accounts.events, accounts.live, accounts.origins, self._track_origins
-        capture = origin_capture(track)  # the first frame, or track_origins=N frames
+        # The stream-ordered chunk cache needs the device and the stream, which a plain
+        # allocate(size) hook does not get: per-stream arenas (strategies/arenas.py). A
+        # cached allocation finds its arena by stream key, then its free list by the size
+        # in 512-byte units: a list for small sizes, a dict (filled on first use) above.
         slab = self.slab
-        arenas, owner, arena_of = slab.arenas, slab.owner, slab.arena_of
-        miss, fold, unknown_free = self._miss, accounts.fold, self._unknown_free
-        deferred = self.deferred
-        recorded, pending, poll, defer, watch = (deferred.recorded, deferred.pending, deferred.poll, deferred.defer,
-                                                 self._watch)
-        prefetch_to = self._prefetch_to if self.config["prefetch"] == "on_alloc" else None
-        capsule, stream_ptr = self._stream_source()
-        Accounting = c_accounting(track)
-        if Accounting is not None:  # the same steps in C (csrc/hotpath.c, "classes" mode)
-            acc = self._new_accounting(
-                Accounting, unknown_free, self.recovery.allocation_failed,
-                arenas=arenas, owner=owner, arena_of=arena_of, chunk_bytes=CHUNK_BYTES,
-                stream_ptr=stream_ptr, capsule=capsule,
-                small_max=SMALL_MAX, miss=miss,
-                large_hit=self._large_hit if prefetch_to is not None else None,
-                recorded=recorded, defer=defer, pending=pending, poll=poll, watch=watch,
-            )
-            self._hot_malloc, self._hot_free, self.hot_path = acc.malloc, acc.free, "c"
-            return acc.malloc, acc.free
-        get_ident = threading.get_ident
-
-        def malloc(size, device):
-            if pending:  # blocks freed with record_stream() whose streams may be done
-                poll()
-            key = stream_ptr(device)
-            if key == 2:  # cudaStreamPerThread: one stream per thread (cupy#5069)
-                key = -get_ident()
-            arena = arenas[device].get(key)
-            ptr = 0
-            if arena is not None:
-                if size <= SMALL_MAX:
-                    lst = arena[0][(size + 511) >> 9]
-                    if lst:
-                        try:
-                            ptr = lst.pop()
-                        except IndexError:  # another thread took the last one
-                            pass
-                else:
-                    lst = arena[1].get((size + 511) & -512)
-                    if lst:
-                        try:
-                            ptr = lst.pop()
-                        except IndexError:
-                            pass
-                        else:
-                            if prefetch_to is not None:
-                                n = (size + CHUNK_BYTES - 1) & CHUNK_MASK
-                                prefetch_to(ptr, n, device, size, lambda: lst.append(ptr))
-            if not ptr:  # none free in this stream's arena: the slow path
-                ptr = miss(size, device, key)
-            ev = events[device]
-            ev.append(size)  # the accounting rule (strategies/_support.py)
-            if track:
-                origins[ptr] = capture(1)
-            live[device][ptr] = size
-            if len(ev) > FOLD_AT:
-                fold(device)
-            return ptr
-
-        def free(ptr, device, stacklevel=1):
-            try:
-                size = live[device].pop(ptr)
-            except (KeyError, IndexError, TypeError):
-                device, size = unknown_free(ptr, stacklevel)
-                if size is None:
-                    return
-            if track:
-                origins.pop(ptr, None)
-            events[device].append(-size)  # after the pop (the accounting rule, strategies/_support.py)
-            if recorded and ptr in recorded:
-                defer(ptr, size, device)  # other streams use it: cached once they are done
-            else:
-                # back to the arena of the stream it was allocated on, whatever stream is current
-                arena = owner.get(ptr & CHUNK_MASK) or arena_of(ptr, device)
-                if size <= SMALL_MAX:
-                    arena[0][(size + 511) >> 9].append(ptr)
-                else:
-                    arena[1][(size + 511) & -512].append(ptr)  # indexed when it was allocated
-            if watch[0] is not None and not live[device]:
-                watch[0]()
-
-        self._hot_malloc, self._hot_free, self.hot_path = malloc, free, "python"
-        return malloc, free
+        large_hit = self._large_hit if self.config["prefetch"] == "on_alloc" else None
+        self._hot_malloc, self._hot_free, self.hot_path = build_arena_hot_path(
+            self, arenas=slab.arenas, owner=slab.owner, arena_of=slab.arena_of, chunk_bytes=CHUNK_BYTES,
+            small_max=SMALL_MAX, miss=self._miss, large_hit=large_hit, stream_source=self._stream_source())
+        return self._hot_malloc, self._hot_free
 
     def _give_back_block(self, ptr: int, size: int, device: int) -> None:
         """A block whose recorded streams are done goes to its arena."""
