@@ -105,6 +105,10 @@ def test_bug1_cross_stream_reuse_is_caught_by_the_streams_check(cp, k, installed
 def _bug2(cp, k):
     """A long kernel on stream B still writes x after x was released on A and
     its block handed to z. Returns (x's pointer, z's pointer, z)."""
+    # z's fill kernel compiled before the race: on a cold kernel cache its compilation outlasts
+    # the long kernel, which then finishes before z is written (the race shown by timing fails)
+    cp.full(8, 7.0, dtype=cp.float32)
+    cp.cuda.Device().synchronize()
     with _streams_a_and_b(cp) as (A, B):
         with A:
             x = cp.zeros(N, dtype=cp.float32)

@@ -129,10 +129,13 @@ def test_out_of_memory_says_what_ran_out_and_loses_nothing(cp, made):
         del x
     t = cupy_memstrat.create("expandable")
     made.append(t)
-    free = cp.cuda.runtime.memGetInfo()[0]
+    free, total = cp.cuda.runtime.memGetInfo()
     with cupy_memstrat.using(t):
         y = cp.ones(16 * MiB, dtype=cp.uint8)
+        need = free + (total - free) // 2  # more than is free, less than the device has
         with pytest.raises(cupy_memstrat.OutOfMemoryError, match="the device's memory is used up"):
-            cp.empty(free + (1 << 30), dtype=cp.uint8)
+            cp.empty(need, dtype=cp.uint8)
+        with pytest.raises(cupy_memstrat.OutOfMemoryError, match="the request is larger than the device's memory"):
+            cp.empty(total + (1 << 30), dtype=cp.uint8)
         assert int(y.sum()) == 16 * MiB
         del y
