@@ -503,8 +503,8 @@ def _run_summary(spec: str, strategy, format_size, format_count) -> None:
 
 
 _BENCH_MODULES = {"alloc": "alloc", "async": "async_pool", "managed": "managed", "workloads": "workloads",
-                  "streams": "streams", "fragmentation": "fragmentation"}
-_DEFAULT_ROUNDS = {"workloads": 5, "streams": 5}  # the others: 7
+                  "streams": "streams", "fragmentation": "fragmentation", "plugin": "plugin"}
+_DEFAULT_ROUNDS = {"workloads": 5, "streams": 5, "plugin": 5}  # the others: 7
 
 
 def _program_names():
@@ -680,6 +680,8 @@ def build_parser() -> argparse.ArgumentParser:
         "fragmentation": "programs that fragment a cache (16 MiB then 32 MiB blocks and the reverse, a growing "
         "buffer, random sizes from 1 MiB to 1 GiB, alternating batch sizes) replayed under CuPy's pools and "
         "every strategy: peak reserved against peak in use",
+        "plugin": "the pytest plugin's cost per test (pytest subprocesses of small GPU tests): without it, "
+        "measuring through the strategy, and with the driver-level reading beside it",
     }
     for group, text in helps.items():
         g = groups.add_parser(group, help=text, description=text)

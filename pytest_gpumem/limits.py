@@ -34,6 +34,7 @@ import pytest
 import cupy_memstrat
 
 from .measure import describe
+from .outside import LIBRARY_NAMES, plain
 
 __all__ = [
     "LIMITS",
@@ -239,26 +240,42 @@ class Budget(Limit):
                 "as_given": plan.budget_text, "source": plan.budget_source}
 
     @staticmethod
+    def peaks(plan, meter, w) -> list:
+        """The peaks the budget judges, per device: the strategy's peak in use, or with
+        ``--gpumem-budget-reading=driver`` the driver-level peak (Meter.driver_peak)."""
+        return meter.driver_peak(w) if plan.budget_reading == "driver" else w.peak
+
+    @staticmethod
     def exceeded(plan, meter, w) -> bool:
         """Whether the window's peak went over the plan's budget on a device."""
-        return plan.budget is not None and any(w.peak[d] > meter.limit(plan.budget, d) for d in meter.devices)
+        if plan.budget is None:
+            return False
+        peaks = Budget.peaks(plan, meter, w)
+        return any(peaks[d] > meter.limit(plan.budget, d) for d in meter.devices)
 
     def judge(self, case):
         plan, meter, w, rec = case.plan, case.meter, case.window, case.rec
         if plan.budget is None:
             return None
         n = meter.n_devices
-        peak_dev = max(range(n), key=lambda d: w.peak[d]) if n else 0
+        peaks = self.peaks(plan, meter, w)
+        peak_dev = max(range(n), key=lambda d: peaks[d]) if n else 0
         limits = [meter.limit(plan.budget, d) for d in meter.devices]
         rec["budget_bytes"] = limits[peak_dev] if n else None
-        over = [d for d in meter.devices if w.peak[d] > limits[d]]
+        rec["budget_reading"] = plan.budget_reading
+        over = [d for d in meter.devices if peaks[d] > limits[d]]
         if not over:
             return None
-        d = max(over, key=lambda d: w.peak[d] - limits[d])
+        d = max(over, key=lambda d: peaks[d] - limits[d])
         on = f" on device {d}" if n > 1 else ""
         share = f" = {plan.budget} of device {d}'s {fmt(meter.totals[d])}" if isinstance(plan.budget, str) else ""
         words = size_words(limits[d], None if share else plan.budget_text)
-        msg = f"peak {fmt(w.peak[d])}{on} > budget {words}{share} ({plan.budget_source})"
+        what = "peak" if peaks is w.peak else "driver-level peak"
+        msg = f"{what} {fmt(peaks[d])}{on} > budget {words}{share} ({plan.budget_source})"
+        if peaks is not w.peak and peaks[d] > w.peak[d]:
+            msg += (f"; through the strategy: peak in use {fmt(w.peak[d])}, peak reserved "
+                    f"{fmt(w.peak_reserved[d])}; outside it, the device's used memory grew by "
+                    f"{fmt(_driver_growth(w, d))} by the end of the call")
         counts = (f"during the call: {w.n_allocs} allocation{'' if w.n_allocs == 1 else 's'}, "
                   f"{w.n_frees} free{'' if w.n_frees == 1 else 's'}; in use when it began: "
                   f"{fmt(sum(w.base))}")
@@ -269,6 +286,29 @@ class Budget(Limit):
             detail = (counts + "\n(none of them was still live when the call returned; "
                       "gpumem.measure() blocks narrow the peak down)")
         return Problem(self.kind, [msg], detail)
+
+
+def _driver_growth(w, d) -> int:
+    if w.outside0 is None or w.outside1 is None:
+        return 0
+    u0, u1 = w.outside0.driver_used[d], w.outside1.driver_used[d]
+    return max(0, u1 - u0) if u0 is not None and u1 is not None else 0
+
+
+def outside_lines(out: dict, tolerance: int) -> list[str]:
+    """The report's lines on memory held outside the strategy (Meter.outside_now)."""
+    lines = []
+    for name, lib in out["libraries"].items():
+        held = sum(lib["held"])
+        if held and sum(lib["in_use"]):
+            lines.append(f"  {fmt(held):>10}  held by {LIBRARY_NAMES.get(name, name)} for "
+                         f"{fmt(sum(lib['in_use']))} still allocated there")
+    for d, n in enumerate(out["unexplained"]):
+        if n > tolerance:
+            lines.append(f"  {fmt(n):>10}  on device {d}, which no library the plugin reads explains: a raw "
+                         "cudaMalloc, another CuPy memory pool, or a library's own cache (the tolerance is "
+                         f"{fmt(tolerance)}, --gpumem-outside-tolerance)")
+    return lines
 
 
 def _origins_from_history(leaked, history) -> list:
@@ -317,28 +357,49 @@ class Leaks(Limit):
         leaked = meter.leaks(w)
         if w.history is not None and not any(a.origin for a in leaked):
             leaked = _origins_from_history(leaked, w.history)  # --gpumem-history knows where
-        total = sum(a.size for a in leaked)
+        inside = sum(a.size for a in leaked)
+        out = meter.outside_now(w, plan.outside_tolerance)
+        outside = out["leaked_bytes"] if out is not None else 0
+        total = inside + outside
         rec["leaked_bytes"], rec["leaked_count"] = total, len(leaked)
         rec["leaks"] = [
             {"size": a.size, "device": a.device, "ptr": a.ptr, "origin": str(a.origin) if a.origin else None}
             for a in leaked[:50]
         ]
+        if out is not None:
+            rec["leaked_outside_bytes"] = int(outside)
+            rec["outside"] = plain({**{k: out[k] for k in ("driver_growth", "strategy_growth", "outside",
+                                                          "libraries", "unexplained", "leaked", "by")},
+                                    "tolerance": plan.outside_tolerance})
         if total <= plan.leak_limit:
             return None
         k = len(leaked)
-        msg = (f"leaked {k} allocation{'' if k == 1 else 's'}, {fmt(total)} > limit {fmt(plan.leak_limit)} "
-               f"({plan.leak_source})")
-        listing = ("allocations made by the test and still live after its teardown and gc.collect(), "
-                   "largest first:\n" + describe(leaked))
-        if not any(a.origin for a in leaked):
-            if w.strategy_name is not None:  # the test's own strategy (gpumem_strategy, using()):
-                # a recording cannot wrap it
-                how = (f"create the test's strategy with track_origins=True "
-                       f"({w.strategy_name}:track_origins=true)")
-            else:
-                how = (f"run with --gpumem-strategy={meter.strategy.name}:track_origins=true, or with "
-                       "--gpumem-history and --gpumem-json")
-            listing += f"\n  (where each was allocated: {how})"
+        parts = []
+        if k or not outside:
+            parts.append(f"{k} allocation{'' if k == 1 else 's'}, {fmt(inside)}")
+        if outside:
+            by = ", ".join(f"{LIBRARY_NAMES.get(n, 'not explained by a library' if n == 'unexplained' else n)} "
+                           f"{fmt(b)}" for n, b in out["by"].items())
+            parts.append(f"{fmt(outside)} outside the strategy ({by})")
+        msg = f"leaked {' and '.join(parts)} > limit {fmt(plan.leak_limit)} ({plan.leak_source})"
+        listing = ""
+        if leaked:
+            listing = ("allocations made by the test and still live after its teardown and gc.collect(), "
+                       "largest first:\n" + describe(leaked))
+            if not any(a.origin for a in leaked):
+                if w.strategy_name is not None:  # the test's own strategy (gpumem_strategy, using()):
+                    # a recording cannot wrap it
+                    how = (f"create the test's strategy with track_origins=True "
+                           f"({w.strategy_name}:track_origins=true)")
+                else:
+                    how = (f"run with --gpumem-strategy={meter.strategy.name}:track_origins=true, or with "
+                           "--gpumem-history and --gpumem-json")
+                listing += f"\n  (where each was allocated: {how})"
+        if outside:
+            listing += ("\n" if listing else "") + (
+                "GPU memory held outside the strategy after the teardown, gc.collect() and emptying the caches "
+                "(the device's used memory grew by more than the strategy's reserve):\n"
+                + "\n".join(outside_lines(out, plan.outside_tolerance)))
         if plan.leaks == "fail":
             return Problem(self.kind, [msg], listing)
         rec["verdict"] = "leak warning"

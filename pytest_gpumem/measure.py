@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import cupy_memstrat
 from cupy_memstrat import faults as _faults
 
+from . import outside as _outside
+
 __all__ = ["Meter", "Window", "Measurement", "GpuMem", "clear_cupy_caches"]
 
 
@@ -77,12 +79,14 @@ class Window:
     unchecked_why: str | None = None  # why the call ran unchecked, where the plugin knew it at its start
     installs: list = field(default_factory=list)  # strategies the call installed (cupy_memstrat.installs)
     check_error: str | None = None  # why the checks' pending work could not be finished after the call
+    outside0: object = None  # outside.Reading when opened (the meter's outside check on)
+    outside1: object = None  # outside.Reading when closed
 
 
 class Meter:
     """Windows over one strategy, for the whole session."""
 
-    def __init__(self, strategy):
+    def __init__(self, strategy, outside: bool = False):
         self.strategy = strategy
         self.n_devices = strategy.backend.device_count()
         self.devices = range(self.n_devices)
@@ -90,6 +94,9 @@ class Meter:
         self._open: list[Window] = []
         self._counter = None
         self._counter_error = None
+        #: read the driver and the libraries' counters at each window (memory outside the strategy)
+        self.outside = outside
+        self._warmed: set = set()  # devices whose library handles outside.warm_up made
 
     # -- device facts ---------------------------------------------------------------
     @property
@@ -125,8 +132,17 @@ class Meter:
         return value
 
     # -- windows ----------------------------------------------------------------------
-    def open(self, snapshot: bool = True) -> Window:
+    def open(self, snapshot: bool = True, warm: bool = False) -> Window:
+        """A new window. ``warm``: a verdict on memory outside the strategy may follow, so what
+        CUDA sets aside once per process (a first kernel launch, the library handles CuPy makes
+        on first use) is made first (outside.warm_up), once per device, before anything is
+        read."""
         s = self.strategy
+        if self.outside and warm:
+            device = s.backend.get_device()
+            if device not in self._warmed:
+                self._warmed.add(device)
+                _outside.warm_up(device)
         sts = [s.stats(d) for d in self.devices]
         for w in self._open:
             for d, st in enumerate(sts):
@@ -134,6 +150,7 @@ class Meter:
                 w.peak_reserved_abs[d] = max(w.peak_reserved_abs[d], st.peak_bytes_reserved)
         for d in self.devices:
             s.reset_peak(d)
+        outside0 = _outside.read(s, self.devices) if self.outside else None
         w = Window(
             base=[st.bytes_in_use for st in sts],
             peak_abs=[st.bytes_in_use for st in sts],
@@ -142,6 +159,7 @@ class Meter:
             live0=s.live_sizes() if snapshot else None,
             base_reserved=[st.bytes_reserved for st in sts],
             peak_reserved_abs=[st.bytes_reserved for st in sts],
+            outside0=outside0,
         )
         self._open.append(w)
         return w
@@ -162,9 +180,57 @@ class Meter:
         w.n_allocs = sum(st.n_allocs - w.allocs0[d] for d, st in enumerate(sts))
         w.n_frees = sum(st.n_frees - w.frees0[d] for d, st in enumerate(sts))
         w.closed = True
+        if w.outside0 is not None:
+            w.outside1 = _outside.read(self.strategy, self.devices)
         with contextlib.suppress(ValueError):
             self._open.remove(w)
         return w
+
+    def driver_peak(self, w: Window) -> list:
+        """Per device, the call's peak as the driver sees it (bytes, on top of the start):
+        the highest of the strategy's peak in use, its peak reserved and the growth of the
+        device's used memory at the end of the call. Without the outside reading (off), the
+        strategy's peak in use."""
+        if w.outside0 is None or w.outside1 is None:
+            return list(w.peak)
+        out = []
+        for d in self.devices:
+            u0, u1 = w.outside0.driver_used[d], w.outside1.driver_used[d]
+            grown = u1 - u0 if u0 is not None and u1 is not None else 0
+            out.append(max(w.peak[d], w.peak_reserved[d], grown))
+        return out
+
+    def outside_now(self, w: Window, tolerance: int) -> dict | None:
+        """Memory outside the strategy held now that was not when ``w`` opened, per device:
+        ``{"driver_growth", "strategy_growth", "outside", "libraries": {name: {"held",
+        "in_use"}}, "unexplained", "leaked", "leaked_bytes", "by"}`` (bytes, lists per
+        device). Where something is outside the strategy, read again after a garbage
+        collection and emptying the caches that hold memory on purpose
+        (:func:`outside.empty_caches`). ``leaked`` per device: the memory libraries hold for
+        allocations still in use, plus the unexplained growth where it is above
+        ``tolerance``. None when the outside check is off."""
+        if w.outside0 is None:
+            return None
+        now = _outside.read(self.strategy, self.devices)
+        r = _outside_figures(w.outside0, now, self.devices, self.strategy.name)
+        if any(x > tolerance for x in r["unexplained"]) or any(
+                any(h > 0 for h in lib["held"]) for lib in r["libraries"].values()):
+            _outside.empty_caches(self.devices, self.strategy.name)  # a gc.collect() first
+            now = _outside.read(self.strategy, self.devices)
+            r = _outside_figures(w.outside0, now, self.devices, self.strategy.name)
+        leaked, by = [], {}
+        for d in self.devices:
+            n = 0
+            for name, lib in r["libraries"].items():
+                if lib["in_use"][d] > 0 and lib["held"][d] > 0:
+                    n += lib["held"][d]
+                    by[name] = by.get(name, 0) + lib["held"][d]
+            if r["unexplained"][d] > tolerance:
+                n += r["unexplained"][d]
+                by["unexplained"] = by.get("unexplained", 0) + r["unexplained"][d]
+            leaked.append(n)
+        r["leaked"], r["leaked_bytes"], r["by"] = leaked, sum(leaked), by
+        return r
 
     def new_live(self, w: Window) -> set:
         """{(ptr, size)} allocated since ``w`` opened and live now (no GC)."""
@@ -374,3 +440,25 @@ class GpuMem:
     def _close(self) -> None:
         if not self._window.closed:
             self._meter.close(self._window)
+
+
+def _outside_figures(r0, r1, devices, strategy_name: str) -> dict:
+    """The growth between two readings: of the driver's used memory, the strategy's reserved
+    memory, the rest (outside), each library's held and in-use bytes (the strategy's own
+    library left out: ``torch`` under the torch strategy), and what no library explains."""
+    def grew(a, b):
+        return [(y - x) if x is not None and y is not None else 0 for x, y in zip(a, b)]
+
+    driver = grew(r0.driver_used, r1.driver_used)
+    strategy = grew(r0.reserved, r1.reserved)
+    outside = [max(0, dg - sg) for dg, sg in zip(driver, strategy)]
+    libs = {}
+    for name, after in r1.libraries.items():
+        if name == strategy_name:  # it is the strategy: its memory is in the strategy's count
+            continue
+        before = r0.libraries.get(name) or [(0, 0)] * len(after)
+        libs[name] = {"held": [max(0, a[0] - b[0]) for a, b in zip(after, before)],
+                      "in_use": [max(0, a[1] - b[1]) for a, b in zip(after, before)]}
+    unexplained = [max(0, outside[d] - sum(lib["held"][d] for lib in libs.values())) for d in devices]
+    return {"driver_growth": driver, "strategy_growth": strategy, "outside": outside, "libraries": libs,
+            "unexplained": unexplained}

@@ -56,6 +56,13 @@ def _choice(*choices):
     return parse
 
 
+def parse_tolerance(raw: str):
+    v = raw.strip()
+    if v.endswith("%"):
+        raise ValueError("expected a size such as '64MiB' (a share of the device is not taken)")
+    return cupy_memstrat.parse_size(v, what="tolerance")
+
+
 def parse_strategy(raw: str):
     spec = raw.strip()
     cupy_memstrat.validate(spec)
@@ -173,6 +180,21 @@ SETTINGS = (
     Setting("leaks", "--gpumem-leaks", "GPUMEM_LEAKS", "gpumem_leaks", _choice("fail", "warn", "off"), "off",
             "a test that leaves GPU memory allocated after it ends: fail, warn or off (default)",
             metavar="fail|warn|off"),
+    Setting("outside", "--gpumem-outside", "GPUMEM_OUTSIDE", "gpumem_outside", parse_bool, True,
+            "read the driver's used GPU memory before and after each measured test, beside the strategy's "
+            "count: memory a test holds outside the strategy (PyTorch, Numba, raw cudaMalloc, another CuPy "
+            "pool) is reported, and counts as leaked under --gpumem-leaks (default on; off: no reading)",
+            metavar="on|off"),
+    Setting("outside_tolerance", "--gpumem-outside-tolerance", "GPUMEM_OUTSIDE_TOLERANCE",
+            "gpumem_outside_tolerance", parse_tolerance, 64 << 20,
+            "growth of the driver's used memory that no library the plugin reads explains and that is not a "
+            "leak up to SIZE per device: CUDA's own growth (modules loaded, library workspaces) and other "
+            "processes on the device (default 64MiB)", metavar="SIZE"),
+    Setting("budget_reading", "--gpumem-budget-reading", "GPUMEM_BUDGET_READING", "gpumem_budget_reading",
+            _choice("strategy", "driver"), "strategy",
+            "what a budget judges: strategy (default): the peak in use through the strategy; driver: also the "
+            "strategy's peak reserved and the growth of the device's used memory at the end of the call, so "
+            "that memory from any library counts", metavar="strategy|driver"),
     Setting("strategy", "--gpumem-strategy", "GPUMEM_STRATEGY", "gpumem_strategy", parse_strategy, None,
             "run the session with this cupy_memstrat strategy as CuPy's allocator, e.g. 'device' "
             "(default: CuPy's own pool; measured through the 'pool' strategy when measuring)",
@@ -380,7 +402,9 @@ class Plan:
     budget: Any = None  # None, bytes, or "N%"
     budget_text: str | None = None  # the size as the user wrote it ("200MB"), or None
     budget_source: str | None = None
+    budget_reading: str = "strategy"  # strategy | driver (--gpumem-budget-reading)
     leaks: str = "off"  # off | warn | fail
+    outside_tolerance: int = 64 << 20  # bytes (--gpumem-outside-tolerance)
     leak_limit: int = 0
     leak_source: str | None = None
     faults: bool = False  # count page faults
@@ -408,7 +432,9 @@ def plan_for(item, settings: Settings) -> Plan | None:
         budget=settings.budget,
         budget_text=settings.text("budget"),
         budget_source=settings.source("budget"),
+        budget_reading=settings.budget_reading,
         leaks=settings.leaks,
+        outside_tolerance=settings.outside_tolerance,
         leak_source=settings.source("leaks"),
         faults=settings.faults,
         fragmentation=settings.max_fragmentation,

@@ -311,7 +311,8 @@ def pytest_runtest_call(item):
             counter = meter.fault_counter()
         except cupy_memstrat.FaultCountersUnavailable:
             counter = None
-    w = meter.open(snapshot=True)
+    w = meter.open(snapshot=True, warm=plan.leaks != "off" or (
+        plan.budget is not None and plan.budget_reading == "driver"))
     w.checked = state.checked_state(strategy)
     if strategy is not state.initial_strategy:
         w.strategy_name = strategy.name  # named on the test's row (the title names the session's)

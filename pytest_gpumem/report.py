@@ -36,13 +36,17 @@ def user_properties(rec: dict) -> list[tuple[str, object]]:
 
 
 def table_lines(records: list[dict], top: int) -> list[str]:
-    """The terminal table: the ``top`` tests by peak, with reserved (where a
-    fragmentation limit applied), leaks and faults columns where any test has them."""
+    """The terminal table: the ``top`` tests by peak, with the driver-level peak (where the
+    driver was read), reserved (where a fragmentation limit applied), leaks and faults
+    columns where any test has them."""
     rows = sorted(records, key=lambda r: (r.get("measured") is False, -(r["peak_bytes"] or 0), r["nodeid"]))[:top]
     show_leaks = any(r.get("leaked_bytes") is not None for r in records)
     show_faults = any(r.get("faults") for r in records)
     show_reserved = any("fragmentation" in (r.get("limits") or {}) for r in records)
+    show_driver = any(r.get("driver_peak_bytes_per_device") for r in records)
     head = [f"{'peak':>10}", f"{'allocs':>7}"]
+    if show_driver:
+        head.append(f"{'driver peak':>11}")
     if show_reserved:
         head.append(f"{'reserved':>10}")
     if show_leaks:
@@ -53,6 +57,9 @@ def table_lines(records: list[dict], top: int) -> list[str]:
     for r in rows:
         unmeasured = r.get("measured") is False  # its allocator changed during it
         cells = [f"{'-' if unmeasured else fmt(r['peak_bytes']):>10}", f"{'-' if unmeasured else r['allocated']:>7}"]
+        if show_driver:
+            dp = r.get("driver_peak_bytes_per_device")
+            cells.append(f"{'-' if unmeasured or not dp else fmt(max(dp)):>11}")
         if show_reserved:
             rb = r.get("peak_reserved_bytes")
             cells.append(f"{'-' if rb is None else fmt(rb):>10}")

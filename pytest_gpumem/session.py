@@ -17,6 +17,7 @@ from cupy_memstrat import checks as _checks
 from . import baseline as _baseline
 from . import report as _report
 from .limits import LIMITS, Case, limits_json, warn_at_test
+from .outside import plain
 from .measure import Meter
 
 __all__ = ["GpuMemAllocatorWarning", "State", "METER", "NOTICE", "OOM_SNAPSHOT", "FOREIGN", "is_xdist_controller"]
@@ -100,7 +101,7 @@ class State:
                 previous = cupy.cuda.get_allocator()
                 self.strategy = cupy_memstrat.use(current if current is not None else (spec or "pool"), **extra)
                 self.previous, self.installed = previous, True
-            self.meter = Meter(self.strategy)
+            self.meter = Meter(self.strategy, outside=self.settings.outside)
             self.initial_strategy = self.strategy
             self._expected_allocator = cupy.cuda.get_allocator()
         except (cupy_memstrat.NoDeviceError, cupy_memstrat.CuPyNotInstalledError, RuntimeError) as exc:
@@ -152,7 +153,7 @@ class State:
         if local is not None:
             new = cupy_memstrat.current()
             if new is not None and new is not self.strategy:
-                return Meter(new), new
+                return Meter(new, outside=self.settings.outside), new
             if new is None:  # cupy.cuda.using_allocator() of CuPy's own allocator, for this test only
                 item.stash[FOREIGN] = (
                     f"ran inside cupy.cuda.using_allocator() of {_describe(local, cupy)}, which is not a "
@@ -200,7 +201,7 @@ class State:
                             "cupy_memstrat.current() is now the checking layer over it")
                 else:
                     msg += f", without the session's checks ({_check_words(self.checks)}): they cannot wrap it"
-            self.strategy, self.meter = new, Meter(new)
+            self.strategy, self.meter = new, Meter(new, outside=self.settings.outside)
             self._expected_allocator = cupy.cuda.get_allocator()
         else:
             msg = (f"CuPy's allocator changed {what} {item.nodeid} to {_describe_allocator(cupy)}, "
@@ -297,6 +298,15 @@ class State:
             "worker": self.worker,
             "duration": getattr(call, "duration", None),
         }
+        if w.outside0 is not None and w.outside1 is not None:
+            # the driver's reading beside the strategy's count (--gpumem-outside)
+            rec["driver_used_before_bytes_per_device"] = plain(w.outside0.driver_used)
+            rec["driver_used_after_bytes_per_device"] = plain(w.outside1.driver_used)
+            rec["driver_peak_bytes_per_device"] = plain(meter.driver_peak(w))
+            rec["outside_bytes_per_device"] = [
+                max(0, (u1 - u0) - (r1 - r0)) if u0 is not None and u1 is not None else None
+                for u0, u1, r0, r1 in zip(plain(w.outside0.driver_used), plain(w.outside1.driver_used),
+                                          plain(w.outside0.reserved), plain(w.outside1.reserved))]
         problems, details = [], []
         change, change_is_error = getattr(w, "allocator_change", None) or (None, False)
         notice = item.stash.get(NOTICE, None)
@@ -384,7 +394,8 @@ class State:
         return {
             "strategy": strategy,
             "strategy_spec": s.strategy,
-            "settings": {k: s.values[k] for k in ("budget", "leaks", "faults", "faults_missing")}
+            "settings": {k: s.values[k] for k in ("budget", "budget_reading", "leaks", "outside", "outside_tolerance",
+                                                  "faults", "faults_missing")}
             | {"measure": s.measuring, "check": sorted(self.checks), "stream_policy": s.stream_policy,
                "history": s.history,
                "max_fragmentation": (None if s.max_fragmentation is None else

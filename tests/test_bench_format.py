@@ -153,6 +153,24 @@ def _fragmentation_on_the_simulated_gpu(**kw):
     return fragmentation_run(backend=FakeBackend(memory="16GiB"), scale=0.25, **kw)
 
 
+def _plugin_report():
+    """A report as bench plugin makes (numbers made up for the format)."""
+    return {"benchmark": "plugin", "machine": {}, "params": {"rounds": 2, "tests": 200, "configs": {},
+                                                             "test": "a 4 MiB array"},
+            "seconds": {"plain": [4.0, 4.2], "measured": [4.4, 4.6], "measured+driver": [4.5, 4.7]},
+            "plain_seconds_per_test": 0.0205, "cost_per_test_seconds": {"measured": 0.002, "measured+driver": 0.0025},
+            "ratio_to_plain": {"measured": 1.1, "measured+driver": 1.12}}
+
+
+def test_the_plugin_table_gives_the_cost_per_test_over_plain_pytest():
+    from cupy_memstrat.bench import plugin
+
+    text = plugin.format_table(_plugin_report())
+    assert "200 tests (a 4 MiB array), median of 2 rounds" in text
+    assert "measured+driver      4.60             +2.500 ms      1.12" in text
+    assert "plain, per test (pytest's start-up included): 20.50 ms" in text
+
+
 def test_bench_with_no_group_runs_every_group_and_writes_json_and_figures(tmp_path, monkeypatch, capsys):
     """The orchestration (the groups' own runs need a GPU: synthetic reports here)."""
     import json
@@ -175,15 +193,17 @@ def test_bench_with_no_group_runs_every_group_and_writes_json_and_figures(tmp_pa
                             lambda rep=rep, mod=mod, **kw: seen.append((mod.__name__, kw.get("rounds"))) or rep)
     monkeypatch.setattr(fragmentation, "run", lambda **kw: seen.append(("fragmentation", kw.get("rounds")))
                         or _fragmentation_on_the_simulated_gpu(**kw))
+    from cupy_memstrat.bench import plugin
+    monkeypatch.setattr(plugin, "run", lambda **kw: seen.append(("plugin", kw.get("rounds"))) or _plugin_report())
     monkeypatch.setattr(alloc, "require_real_gpu", lambda: None)
     out = tmp_path / "res"
     assert main(["bench", "--out", str(out), "--quiet", "--rounds", "2"]) == 0
-    assert [r for _, r in seen] == [2, 2, 2, 2, 2, 2]
+    assert [r for _, r in seen] == [2, 2, 2, 2, 2, 2, 2]
     names = sorted(p.name for p in out.iterdir())
     assert names == ["bench-alloc.json", "bench-alloc.png", "bench-async.json", "bench-async.png",
                      "bench-fragmentation.json", "bench-fragmentation.png",
-                     "bench-managed.json", "bench-managed.png", "bench-streams.json", "bench-streams.png",
-                     "bench-workloads.json", "bench-workloads.png"]
+                     "bench-managed.json", "bench-managed.png", "bench-plugin.json", "bench-plugin.png",
+                     "bench-streams.json", "bench-streams.png", "bench-workloads.json", "bench-workloads.png"]
     frag = json.loads((out / "bench-fragmentation.json").read_text())
     assert frag["results"]["16-then-32"]["paths"]["device"]["peak_in_use"] == 32 * MiB
     assert json.loads((out / "bench-async.json").read_text())["sync_loop"]["threshold_0_over_default"] == 54.0
@@ -203,16 +223,19 @@ def test_bench_with_no_group_shows_progress_with_the_group_and_the_time_so_far(t
                      (streams, _streams_report())):
         monkeypatch.setattr(mod, "run", lambda rep=rep, **kw: kw["progress"]("step one") or rep)
     monkeypatch.setattr(fragmentation, "run", _fragmentation_on_the_simulated_gpu)
+    from cupy_memstrat.bench import plugin
+    monkeypatch.setattr(plugin, "run", lambda **kw: kw["progress"]("round 1/5") or _plugin_report())
     monkeypatch.setattr(alloc, "require_real_gpu", lambda: None)
     import cupy_memstrat.bench.plot as plot_mod
 
     monkeypatch.setattr(plot_mod, "plot", lambda report, path: None)
     assert main(["bench", "--out", str(tmp_path / "res")]) == 0
     captured = capsys.readouterr()
-    assert "[bench alloc] [0:00 1/6] step one" in captured.err
-    assert "[bench workloads] [0:00 4/6] step one" in captured.err
-    assert "[bench streams] [0:00 5/6] step one" in captured.err
-    assert "[bench fragmentation] [0:00 6/6] 16-then-32: 8 x 16 MiB allocated and freed" in captured.err
+    assert "[bench alloc] [0:00 1/7] step one" in captured.err
+    assert "[bench workloads] [0:00 4/7] step one" in captured.err
+    assert "[bench streams] [0:00 5/7] step one" in captured.err
+    assert "[bench fragmentation] [0:00 6/7] 16-then-32: 8 x 16 MiB allocated and freed" in captured.err
+    assert "[bench plugin] [" in captured.err and " 7/7] round 1/5" in captured.err
     assert "== bench managed (done at 0:00)" in captured.out
 
 

@@ -324,6 +324,23 @@ def _streams(report: dict, plt):
     return fig
 
 
+def _plugin(report: dict, plt):
+    """The plugin's cost per test over plain pytest, per setting."""
+    cost = report["cost_per_test_seconds"]
+    names = list(cost)
+    fig, ax = plt.subplots(figsize=(5.5, 0.6 * len(names) + 1.6))
+    ax.barh(names, [cost[n] * 1e3 for n in names], color="#4c72b0")
+    ax.axvline(report["plain_seconds_per_test"] * 1e3, color="0.5", linestyle="--",
+               label="plain pytest's time per test (start-up included)")
+    ax.set_xlabel("ms per test over plain pytest (median of rounds)")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8, loc="lower right")
+    p = report["params"]
+    ax.set_title(f"pytest_gpumem's cost: {p['tests']} small GPU tests, {p['rounds']} rounds", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def _fragmentation(report: dict, plt):
     """Peak reserved over peak in use, per program and path (1.0: nothing reserved beyond use)."""
     programs = list(report["results"])
@@ -370,6 +387,7 @@ def _replay(report: dict, plt):
 
 
 _PLOTS = {"alloc": _alloc, "async": _async, "managed": _managed, "workloads": _workloads, "streams": _streams,
+          "plugin": _plugin,
           "memory-history": _timeline, "fragmentation": _fragmentation, "replay": _replay}
 
 

@@ -1,0 +1,194 @@
+"""GPU memory outside the strategy: the driver's reading of each device's used memory, and
+the counters of the libraries that allocate on their own (PyTorch, Numba).
+
+The strategy counts what CuPy allocates through it. A test can also hold memory that
+never passes through it: a torch tensor, a Numba device array, a raw
+``cupy.cuda.runtime.malloc``, arrays of another ``cupy.cuda.MemoryPool``. The driver sees
+all of it: ``cudaMemGetInfo`` (through the strategy's backend) gives the device's used
+memory, total minus free, for every process on the device.
+
+What the driver's used memory grew by during a test, less what the strategy's reserved
+memory grew by, is memory *outside the strategy*. Part of it is explained by libraries the
+plugin can read (PyTorch's caching allocator: ``torch.cuda.memory_reserved``; Numba's
+memory manager: its table of live allocations), and part is not (a raw ``cudaMalloc``,
+another CuPy pool, a library's own cache, CUDA's own growth: module loads, library
+workspaces). Before judging, the caches that hold memory on purpose are emptied:
+CuPy's FFT plan cache, CuPy's default pool (when it is not the strategy), PyTorch's
+cache and cuBLAS workspaces, Numba's pending frees.
+
+Other processes on the same device move the driver's reading too; the tolerance
+(``--gpumem-outside-tolerance``) is for that and for CUDA's own growth.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from dataclasses import dataclass, field
+
+__all__ = ["Reading", "read", "empty_caches", "warm_up", "plain", "LIBRARY_NAMES"]
+
+#: the libraries whose counters the plugin reads, as reports name them
+LIBRARY_NAMES = {"torch": "PyTorch's caching allocator", "numba": "Numba's memory manager"}
+
+
+@dataclass
+class Reading:
+    """One reading per device (bytes; None where it could not be read)."""
+
+    driver_used: list  # total - free from cudaMemGetInfo
+    reserved: list  # the strategy's bytes reserved
+    libraries: dict = field(default_factory=dict)  # name -> per device: (held, in use) or None
+
+
+def plain(value):
+    """``value`` as built-in types only (exact ``int``, ``str``, ``list``, ``dict``...), for the
+    record that pytest-xdist sends from a worker: its serializer takes no subclass of ``int``
+    (a NumPy integer, an enum) nor tuples of them."""
+    if value is None or type(value) in (bool, str, float):
+        return value
+    if isinstance(value, dict):
+        return {str(k) if not isinstance(k, (int, str)) else k if type(k) in (int, str) else str(k): plain(v)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    try:
+        return int(value) if int(value) == value else float(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _torch(devices):
+    """PyTorch's reserved and allocated bytes per device, or None where it holds no CUDA state."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if not torch.cuda.is_initialized():
+            return None
+        return [(int(torch.cuda.memory_reserved(d)), int(torch.cuda.memory_allocated(d))) for d in devices]
+    except Exception:  # noqa: BLE001 - a report must not crash: no reading
+        return None
+
+
+def _numba_manager():
+    """``(manager, device)``: Numba's memory manager of its current context and that
+    context's device, if Numba has made one and the manager keeps a table of live
+    allocations (its own does; an external memory manager's need not), else None."""
+    if "numba.cuda" not in sys.modules:
+        return None
+    try:
+        from numba.cuda.cudadrv import devices as _devices
+
+        if not _devices.gpus.lst:  # no context made: reading one would make it
+            return None
+        ctx = _devices.get_context()
+        mgr = getattr(ctx, "memory_manager", None)
+        if not hasattr(mgr, "allocations"):
+            return None
+        return mgr, int(ctx.device.id)
+    except Exception:  # noqa: BLE001 - no CUDA, or a Numba without this layout
+        return None
+
+
+def _numba(devices):
+    found = _numba_manager()
+    if found is None:
+        return None
+    mgr, dev = found
+    try:
+        n = sum(int(getattr(m, "size", 0) or 0) for m in list(mgr.allocations.values()))
+    except Exception:  # noqa: BLE001
+        return None
+    return [(n, n) if d == dev else (0, 0) for d in devices]
+
+
+_LIBRARIES = {"torch": _torch, "numba": _numba}
+
+
+def read(strategy, devices) -> Reading:
+    """The driver's used memory, the strategy's reserved memory and the libraries' counters
+    on ``devices``, now."""
+    b = strategy.backend
+    used = []
+    for d in devices:
+        try:
+            free, total = b.mem_get_info(d)
+            used.append(total - free)
+        except Exception:  # noqa: BLE001 - no reading on this device
+            b.clear_last_error()
+            used.append(None)
+    reserved = [strategy.stats(d).bytes_reserved for d in devices]
+    libs = {}
+    for name, fn in _LIBRARIES.items():
+        r = fn(devices)
+        if r is not None:
+            libs[name] = r
+    return Reading(used, reserved, libs)
+
+
+def empty_caches(devices, strategy_name: str) -> None:
+    """Empty the caches that hold device memory on purpose, before a judgement: a garbage
+    collection, CuPy's FFT plan cache and default pool (not when it is the strategy),
+    PyTorch's cache and cuBLAS workspaces, Numba's pending frees. Errors are ignored."""
+    gc.collect()
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        for d in devices:
+            try:
+                with cupy.cuda.Device(d):
+                    if "cupy.fft" in sys.modules:
+                        cupy.fft.config.get_plan_cache().clear()
+                    if strategy_name != "pool":
+                        cupy.get_default_memory_pool().free_all_blocks()
+            except Exception:  # noqa: BLE001 - no CUDA (the simulated GPU): nothing cached
+                pass
+    torch = sys.modules.get("torch")
+    if torch is not None and strategy_name != "torch":
+        try:
+            if torch.cuda.is_initialized():
+                clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+                if clear is not None:
+                    clear()
+                torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001
+            pass
+    found = _numba_manager()
+    if found is not None:
+        try:
+            found[0].deallocations.clear()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def warm_up(device: int) -> None:
+    """Make on ``device``, for this thread, what CUDA sets aside once and then keeps: the
+    memory of a process's first kernel launch (about 0.5 GiB on an H100, measured: the
+    driver's used memory grows by that much at the first launch, not at the context's
+    creation) and the library handles CuPy creates on first use (cuBLAS, whose workspace
+    cuSOLVER's handle has too, cuSOLVER, cuSPARSE). Then none of it is counted against the
+    first test that launches a kernel or uses a library. The one small array it makes goes
+    through CuPy's current allocator and is freed. Errors are ignored (no GPU, a library
+    missing)."""
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return
+    try:
+        from cupy.cuda import device as _device
+
+        with cupy.cuda.Device(device):
+            x = cupy.empty(1, dtype=cupy.int8)
+            x.fill(0)  # a kernel launch
+            cupy.cuda.get_current_stream().synchronize()
+            del x
+    except Exception:  # noqa: BLE001 - the simulated GPU runs no kernel
+        return
+    for getter in ("get_cublas_handle", "get_cusolver_handle", "get_cusparse_handle"):
+        fn = getattr(_device, getter, None)
+        if fn is None:
+            continue
+        try:
+            with cupy.cuda.Device(device):
+                fn()
+        except Exception:  # noqa: BLE001 - the library is not installed
+            pass

@@ -1,0 +1,156 @@
+"""pytest_gpumem's reading of the driver beside the strategy's count, on the simulated GPU
+(CUPY_MEMSTRAT_BACKEND=fake): memory a test holds outside the strategy, the leak and budget
+verdicts on it, the tolerance, the report. The simulated device's free memory counts every
+allocation made through the backend, as cudaMemGetInfo does; a test that calls the backend's
+``malloc`` itself stands for a library that allocates on its own (a raw cudaMalloc)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("cupy", reason="the plugin's tests make CuPy arrays (no GPU needed)")
+
+HEAD = """
+import numpy as np
+import pytest
+import cupy
+import cupy_memstrat
+MiB = 1 << 20
+KEEP = []
+def raw(n):  # memory the strategy never sees, as a library's own cudaMalloc
+    return cupy_memstrat.current().backend.malloc(n)
+def alloc(n):  # an array through the strategy (no kernel: the simulated GPU runs none)
+    return cupy.ndarray((n,), dtype=np.uint8)
+"""
+
+TESTS = HEAD + """
+def test_clean():
+    a = alloc(MiB)
+    assert a.nbytes == MiB
+
+def test_keeps_raw_memory():
+    KEEP.append(raw(256 * MiB))
+
+def test_frees_its_raw_memory():
+    b = cupy_memstrat.current().backend
+    b.free(raw(256 * MiB))
+
+def test_keeps_a_little_raw_memory():
+    KEEP.append(raw(MiB))
+
+def test_keeps_an_array():
+    KEEP.append(alloc(MiB))
+"""
+
+
+def run(pytester, *args):
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", *args)
+
+
+def _tests(pytester):
+    doc = json.loads((pytester.path / "out.json").read_text())
+    return {t["nodeid"].split("::")[1]: t for t in doc["tests"]}
+
+
+@pytest.mark.parametrize("strategy", ["pool", "device", "async", "managed", "expandable"])
+def test_memory_kept_outside_the_strategy_is_a_leak_under_every_strategy(pytester, fake_env, strategy):
+    pytester.makepyfile(TESTS)
+    r = run(pytester, "--gpumem-leaks=fail", f"--gpumem-strategy={strategy}", "--gpumem-json=out.json")
+    r.assert_outcomes(failed=2, passed=3)
+    r.stdout.fnmatch_lines([
+        "*_ test_keeps_raw_memory _*",
+        "leaked 256.0 MiB outside the strategy (not explained by a library 256.0 MiB) > limit 0 B (--gpumem-leaks)",
+        "*- gpumem -*",
+        "GPU memory held outside the strategy after the teardown, gc.collect() and emptying the caches*",
+        "   256.0 MiB  on device 0, which no library the plugin reads explains: a raw cudaMalloc, another CuPy "
+        "memory pool, or a library's own cache (the tolerance is 64.0 MiB, --gpumem-outside-tolerance)",
+    ])
+    r.stdout.fnmatch_lines(["*_ test_keeps_an_array _*", "leaked 1 allocation, 1.0 MiB > limit 0 B*"])
+    t = _tests(pytester)
+    keep = t["test_keeps_raw_memory"]
+    assert keep["leaked_bytes"] == keep["leaked_outside_bytes"] == 256 << 20 and keep["leaked_count"] == 0
+    assert keep["outside"]["unexplained"] == [256 << 20] and keep["outside"]["by"] == {"unexplained": 256 << 20}
+    # the driver's reading, before and after the call, beside the strategy's count
+    before, after = keep["driver_used_before_bytes_per_device"][0], keep["driver_used_after_bytes_per_device"][0]
+    assert after - before == 256 << 20 and keep["outside_bytes_per_device"] == [256 << 20]
+    assert t["test_frees_its_raw_memory"]["leaked_bytes"] == 0
+    assert t["test_keeps_a_little_raw_memory"]["leaked_bytes"] == 0  # below the tolerance
+    assert t["test_keeps_a_little_raw_memory"]["outside"]["unexplained"] == [1 << 20]
+    assert t["test_clean"]["leaked_bytes"] == 0 and t["test_clean"]["outside"]["outside"] == [0]
+
+
+def test_without_the_driver_reading_memory_outside_the_strategy_passes_unseen(pytester, fake_env):
+    """The control: what the plugin did before it read the driver (--gpumem-outside=off)."""
+    pytester.makepyfile(TESTS)
+    r = run(pytester, "--gpumem-leaks=fail", "--gpumem-outside=off", "--gpumem-json=out.json")
+    r.assert_outcomes(failed=1, passed=4)  # only the array kept through the strategy
+    t = _tests(pytester)
+    assert t["test_keeps_raw_memory"]["leaked_bytes"] == 0
+    assert "driver_used_before_bytes_per_device" not in t["test_keeps_raw_memory"]
+    assert "outside" not in t["test_keeps_raw_memory"]
+
+
+def test_the_tolerance_decides_what_unexplained_growth_is_a_leak(pytester, fake_env):
+    pytester.makepyfile(TESTS)
+    r = run(pytester, "--gpumem-leaks=fail", "--gpumem-outside-tolerance=0", "-k", "little or clean")
+    r.assert_outcomes(failed=1, passed=1)
+    r.stdout.fnmatch_lines(["leaked 1.0 MiB outside the strategy (not explained by a library 1.0 MiB) > limit 0 B*"])
+    r = run(pytester, "--gpumem-leaks=fail", "--gpumem-outside-tolerance=512MiB", "-k", "keeps_raw")
+    r.assert_outcomes(passed=1)
+
+
+def test_the_leak_marker_counts_memory_outside_the_strategy(pytester, fake_env):
+    pytester.makepyfile(HEAD + """
+@pytest.mark.limit_gpu_leaks("300MiB")
+def test_within():
+    KEEP.append(raw(256 * MiB))
+
+@pytest.mark.limit_gpu_leaks("100MiB")
+def test_over():
+    KEEP.append(raw(128 * MiB))
+""")
+    r = run(pytester)
+    r.assert_outcomes(failed=1, passed=1)
+    r.stdout.fnmatch_lines(["leaked 128.0 MiB outside the strategy (*) > limit 100.0 MiB (limit_gpu_leaks marker)"])
+
+
+BUDGET = HEAD + """
+@pytest.mark.limit_gpu_memory("16MiB")
+def test_raw_memory_under_a_budget():
+    KEEP.append(raw(256 * MiB))
+
+@pytest.mark.limit_gpu_memory("16MiB")
+def test_within_budget():
+    a = alloc(MiB)
+    assert a.nbytes == MiB
+"""
+
+
+def test_a_budget_on_the_driver_reading_counts_memory_from_any_library(pytester, fake_env):
+    pytester.makepyfile(BUDGET)
+    r = run(pytester, "--gpumem-budget-reading=driver", "--gpumem-json=out.json")
+    r.assert_outcomes(failed=1, passed=1)
+    r.stdout.fnmatch_lines([
+        "driver-level peak 256.0 MiB > budget 16.0 MiB (limit_gpu_memory marker); through the strategy: peak in "
+        "use 0 B, peak reserved 0 B; outside it, the device's used memory grew by 256.0 MiB by the end of the call",
+    ])
+    t = _tests(pytester)
+    assert t["test_raw_memory_under_a_budget"]["budget_reading"] == "driver"
+    assert t["test_raw_memory_under_a_budget"]["driver_peak_bytes_per_device"] == [256 << 20]
+    # the control: by default the budget judges the strategy's peak in use
+    r = run(pytester)
+    r.assert_outcomes(passed=2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpumem-outside-tolerance=10%"], "--gpumem-outside-tolerance='10%': expected a size such as '64MiB'"),
+    (["--gpumem-outside-tolerance=-1MiB"], "--gpumem-outside-tolerance='-1MiB'"),
+    (["--gpumem-outside-tolerance=lots"], "--gpumem-outside-tolerance='lots'"),
+    (["--gpumem-budget-reading=peak"], "--gpumem-budget-reading='peak': expected one of strategy, driver"),
+    (["--gpumem-outside=maybe"], "--gpumem-outside='maybe': expected one of"),
+])
+def test_bad_values_are_refused_at_start_up_by_name(pytester, fake_env, args, message):
+    pytester.makepyfile(HEAD + "def test_x():\n    pass\n")
+    r = run(pytester, "--gpumem", *args)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert message in r.stderr.str()
