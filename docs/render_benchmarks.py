@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 KIND = "h200"  # the result set the pages show
 GROUPS = ("alloc", "async", "managed", "workloads", "streams", "fragmentation")
-REPLAYS = ("cg-poisson", "cupy-tests")
+REPLAYS = ("cg-poisson", "cupy-tests", "cupy-tests-limit")
 WORKLOAD_COLUMNS = ("pool", "async", "managed", "device")
 BLOCK = re.compile(r"(<!-- render:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /render -->)", re.S)
 
@@ -141,8 +141,73 @@ def replay_table(name: str, page: Path) -> str:
 
 
 RENDER |= {f"replay-{r}": (lambda r: lambda page: replay_table(r, page))(r) for r in REPLAYS}
+def _measuring(names: tuple[str, ...], has) -> tuple[str, str, dict]:
+    """``(kind, name, doc)``: the first of ``names`` in the result set whose run measured what
+    ``has(doc)`` asks for, the pages' own set first (a strategy newer than a set's last run of
+    a group is not in its JSON; a run of that strategy alone beside CuPy's pool is in
+    ``bench-GROUP-STRATEGY.json``)."""
+    kinds = [KIND] + sorted(p.name for p in RESULTS.iterdir() if p.is_dir() and p.name != KIND)
+    for kind in kinds:
+        for name in names:
+            f = RESULTS / kind / name
+            if f.exists():
+                doc = json.loads(f.read_text())
+                if has(doc):
+                    return kind, name, doc
+    raise SystemExit(f"docs/results/*/{' or '.join(names)}: none has the path measured; run the measurement")
+
+
+def strategy_summary(path: str, page: Path) -> str:
+    """One strategy beside CuPy's pool (``cupy-default``) in each measurement that has it:
+    bench alloc, bench fragmentation, bench workloads and the replay under a limit."""
+    from cupy_memstrat.sizes import format_size
+
+    rows = [f"| measurement | `{path}` | CuPy's pool |", "|---|---|---|"]
+    sources = {}
+
+    def src(name, has):
+        group = name[:-len(".json")]
+        kind, name, doc = _measuring((name, f"{group}-{path}.json"), has)
+        rel = Path("results") / kind / name if page.parent.name == "docs" else Path("docs/results") / kind / name
+        sources.setdefault(machine_line(doc), []).append(f"[{name}]({rel.as_posix()})")
+        return doc
+
+    a = src("bench-alloc.json", lambda d: path in d["results_us"])
+    us = a["results_us"]
+    for size, label in (("512", "512 B"), ("1048576", "1 MiB"), ("33554432", "32 MiB")):
+        mine, base = us[path][size]["median_us"], us["cupy-default"][size]["median_us"]
+        rows.append(f"| bench alloc: allocate and free a cached {label} block | {mine:.2f} us "
+                    f"({mine / base:.2f}x) | {base:.2f} us |")
+    r = a["ratio_to_cupy_default"][path]["temporaries"]
+    rows.append(f"| bench alloc: 30 temporaries, then a synchronisation | {r:.2f}x | 1.00x |")
+    f = src("bench-fragmentation.json", lambda d: all(path in p["paths"] for p in d["results"].values()))
+    for prog, p in f["results"].items():
+        mine, base = p["paths"][path], p["paths"]["cupy-default"]
+        rows.append(f"| bench fragmentation, {prog}: peak reserved / peak in use | "
+                    f"{mine['reserved_over_in_use']:.2f}x | {base['reserved_over_in_use']:.2f}x |")
+    w = src("bench-workloads.json", lambda d: all(path in p for p in d["results"].values()))
+    for prog, p in w["results"].items():
+        mine = p[path]
+        same = "results identical" if mine.get("check", {}).get("identical") else "results differ"
+        rows.append(f"| bench workloads, {prog}: time over CuPy's pool's | "
+                    f"{mine['ratio_in_rounds']['median']:.2f}x, {same} | 1.00x |")
+    rp = src("replay-cupy-tests-limit.json", lambda d: path in d["results"])
+    limit = rp["params"]["limit"]
+    for_path = rp["results"][path]
+    base = rp["results"].get("cupy-default")
+
+    def fits(row):
+        return "-" if row is None else (f"fits ({format_size(row['peak_reserved'])} reserved)" if row["fits"]
+                                        else f"does not fit ({format_size(row['peak_reserved'])} reserved)")
+    rows.append(f"| replay of CuPy's test_basic.py under a limit of {format_size(limit)} | {fits(for_path)} | "
+                f"{fits(base)} |")
+    where = "; ".join(f"{m} ({', '.join(links)})" for m, links in sources.items())
+    return "\n".join(rows) + f"\n\nEach row's two figures come from one run. {where}.\n"
+
+
+RENDER |= {"expandable-summary": lambda page: strategy_summary("expandable", page)}
 RENDER |= {"workloads-summary": workloads_table, "cupy-suite": cupy_suite_table, "overhead": overhead_table}
-PAGES = (ROOT / "docs" / "benchmarks.md", ROOT / "README.md")
+PAGES = (ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "expandable.md", ROOT / "README.md")
 
 
 def render(text: str, page: Path) -> str:
