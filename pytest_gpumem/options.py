@@ -186,10 +186,10 @@ SETTINGS = (
             "pool) is reported, and counts as leaked under --gpumem-leaks (default on; off: no reading)",
             metavar="on|off"),
     Setting("outside_tolerance", "--gpumem-outside-tolerance", "GPUMEM_OUTSIDE_TOLERANCE",
-            "gpumem_outside_tolerance", parse_tolerance, 64 << 20,
+            "gpumem_outside_tolerance", parse_tolerance, 1 << 30,
             "growth of the driver's used memory that no library the plugin reads explains and that is not a "
-            "leak up to SIZE per device: CUDA's own growth (modules loaded, library workspaces) and other "
-            "processes on the device (default 64MiB)", metavar="SIZE"),
+            "leak up to SIZE per device: CUDA's own growth (local memory for a kernel's threads, modules "
+            "loaded, library workspaces) and other processes on the device (default 1GiB)", metavar="SIZE"),
     Setting("budget_reading", "--gpumem-budget-reading", "GPUMEM_BUDGET_READING", "gpumem_budget_reading",
             _choice("strategy", "driver"), "strategy",
             "what a budget judges: strategy (default): the peak in use through the strategy; driver: also the "
@@ -404,7 +404,7 @@ class Plan:
     budget_source: str | None = None
     budget_reading: str = "strategy"  # strategy | driver (--gpumem-budget-reading)
     leaks: str = "off"  # off | warn | fail
-    outside_tolerance: int = 64 << 20  # bytes (--gpumem-outside-tolerance)
+    outside_tolerance: int = 1 << 30  # bytes (--gpumem-outside-tolerance)
     leak_limit: int = 0
     leak_source: str | None = None
     faults: bool = False  # count page faults

@@ -162,14 +162,14 @@ def empty_caches(devices, strategy_name: str) -> None:
 
 
 def warm_up(device: int) -> None:
-    """Make on ``device``, for this thread, what CUDA sets aside once and then keeps: the
-    memory of a process's first kernel launch (about 0.5 GiB on an H100, measured: the
-    driver's used memory grows by that much at the first launch, not at the context's
-    creation) and the library handles CuPy creates on first use (cuBLAS, whose workspace
-    cuSOLVER's handle has too, cuSOLVER, cuSPARSE). Then none of it is counted against the
-    first test that launches a kernel or uses a library. The one small array it makes goes
-    through CuPy's current allocator and is freed. Errors are ignored (no GPU, a library
-    missing)."""
+    """Make on ``device``, for this thread, what CUDA sets aside once and then keeps, so that
+    it is not counted against the first test that needs it: local memory for CuPy's
+    reductions (a kernel that needs more local memory per thread than any before it makes
+    the driver set that much aside for every thread the device can run and keep it: about
+    0.5 GiB on an H100 at the first sum of a uint8 array, measured), and the library handles
+    CuPy creates on first use (cuBLAS, whose workspace cuSOLVER's handle has too, cuSOLVER,
+    cuSPARSE). The small arrays it makes go through CuPy's current allocator and are freed.
+    Errors are ignored (no GPU, a library missing)."""
     cupy = sys.modules.get("cupy")
     if cupy is None:
         return
@@ -177,8 +177,10 @@ def warm_up(device: int) -> None:
         from cupy.cuda import device as _device
 
         with cupy.cuda.Device(device):
-            x = cupy.empty(1, dtype=cupy.int8)
-            x.fill(0)  # a kernel launch
+            x = cupy.empty(1024, dtype=cupy.uint8)
+            x.fill(1)  # a kernel launch
+            int(x.sum())  # CuPy's reductions: the local memory they need is set aside for every thread
+            float(x.astype(cupy.float32).sum())
             cupy.cuda.get_current_stream().synchronize()
             del x
     except Exception:  # noqa: BLE001 - the simulated GPU runs no kernel

@@ -55,7 +55,8 @@ def _tests(pytester):
 @pytest.mark.parametrize("strategy", ["pool", "device", "async", "managed", "expandable"])
 def test_memory_kept_outside_the_strategy_is_a_leak_under_every_strategy(pytester, fake_env, strategy):
     pytester.makepyfile(TESTS)
-    r = run(pytester, "--gpumem-leaks=fail", f"--gpumem-strategy={strategy}", "--gpumem-json=out.json")
+    r = run(pytester, "--gpumem-leaks=fail", f"--gpumem-strategy={strategy}", "--gpumem-json=out.json",
+            "--gpumem-outside-tolerance=64MiB")
     r.assert_outcomes(failed=2, passed=3)
     r.stdout.fnmatch_lines([
         "*_ test_keeps_raw_memory _*",
@@ -82,7 +83,8 @@ def test_memory_kept_outside_the_strategy_is_a_leak_under_every_strategy(pyteste
 def test_without_the_driver_reading_memory_outside_the_strategy_passes_unseen(pytester, fake_env):
     """The control: what the plugin did before it read the driver (--gpumem-outside=off)."""
     pytester.makepyfile(TESTS)
-    r = run(pytester, "--gpumem-leaks=fail", "--gpumem-outside=off", "--gpumem-json=out.json")
+    r = run(pytester, "--gpumem-leaks=fail", "--gpumem-outside=off", "--gpumem-outside-tolerance=64MiB",
+            "--gpumem-json=out.json")
     r.assert_outcomes(failed=1, passed=4)  # only the array kept through the strategy
     t = _tests(pytester)
     assert t["test_keeps_raw_memory"]["leaked_bytes"] == 0
@@ -97,6 +99,10 @@ def test_the_tolerance_decides_what_unexplained_growth_is_a_leak(pytester, fake_
     r.stdout.fnmatch_lines(["leaked 1.0 MiB outside the strategy (not explained by a library 1.0 MiB) > limit 0 B*"])
     r = run(pytester, "--gpumem-leaks=fail", "--gpumem-outside-tolerance=512MiB", "-k", "keeps_raw")
     r.assert_outcomes(passed=1)
+    # the default, 1 GiB per device: above the local memory CUDA sets aside at a kernel's first launch
+    r = run(pytester, "--gpumem-leaks=fail", "--gpumem-json=out.json", "-k", "keeps_raw")
+    r.assert_outcomes(passed=1)
+    assert _tests(pytester)["test_keeps_raw_memory"]["outside"]["tolerance"] == 1 << 30
 
 
 def test_the_leak_marker_counts_memory_outside_the_strategy(pytester, fake_env):
@@ -109,7 +115,7 @@ def test_within():
 def test_over():
     KEEP.append(raw(128 * MiB))
 """)
-    r = run(pytester)
+    r = run(pytester, "--gpumem-outside-tolerance=64MiB")
     r.assert_outcomes(failed=1, passed=1)
     r.stdout.fnmatch_lines(["leaked 128.0 MiB outside the strategy (*) > limit 100.0 MiB (limit_gpu_leaks marker)"])
 

@@ -18,6 +18,10 @@ import cupy
 MiB = 1 << 20
 KEEP = []
 
+def test_a_first_sum_is_clean():  # the first reduction of a process: local memory set aside (warm_up)
+    x = cupy.ones(MiB, dtype=cupy.uint8)
+    assert int(x.sum()) == MiB
+
 def test_raw_malloc_kept():
     KEEP.append(cupy.cuda.runtime.malloc(96 * MiB))
 
@@ -56,14 +60,16 @@ def _tests(inner):
 @pytest.mark.parametrize("strategy", ["pool", "device", "async", "managed", "expandable"])
 def test_memory_kept_outside_the_strategy_fails_the_leak_check(inner, strategy):
     inner.makepyfile(CASES)
+    # a raw cudaMalloc and a second pool are judged against the tolerance: 64 MiB here, below the
+    # 96 MiB they keep (the default, 1 GiB, is above the local memory a kernel's first launch sets aside)
     r = inner.runpytest_subprocess("-p", "no:cacheprovider", "--gpumem-leaks=fail", f"--gpumem-strategy={strategy}",
-                                   "--gpumem-json=out.json", "-rA")
+                                   "--gpumem-outside-tolerance=64MiB", "--gpumem-json=out.json", "-rA")
     t = _tests(inner)
     ran = [n for n in KEPT if n in t]
     for name in ran:
         assert t[name]["outcome"] == "failed" and t[name]["verdict"] == "leaks", (name, t[name])
         assert t[name]["leaked_outside_bytes"] >= 96 * MiB, (name, t[name]["outside"])
-    for name in ("test_clean_linalg_and_fft", "test_raw_malloc_freed"):
+    for name in ("test_a_first_sum_is_clean", "test_clean_linalg_and_fft", "test_raw_malloc_freed"):
         assert t[name]["outcome"] == "passed", (name, t[name].get("outside"))
     if "test_torch_tensor_kept" in t:
         assert "torch" in t["test_torch_tensor_kept"]["outside"]["by"]
@@ -76,7 +82,7 @@ def test_without_the_reading_the_same_tests_pass(inner):
     """The control: the plugin without the driver-level reading lets each of them pass."""
     inner.makepyfile(CASES)
     inner.runpytest_subprocess("-p", "no:cacheprovider", "--gpumem-leaks=fail", "--gpumem-outside=off",
-                               "--gpumem-json=out.json")
+                               "--gpumem-outside-tolerance=64MiB", "--gpumem-json=out.json")
     t = _tests(inner)
     for name in KEPT:
         if name in t:
