@@ -160,3 +160,18 @@ def test_bad_values_are_refused_at_start_up_by_name(pytester, fake_env, args, me
     r = run(pytester, "--gpumem", *args)
     assert r.ret == pytest.ExitCode.USAGE_ERROR
     assert message in r.stderr.str()
+
+
+def test_the_record_holds_built_in_types_only_for_pytest_xdist():
+    """pytest-xdist's serializer (execnet) takes no NumPy integer and no int subclass: the
+    figures a library or CUDA hands back go into the record as plain ints."""
+    np = pytest.importorskip("numpy")
+    from pytest_gpumem.outside import plain
+
+    rec = plain({"driver_growth": [np.int64(5)], "libraries": {"torch": {"held": (np.uint64(2),)}}, "tolerance": True,
+                 "by": {"unexplained": np.int32(7)}, "ratio": np.float32(0.5), "none": None})
+    assert rec == {"driver_growth": [5], "libraries": {"torch": {"held": [2]}}, "tolerance": True,
+                   "by": {"unexplained": 7}, "ratio": 0.5, "none": None}
+    assert type(rec["driver_growth"][0]) is int and type(rec["by"]["unexplained"]) is int
+    execnet = pytest.importorskip("execnet")
+    execnet.gateway_base.dumps_internal(rec)  # what a pytest-xdist worker does with the report
