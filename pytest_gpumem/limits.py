@@ -282,9 +282,15 @@ class Budget(Limit):
         if w.top_live:
             detail = (counts + "\nlargest allocations made by the test and still live at the end "
                       "of its call:\n" + describe(w.top_live))
-        else:
+        elif peaks is not w.peak and peaks[d] > max(w.peak[d], w.peak_reserved[d]):
+            detail = (counts + "\nthe peak is memory outside the strategy: a library that allocates on its own "
+                      "(PyTorch, Numba, a raw cudaMalloc, another CuPy pool), or CUDA's own growth "
+                      "(docs/pytest.md, 'Memory outside the strategy')")
+        elif w.n_allocs:
             detail = (counts + "\n(none of them was still live when the call returned; "
                       "gpumem.measure() blocks narrow the peak down)")
+        else:
+            detail = counts
         return Problem(self.kind, [msg], detail)
 
 

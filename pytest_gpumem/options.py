@@ -58,9 +58,13 @@ def _choice(*choices):
 
 def parse_tolerance(raw: str):
     v = raw.strip()
+    expected = "expected a size >= 0 such as '64MiB' or '1GiB'"
     if v.endswith("%"):
-        raise ValueError("expected a size such as '64MiB' (a share of the device is not taken)")
-    return cupy_memstrat.parse_size(v, what="tolerance")
+        raise ValueError(f"{expected} (a share of the device is not taken)")
+    try:
+        return cupy_memstrat.parse_size(v, what="tolerance")
+    except ValueError:
+        raise ValueError(expected) from None
 
 
 def parse_strategy(raw: str):
@@ -184,7 +188,7 @@ SETTINGS = (
             "read the driver's used GPU memory before and after each measured test, beside the strategy's "
             "count: memory a test holds outside the strategy (PyTorch, Numba, raw cudaMalloc, another CuPy "
             "pool) is reported, and counts as leaked under --gpumem-leaks (default on; off: no reading)",
-            metavar="on|off"),
+            metavar="on|off", ini_type="bool"),
     Setting("outside_tolerance", "--gpumem-outside-tolerance", "GPUMEM_OUTSIDE_TOLERANCE",
             "gpumem_outside_tolerance", parse_tolerance, 1 << 30,
             "growth of the driver's used memory that no library the plugin reads explains and that is not a "

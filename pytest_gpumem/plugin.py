@@ -106,7 +106,13 @@ def _settings_summary(state) -> str:
     s = state.settings
     parts = []
     if s.budget is not None:
-        parts.append(f"budget {size_words(s.budget, s.text('budget'))} ({s.source('budget')})")
+        parts.append(f"budget {size_words(s.budget, s.text('budget'))} ({s.source('budget')})"
+                     + (f" on the driver's reading ({s.source('budget_reading')})" if s.budget_reading == "driver"
+                        else ""))
+    if not s.outside:
+        parts.append(f"driver's reading off ({s.source('outside')})")
+    elif s.source("outside_tolerance") is not None:
+        parts.append(f"outside tolerance {fmt(s.outside_tolerance)} ({s.source('outside_tolerance')})")
     if s.leaks != "off":
         parts.append(f"leaks: {s.leaks} ({s.source('leaks')})")
     if s.max_fragmentation is not None:

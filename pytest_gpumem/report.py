@@ -39,7 +39,12 @@ def table_lines(records: list[dict], top: int) -> list[str]:
     """The terminal table: the ``top`` tests by peak, with the driver-level peak (where the
     driver was read), reserved (where a fragmentation limit applied), leaks and faults
     columns where any test has them."""
-    rows = sorted(records, key=lambda r: (r.get("measured") is False, -(r["peak_bytes"] or 0), r["nodeid"]))[:top]
+    def judged_peak(r):  # the peak a budget judges: the driver-level one under --gpumem-budget-reading=driver
+        if r.get("budget_reading") == "driver" and r.get("driver_peak_bytes_per_device"):
+            return max(r["driver_peak_bytes_per_device"])
+        return r["peak_bytes"] or 0
+
+    rows = sorted(records, key=lambda r: (r.get("measured") is False, -judged_peak(r), r["nodeid"]))[:top]
     show_leaks = any(r.get("leaked_bytes") is not None for r in records)
     show_faults = any(r.get("faults") for r in records)
     show_reserved = any("fragmentation" in (r.get("limits") or {}) for r in records)

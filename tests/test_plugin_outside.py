@@ -149,9 +149,10 @@ def test_a_budget_on_the_driver_reading_counts_memory_from_any_library(pytester,
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--gpumem-outside-tolerance=10%"], "--gpumem-outside-tolerance='10%': expected a size such as '64MiB'"),
-    (["--gpumem-outside-tolerance=-1MiB"], "--gpumem-outside-tolerance='-1MiB'"),
-    (["--gpumem-outside-tolerance=lots"], "--gpumem-outside-tolerance='lots'"),
+    (["--gpumem-outside-tolerance=10%"], "--gpumem-outside-tolerance='10%': expected a size >= 0 such as '64MiB' "
+                                         "or '1GiB' (a share of the device is not taken)"),
+    (["--gpumem-outside-tolerance=-1MiB"], "--gpumem-outside-tolerance='-1MiB': expected a size >= 0 such as"),
+    (["--gpumem-outside-tolerance=lots"], "--gpumem-outside-tolerance='lots': expected a size >= 0 such as"),
     (["--gpumem-budget-reading=peak"], "--gpumem-budget-reading='peak': expected one of strategy, driver"),
     (["--gpumem-outside=maybe"], "--gpumem-outside='maybe': expected one of"),
 ])
@@ -175,3 +176,33 @@ def test_the_record_holds_built_in_types_only_for_pytest_xdist():
     assert type(rec["driver_growth"][0]) is int and type(rec["by"]["unexplained"]) is int
     execnet = pytest.importorskip("execnet")
     execnet.gateway_base.dumps_internal(rec)  # what a pytest-xdist worker does with the report
+
+
+def test_the_header_names_the_driver_reading_settings(pytester, fake_env):
+    pytester.makepyfile(HEAD + "def test_x():\n    pass\n")
+    r = run(pytester, "--gpumem-budget=16MiB", "--gpumem-budget-reading=driver", "--gpumem-outside-tolerance=8MiB")
+    r.stdout.fnmatch_lines(["gpumem: measuring every test * budget 16.0 MiB (--gpumem-budget) on the driver's "
+                            "reading (--gpumem-budget-reading); "
+                            "outside tolerance 8.0 MiB (--gpumem-outside-tolerance)"])
+    r = run(pytester, "--gpumem", "--gpumem-outside=off")
+    r.stdout.fnmatch_lines(["gpumem: measuring every test * driver's reading off (--gpumem-outside)"])
+
+
+def test_a_driver_budget_failure_says_the_peak_is_outside_the_strategy_and_ranks_by_it(pytester, fake_env):
+    pytester.makepyfile(BUDGET)
+    r = run(pytester, "--gpumem-budget-reading=driver", "--gpumem-top=1")
+    r.assert_outcomes(failed=1, passed=1)
+    r.stdout.fnmatch_lines(["the peak is memory outside the strategy: a library that allocates on its own*"])
+    assert "gpumem.measure() blocks narrow the peak down" not in r.stdout.str()
+    # the table ranks by the peak the budget judged: the failing test first
+    r.stdout.fnmatch_lines(["*top 1 of 2*", "*256.0 MiB*test_raw_memory_under_a_budget*[budget]*"])
+
+
+def test_the_native_toml_table_takes_a_boolean_for_the_driver_reading(pytester, fake_env):
+    if pytest.version_tuple < (9,):
+        pytest.skip("the native [tool.pytest] table is pytest 9's")
+    pytester.makepyfile(TESTS)
+    pytester.makepyprojecttoml("[tool.pytest]\ngpumem_leaks = \"fail\"\ngpumem_outside = false\n")
+    r = run(pytester, "--gpumem-json=out.json")
+    r.assert_outcomes(failed=1, passed=4)
+    assert "outside" not in _tests(pytester)["test_keeps_raw_memory"]
