@@ -325,3 +325,16 @@ def test_threads_allocating_and_freeing_never_share_a_live_block():
     assert clash == [] and s.stats(0).bytes_in_use == 0
     s.trim()
     assert fake.used_bytes(0) == 0
+
+
+def test_without_remap_alternating_batches_synchronise_far_less_and_reserve_more():
+    """remap=False is the option for programs whose sizes change each iteration: growth maps new
+    memory instead of moving pages after a device synchronisation (docs/expandable.md, Cost)."""
+    runs = {}
+    for spec in ("expandable", "expandable:remap=false"):
+        fake = FakeBackend(memory="80GiB")
+        syncs = fake.n_device_synchronize_calls
+        row = replay(fragmentation.program("alternating-batches"), backend=fake, strategies=[spec])["results"][spec]
+        runs[spec] = (fake.n_device_synchronize_calls - syncs, row["reserved_over_in_use"])
+    (moved_syncs, moved_ratio), (kept_syncs, kept_ratio) = runs["expandable"], runs["expandable:remap=false"]
+    assert kept_syncs * 3 < moved_syncs and moved_ratio <= 1.05 < kept_ratio
