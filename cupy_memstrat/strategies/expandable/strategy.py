@@ -76,10 +76,10 @@ class ExpandableStrategy(Strategy):
         max_size: most bytes of physical memory mapped per device (a size or ``"N%"`` of the
             device's memory); 0 or None: no limit but the device's.
         release_threshold: most bytes mapped and unused per device (a size or ``"N%"``), as
-            the release threshold of CUDA's stream-ordered pools: a free that leaves more
-            unused makes the next allocation on the device trim down to it (a device
+            the release threshold of CUDA's stream-ordered pools: with more unused, the next
+            allocation on the device that no kept block serves trims down to it (a device
             synchronisation). It keeps at most the threshold plus one page, besides the unused
-            parts of pages live blocks touch. None (the default): keep everything until
+            parts of pages live blocks touch and the kept blocks. None (the default): keep everything until
             :meth:`trim` or an out-of-memory error, as CuPy's pool does.
         remap: grow by moving mapped pages no block uses before mapping new memory (default
             True).
@@ -121,7 +121,7 @@ class ExpandableStrategy(Strategy):
         self._spaces: list[Space | None] = [None] * n
         self._limits: list[int | None] = [None] * n
         self._thresholds: list[int | None] = [None] * n  # release_threshold in bytes, per device
-        #: unused bytes above which a free asks for a trim; and whether one is due, per device
+        #: unused bytes above which the next allocation that no kept block serves trims, per device
         self._trim_at: list[int | None] = [None] * n
         #: per device: stream key -> its arena of freed blocks, kept whole for the stream's next
         #: request of the same size (strategies/arenas.py; ``small_max`` 0: one list for
