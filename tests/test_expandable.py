@@ -338,3 +338,35 @@ def test_without_remap_alternating_batches_synchronise_far_less_and_reserve_more
         runs[spec] = (fake.n_device_synchronize_calls - syncs, row["reserved_over_in_use"])
     (moved_syncs, moved_ratio), (kept_syncs, kept_ratio) = runs["expandable"], runs["expandable:remap=false"]
     assert kept_syncs * 3 < moved_syncs and moved_ratio <= 1.05 < kept_ratio
+
+
+@pytest.mark.parametrize("size", [4096, 4 * MiB])
+def test_a_new_stream_at_a_destroyed_streams_handle_gets_none_of_its_blocks_unsynchronised(size):
+    """CUDA may give a new stream the handle of a destroyed one while the destroyed one's kernel
+    still runs, and does not order the new stream after it (docs/streams.md). A cache found by
+    handle would hand the new stream a block that kernel still writes."""
+    import gc
+
+    from helpers import stream_on_handle
+
+    fake, s = _s()
+    for _ in range(3):
+        A = fake.stream(non_blocking=True)
+        with A:
+            p = s.raw_malloc(size)
+        fake.launch(A)  # a long kernel writing p
+        with A:
+            s.raw_free(p)
+        a = A.ptr
+        del A
+        B = stream_on_handle(fake, a, still_running=1)
+        with B:
+            q = s.raw_malloc(size)
+        assert q != p or fake.busy_destroyed_streams() == 0  # A's block only once A's kernel is done
+        fake.device_synchronize(0)
+        with B:
+            s.raw_free(q)
+        del B
+        gc.collect()
+    st = s.stats(0)
+    assert st.bytes_in_use == 0 and st.bytes_reserved <= 4 * max(size, PAGE)

@@ -23,7 +23,7 @@ from cupy_memstrat import backends as C
 from cupy_memstrat.bench import streams as S
 
 GiB = 1 << 30
-SAFE = ["cupy-default", "device", "managed", "async", "pool", "pool:route=wrap"]
+SAFE = ["cupy-default", "device", "managed", "async", "pool", "pool:route=wrap", "expandable"]
 
 
 @pytest.fixture

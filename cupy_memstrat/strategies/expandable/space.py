@@ -94,6 +94,16 @@ class Space:
             self._insert(start, size, None)
         return len(tagged)
 
+    def retag(self, old, new) -> int:
+        """The free ranges kept for stream ``old`` are kept for ``new`` instead (a tag no
+        stream has: a destroyed stream's ranges, which only a synchronisation makes any
+        stream's). Returns the ranges retagged."""
+        tagged = [s for s, v in self._free.items() if v[1] == old]
+        for start in tagged:
+            size, _ = self._remove(start)
+            self._insert(start, size, new)
+        return len(tagged)
+
     def tagged_bytes(self) -> int:
         """Free bytes that only the stream that freed them may use until a synchronisation."""
         return sum(v[0] for v in self._free.values() if v[1] is not None)

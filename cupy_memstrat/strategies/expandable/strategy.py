@@ -4,13 +4,16 @@ always joins its free neighbours."""
 
 from __future__ import annotations
 
+import itertools
 import threading
+import weakref
 
 from ... import backends as _backends
 from ...options import Option, as_bool
 from ...sizes import format_size, parse_size
 from ..arenas import build_arena_hot_path
 from ..base import Strategy
+from ..stream_deaths import StreamWatch
 from .space import Space
 
 __all__ = ["ExpandableStrategy"]
@@ -129,6 +132,23 @@ class ExpandableStrategy(Strategy):
         self._arenas: list[dict[int, tuple[list, dict]]] = [{} for _ in range(n)]
         self._owner: dict[int, tuple[list, dict]] = {}  # block start -> the arena it goes back to
         self._blocks: dict[int, tuple[int, int, int]] = {}  # ptr -> (bytes, device, stream key), kept ones too
+        #: destroyed streams not yet seen to, per device: (stream key, its arena or None); and
+        #: those seen to: (the tag their free ranges have, their arena), until a synchronisation
+        #: has waited for their work and no live block of theirs is left
+        self._died: list[list[tuple]] = [[] for _ in range(n)]
+        self._dead: list[list[tuple]] = [[] for _ in range(n)]
+        self._dead_tags = itertools.count()
+        me = weakref.ref(self)  # not the strategy itself, which the watch must not keep alive
+
+        def stream_died(device, key):
+            # In the stream's deallocation, before the program can make another stream (which
+            # CUDA may give the same handle): dict and list operations only (no lock, nothing CUDA).
+            strategy = me()
+            if strategy is not None:
+                strategy._died[device].append((key, strategy._arenas[device].pop(key, None)))
+                strategy._forget_last_owner()  # the C hot path's cached arena of this handle
+
+        self._stream_watch = StreamWatch(self.backend, n, stream_died)
         self._why: list[str | None] = [None] * n  # what ran out at the last failed allocation
         self._lock = threading.RLock()
         #: pages moved to where the range grew, per device (option ``remap``)
@@ -198,6 +218,11 @@ class ExpandableStrategy(Strategy):
         Recovers from out of memory in CuPy's order, or raises
         :class:`~cupy_memstrat.OutOfMemoryError` saying what ran out."""
         __tracebackhide__ = True  # pytest shows the user's frames, not ours
+        if key > 2 and not self._stream_watch.is_watched(device, key):
+            # a stream CuPy made: when it dies, its blocks wait for a synchronisation
+            stream = self.backend.current_stream(device)
+            if getattr(stream, "ptr", None) == key:
+                self._stream_watch.watch(device, stream)
         try:
             return self._carve(size, device, key)
         except self._Error as exc:
@@ -216,6 +241,8 @@ class ExpandableStrategy(Strategy):
         nbytes = -(-size // _ROUND) * _ROUND or _ROUND  # a 0-byte request gets a block of its own too
         with self._lock:
             space = self._space(device)
+            if self._died[device]:
+                self._see_to_dead_streams(device, space)
             at = self._trim_at[device]
             if at is not None and self._unused_bytes(device) > at:  # more unused than release_threshold
                 self._trim_to_threshold(device)
@@ -292,6 +319,7 @@ class ExpandableStrategy(Strategy):
         b, page = self.backend, space.page
         b.device_synchronize(device)
         space.settle()
+        self._drop_dead(device)
         out = []
         for old, new in zip(reversed(free), pages):
             h = space.unmap(old)
@@ -329,10 +357,31 @@ class ExpandableStrategy(Strategy):
         if forget is not None and hasattr(forget, "forget"):
             forget.forget()
 
+    def _see_to_dead_streams(self, device: int, space: Space) -> None:
+        """Destroyed streams' free ranges and kept blocks become no stream's until a
+        synchronisation (under the lock): CUDA may give a destroyed stream's handle to a new
+        stream while the destroyed one's work still runs, and does not order the new stream
+        after it."""
+        died = self._died[device]
+        while died:
+            key, arena = died.pop()
+            tag = ("destroyed stream", key, next(self._dead_tags))
+            space.retag(key, tag)
+            if arena is not None:
+                self._dead[device].append((tag, arena))
+
+    def _drop_dead(self, device: int) -> None:
+        """After a synchronisation: forget the destroyed streams' arenas that keep no block and
+        that no live block goes back to (under the lock)."""
+        if self._dead[device]:
+            owners = {id(a) for a in self._owner.values()}
+            self._dead[device] = [(t, a) for t, a in self._dead[device]
+                                  if id(a) in owners or a[0][0] or any(a[1].values())]
+
     def _kept_bytes(self, device: int) -> int:
-        """Bytes of the blocks kept in the arenas of ``device``."""
+        """Bytes of the blocks kept in the arenas of ``device``, destroyed streams' included."""
         n = 0
-        for small, large in list(self._arenas[device].values()):
+        for small, large in [*self._arenas[device].values(), *(a for _t, a in self._dead[device])]:
             n += len(small[0]) * _ROUND
             for nbytes, lst in list(large.items()):
                 n += len(lst) * nbytes
@@ -355,7 +404,10 @@ class ExpandableStrategy(Strategy):
     def _release_kept(self, device: int) -> None:
         """Give the kept blocks of ``device`` to its address space (under the lock)."""
         space = self._spaces[device]
-        for key, (small, large) in list(self._arenas[device].items()):
+        if self._died[device]:
+            self._see_to_dead_streams(device, space)
+        arenas = [*self._arenas[device].items(), *self._dead[device]]  # (stream key or tag, arena)
+        for key, (small, large) in arenas:
             for lst in (small[0], *list(large.values())):
                 while lst:
                     try:
@@ -390,6 +442,7 @@ class ExpandableStrategy(Strategy):
                 self._release_kept(d)
                 b.device_synchronize(d)
                 space.settle()
+                self._drop_dead(d)
                 free = space.free_pages()
                 spare = len(free) * space.page - keep
                 out = free[len(free) - max(0, spare) // space.page:] if spare > 0 else []
