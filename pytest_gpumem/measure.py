@@ -81,12 +81,14 @@ class Window:
     check_error: str | None = None  # why the checks' pending work could not be finished after the call
     outside0: object = None  # outside.Reading when opened (the meter's outside check on)
     outside1: object = None  # outside.Reading when closed
+    sampler: object = None  # outside.Sampler during the call (--gpumem-driver-sample)
+    sampled_peak: list | None = None  # its highest reading per device, once closed
 
 
 class Meter:
     """Windows over one strategy, for the whole session."""
 
-    def __init__(self, strategy, outside: bool = False):
+    def __init__(self, strategy, outside: bool = False, sample_interval: float = 0.0):
         self.strategy = strategy
         self.n_devices = strategy.backend.device_count()
         self.devices = range(self.n_devices)
@@ -96,6 +98,8 @@ class Meter:
         self._counter_error = None
         #: read the driver and the libraries' counters at each window (memory outside the strategy)
         self.outside = outside
+        #: seconds between readings of the driver during a call (0: none between its start and end)
+        self.sample_interval = sample_interval
         self._warmed: set = set()  # devices whose library handles outside.warm_up made
 
     # -- device facts ---------------------------------------------------------------
@@ -132,11 +136,12 @@ class Meter:
         return value
 
     # -- windows ----------------------------------------------------------------------
-    def open(self, snapshot: bool = True, warm: bool = False) -> Window:
+    def open(self, snapshot: bool = True, warm: bool = False, sample: bool = False) -> Window:
         """A new window. ``warm``: a verdict on memory outside the strategy may follow, so what
         CUDA sets aside once per process (a first kernel launch, the library handles CuPy makes
         on first use) is made first (outside.warm_up), once per device, before anything is
-        read."""
+        read. ``sample``: read the driver every ``sample_interval`` seconds until the window
+        closes (a test's call)."""
         s = self.strategy
         if self.outside and warm:
             device = s.backend.get_device()
@@ -161,6 +166,8 @@ class Meter:
             peak_reserved_abs=[st.bytes_reserved for st in sts],
             outside0=outside0,
         )
+        if outside0 is not None and sample and self.sample_interval > 0:
+            w.sampler = _outside.Sampler(s.backend, self.devices, self.sample_interval).start()
         self._open.append(w)
         return w
 
@@ -180,6 +187,8 @@ class Meter:
         w.n_allocs = sum(st.n_allocs - w.allocs0[d] for d, st in enumerate(sts))
         w.n_frees = sum(st.n_frees - w.frees0[d] for d, st in enumerate(sts))
         w.closed = True
+        if w.sampler is not None:
+            w.sampled_peak = w.sampler.stop()
         if w.outside0 is not None:
             w.outside1 = _outside.read(self.strategy, self.devices)
         with contextlib.suppress(ValueError):
@@ -189,14 +198,17 @@ class Meter:
     def driver_peak(self, w: Window) -> list:
         """Per device, the call's peak as the driver sees it (bytes, on top of the start):
         the highest of the strategy's peak in use, its peak reserved and the growth of the
-        device's used memory at the end of the call. Without the outside reading (off), the
-        strategy's peak in use."""
+        device's used memory at the end of the call, and at each sampled reading during it
+        (``sample_interval``). Without the outside reading (off), the strategy's peak in use."""
         if w.outside0 is None or w.outside1 is None:
             return list(w.peak)
         out = []
         for d in self.devices:
             u0, u1 = w.outside0.driver_used[d], w.outside1.driver_used[d]
             grown = u1 - u0 if u0 is not None and u1 is not None else 0
+            sampled = w.sampled_peak[d] if w.sampled_peak is not None else None
+            if sampled is not None and u0 is not None:
+                grown = max(grown, sampled - u0)
             out.append(max(w.peak[d], w.peak_reserved[d], grown))
         return out
 

@@ -67,6 +67,17 @@ def parse_tolerance(raw: str):
         raise ValueError(expected) from None
 
 
+def parse_interval_ms(raw: str):
+    """Milliseconds between readings, as seconds: ASCII digits, 0 for none."""
+    t = raw.strip()
+    if not (t.isascii() and t.isdigit()):
+        raise ValueError("expected a whole number of milliseconds >= 0 (0: no sampling)")
+    ms = int(t)
+    if ms > 60_000:
+        raise ValueError(f"expected at most 60000 milliseconds, got {ms}")
+    return ms / 1000
+
+
 def parse_strategy(raw: str):
     spec = raw.strip()
     cupy_memstrat.validate(spec)
@@ -194,6 +205,11 @@ SETTINGS = (
             "growth of the driver's used memory that no library the plugin reads explains and that is not a "
             "leak up to SIZE per device: CUDA's own growth (local memory for a kernel's threads, modules "
             "loaded, library workspaces) and other processes on the device (default 1GiB)", metavar="SIZE"),
+    Setting("driver_sample", "--gpumem-driver-sample", "GPUMEM_DRIVER_SAMPLE", "gpumem_driver_sample",
+            parse_interval_ms, 0.0,
+            "also read the driver's used GPU memory every MS milliseconds during each measured call, on a "
+            "thread of its own, for the driver-level peak (memory outside the strategy freed before the call "
+            "ends); 0 (default): only at the call's start and end", metavar="MS", ini_type="string"),
     Setting("budget_reading", "--gpumem-budget-reading", "GPUMEM_BUDGET_READING", "gpumem_budget_reading",
             _choice("strategy", "driver"), "strategy",
             "what a budget judges: strategy (default): the peak in use through the strategy; driver: also the "

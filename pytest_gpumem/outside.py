@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
 from dataclasses import dataclass, field
 
-__all__ = ["Reading", "read", "empty_caches", "warm_up", "plain", "LIBRARY_NAMES"]
+__all__ = ["Reading", "Sampler", "read", "empty_caches", "warm_up", "plain", "LIBRARY_NAMES"]
 
 #: the libraries whose counters the plugin reads, as reports name them
 LIBRARY_NAMES = {"torch": "PyTorch's caching allocator", "numba": "Numba's memory manager"}
@@ -125,6 +126,49 @@ def read(strategy, devices) -> Reading:
         if r is not None:
             libs[name] = r
     return Reading(used, reserved, libs)
+
+
+class Sampler:
+    """The driver's used memory read every ``interval`` seconds on a thread of its own, while
+    a test's call runs: the highest reading per device (bytes), for the driver-level peak of
+    memory a test allocates outside the strategy and frees again before its call ends. A
+    reading costs one ``cudaMemGetInfo`` per device; what happens between two readings is not
+    seen."""
+
+    def __init__(self, backend, devices, interval: float):
+        self._backend, self._devices, self._interval = backend, list(devices), interval
+        self.peak: list = [None] * len(self._devices)
+        self.n_readings = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpumem-driver-sampler", daemon=True)
+
+    def _read(self) -> None:
+        for i, d in enumerate(self._devices):
+            try:
+                free, total = self._backend.mem_get_info(d)
+            except Exception:  # noqa: BLE001 - a device that cannot be read: no reading
+                continue
+            used = total - free
+            if self.peak[i] is None or used > self.peak[i]:
+                self.peak[i] = used
+        self.n_readings += 1
+
+    def _run(self) -> None:
+        self._read()
+        while not self._stop.wait(self._interval):
+            self._read()
+
+    def start(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> list:
+        """Stop (after one last reading); the highest reading per device, None where none was
+        taken."""
+        self._stop.set()
+        self._thread.join()
+        self._read()
+        return list(self.peak)
 
 
 def empty_caches(devices, strategy_name: str) -> None:

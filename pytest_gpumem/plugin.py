@@ -111,6 +111,8 @@ def _settings_summary(state) -> str:
                         else ""))
     if not s.outside:
         parts.append(f"driver's reading off ({s.source('outside')})")
+    elif s.driver_sample:
+        parts.append(f"driver read every {s.driver_sample * 1000:g} ms in each call ({s.source('driver_sample')})")
     elif s.source("outside_tolerance") is not None:
         parts.append(f"outside tolerance {fmt(s.outside_tolerance)} ({s.source('outside_tolerance')})")
     if s.leaks != "off":
@@ -317,7 +319,7 @@ def pytest_runtest_call(item):
             counter = meter.fault_counter()
         except cupy_memstrat.FaultCountersUnavailable:
             counter = None
-    w = meter.open(snapshot=True, warm=plan.leaks != "off" or (
+    w = meter.open(snapshot=True, sample=True, warm=plan.leaks != "off" or (
         plan.budget is not None and plan.budget_reading == "driver"))
     w.checked = state.checked_state(strategy)
     if strategy is not state.initial_strategy:

@@ -101,7 +101,7 @@ class State:
                 previous = cupy.cuda.get_allocator()
                 self.strategy = cupy_memstrat.use(current if current is not None else (spec or "pool"), **extra)
                 self.previous, self.installed = previous, True
-            self.meter = Meter(self.strategy, outside=self.settings.outside)
+            self.meter = self._new_meter(self.strategy)
             self.initial_strategy = self.strategy
             self._expected_allocator = cupy.cuda.get_allocator()
         except (cupy_memstrat.NoDeviceError, cupy_memstrat.CuPyNotInstalledError, RuntimeError) as exc:
@@ -153,7 +153,7 @@ class State:
         if local is not None:
             new = cupy_memstrat.current()
             if new is not None and new is not self.strategy:
-                return Meter(new, outside=self.settings.outside), new
+                return self._new_meter(new), new
             if new is None:  # cupy.cuda.using_allocator() of CuPy's own allocator, for this test only
                 item.stash[FOREIGN] = (
                     f"ran inside cupy.cuda.using_allocator() of {_describe(local, cupy)}, which is not a "
@@ -201,7 +201,7 @@ class State:
                             "cupy_memstrat.current() is now the checking layer over it")
                 else:
                     msg += f", without the session's checks ({_check_words(self.checks)}): they cannot wrap it"
-            self.strategy, self.meter = new, Meter(new, outside=self.settings.outside)
+            self.strategy, self.meter = new, self._new_meter(new)
             self._expected_allocator = cupy.cuda.get_allocator()
         else:
             msg = (f"CuPy's allocator changed {what} {item.nodeid} to {_describe_allocator(cupy)}, "
@@ -259,6 +259,10 @@ class State:
             cupy.cuda.set_allocator(self.previous)  # what was there before the session
             self.installed = False
 
+    def _new_meter(self, strategy) -> Meter:
+        """A meter over ``strategy`` with the session's driver-reading settings."""
+        return Meter(strategy, outside=self.settings.outside, sample_interval=self.settings.driver_sample)
+
     def fault_unavailable(self) -> str | None:
         """Why page faults cannot be counted here, or None."""
         if self.meter is None:
@@ -303,6 +307,8 @@ class State:
             rec["driver_used_before_bytes_per_device"] = plain(w.outside0.driver_used)
             rec["driver_used_after_bytes_per_device"] = plain(w.outside1.driver_used)
             rec["driver_peak_bytes_per_device"] = plain(meter.driver_peak(w))
+            if w.sampler is not None:
+                rec["driver_readings"] = w.sampler.n_readings  # during the call (--gpumem-driver-sample)
             rec["outside_bytes_per_device"] = [
                 max(0, (u1 - u0) - (r1 - r0)) if u0 is not None and u1 is not None else None
                 for u0, u1, r0, r1 in zip(plain(w.outside0.driver_used), plain(w.outside1.driver_used),
@@ -395,7 +401,7 @@ class State:
             "strategy": strategy,
             "strategy_spec": s.strategy,
             "settings": {k: s.values[k] for k in ("budget", "budget_reading", "leaks", "outside", "outside_tolerance",
-                                                  "faults", "faults_missing")}
+                                                  "driver_sample", "faults", "faults_missing")}
             | {"measure": s.measuring, "check": sorted(self.checks), "stream_policy": s.stream_policy,
                "history": s.history,
                "max_fragmentation": (None if s.max_fragmentation is None else

@@ -206,3 +206,36 @@ def test_the_native_toml_table_takes_a_boolean_for_the_driver_reading(pytester, 
     r = run(pytester, "--gpumem-json=out.json")
     r.assert_outcomes(failed=1, passed=4)
     assert "outside" not in _tests(pytester)["test_keeps_raw_memory"]
+
+
+SAMPLED = HEAD + """
+import time
+
+@pytest.mark.limit_gpu_memory("16MiB")
+def test_raw_memory_freed_before_the_call_ends():
+    b = cupy_memstrat.current().backend
+    p = raw(256 * MiB)
+    time.sleep(0.2)
+    b.free(p)
+"""
+
+
+def test_sampling_the_driver_sees_memory_freed_before_the_call_ends(pytester, fake_env):
+    pytester.makepyfile(SAMPLED)
+    r = run(pytester, "--gpumem-budget-reading=driver", "--gpumem-driver-sample=5", "--gpumem-json=out.json")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["driver-level peak 256.0 MiB > budget 16.0 MiB (limit_gpu_memory marker)*"])
+    rec = _tests(pytester)["test_raw_memory_freed_before_the_call_ends"]
+    assert rec["driver_readings"] >= 3 and rec["driver_peak_bytes_per_device"] == [256 << 20]
+    # the control: read at the call's start and end only, the memory came and went unseen
+    r = run(pytester, "--gpumem-budget-reading=driver", "--gpumem-json=out.json")
+    r.assert_outcomes(passed=1)
+    assert "driver_readings" not in _tests(pytester)["test_raw_memory_freed_before_the_call_ends"]
+
+
+@pytest.mark.parametrize("value", ["-5", "1.5", "fast", "100000"])
+def test_a_bad_sampling_interval_is_refused_at_start_up(pytester, fake_env, value):
+    pytester.makepyfile(HEAD + "def test_x():\n    pass\n")
+    r = run(pytester, "--gpumem", f"--gpumem-driver-sample={value}")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert f"--gpumem-driver-sample={value!r}: expected" in r.stderr.str()

@@ -117,3 +117,30 @@ def test_a_budget_on_the_driver_reading_counts_memory_from_any_library(inner):
     r.stdout.fnmatch_lines(["driver-level peak * > budget 16.0 MiB (limit_gpu_memory marker)*"])
     inner.runpytest_subprocess("-p", "no:cacheprovider", "--gpumem-json=out.json")  # the control
     assert all(rec["outcome"] == "passed" for rec in _tests(inner).values())
+
+
+SAMPLED = """
+import time
+import pytest
+import cupy
+MiB = 1 << 20
+
+@pytest.mark.limit_gpu_memory("16MiB")
+def test_raw_malloc_freed_before_the_call_ends():
+    p = cupy.cuda.runtime.malloc(256 * MiB)
+    time.sleep(0.2)
+    cupy.cuda.runtime.free(p)
+"""
+
+
+def test_sampling_the_driver_sees_memory_freed_before_the_call_ends(inner):
+    inner.makepyfile(SAMPLED)
+    r = inner.runpytest_subprocess("-p", "no:cacheprovider", "--gpumem-budget-reading=driver",
+                                   "--gpumem-driver-sample=5", "--gpumem-json=out.json")
+    (rec,) = _tests(inner).values()
+    assert rec["outcome"] == "failed" and rec["verdict"] == "budget" and rec["driver_readings"] >= 3, rec
+    r.stdout.fnmatch_lines(["driver-level peak * > budget 16.0 MiB (limit_gpu_memory marker)*"])
+    inner.runpytest_subprocess("-p", "no:cacheprovider", "--gpumem-budget-reading=driver",
+                               "--gpumem-json=out.json")  # the control: start and end only
+    (rec,) = _tests(inner).values()
+    assert rec["outcome"] == "passed", rec
