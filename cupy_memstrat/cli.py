@@ -91,6 +91,13 @@ def _cmd_bench(args) -> int:
             print(f"bench {group}: give --out DIR (bench-{group}.json and .png there) or --json PATH, not both",
                   file=sys.stderr)
             return 2
+        from .bench.alloc import require_real_gpu
+
+        try:  # before DIR is made: a run refused for want of a GPU leaves nothing behind
+            require_real_gpu()
+        except MemstratError as exc:
+            print(f"bench {group} needs a CUDA device and CuPy: {_without_fake_hint(exc)}", file=sys.stderr)
+            return 2
         try:
             os.makedirs(out, exist_ok=True)
         except OSError as exc:

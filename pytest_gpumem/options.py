@@ -362,7 +362,7 @@ def resolve(config, environ=None) -> Settings:
         else:
             out.values[s.name], out.sources[s.name] = s.default, None
             continue
-        if not raw.strip():  # an empty command-line value switches a setting off
+        if not raw.strip():  # an empty command-line value: the default, over the environment and ini
             out.values[s.name], out.sources[s.name] = s.default, src
             continue
         try:

@@ -405,3 +405,15 @@ def test_run_checks_the_frees_of_the_arrays_a_script_keeps_to_the_end(tmp_path):
     (tmp_path / "job.py").write_text(LAST_FREE_OVERRUNS.replace("del x", "pass"))
     r = _run_fake(tmp_path, "run", "-s", "async:check=all", "job.py")
     assert r.returncode == 1 and "the checks found 1 problem" in r.stderr, r.stderr
+
+
+def test_bench_group_out_without_a_gpu_makes_no_folder(tmp_path, monkeypatch, capsys):
+    from cupy_memstrat import backends as C
+    from cupy_memstrat.cli import main
+
+    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake")  # no real GPU, also on a machine with one
+    monkeypatch.setattr(C, "_backend", None)
+    out = tmp_path / "res"
+    assert main(["bench", "plugin", "--out", str(out)]) == 2
+    assert "bench plugin needs a CUDA device and CuPy" in capsys.readouterr().err
+    assert not out.exists()
