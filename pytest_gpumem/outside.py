@@ -43,14 +43,13 @@ class Reading:
 
 
 def plain(value):
-    """``value`` as built-in types only (exact ``int``, ``str``, ``list``, ``dict``...), for the
-    record that pytest-xdist sends from a worker: its serializer takes no subclass of ``int``
-    (a NumPy integer, an enum) nor tuples of them."""
+    """``value`` as built-in types only (exact ``int``, ``float``, ``str``, lists and dicts), for
+    the record that pytest-xdist sends from a worker: its serializer takes no NumPy number and no
+    subclass of ``int`` (an enum)."""
     if value is None or type(value) in (bool, str, float):
         return value
     if isinstance(value, dict):
-        return {str(k) if not isinstance(k, (int, str)) else k if type(k) in (int, str) else str(k): plain(v)
-                for k, v in value.items()}
+        return {k if type(k) in (int, str) else str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [plain(v) for v in value]
     try:
