@@ -209,7 +209,7 @@ SETTINGS = (
             parse_interval_ms, 0.0,
             "also read the driver's used GPU memory every MS milliseconds during each measured call, on a "
             "thread of its own, for the driver-level peak (memory outside the strategy freed before the call "
-            "ends); 0 (default): only at the call's start and end", metavar="MS", ini_type="string"),
+            "ends); 0 (default): only at the call's start and end", metavar="MS", ini_type="int"),
     Setting("budget_reading", "--gpumem-budget-reading", "GPUMEM_BUDGET_READING", "gpumem_budget_reading",
             _choice("strategy", "driver"), "strategy",
             "what a budget judges: strategy (default): the peak in use through the strategy; driver: also the "

@@ -74,6 +74,13 @@ def pytest_configure(config):
         raise pytest.UsageError(f"{settings.source('max_growth')}={settings.text('max_growth')!r}: a growth limit "
                                 "needs a baseline to compare with: give --gpumem-compare=BASELINE.json (an earlier "
                                 "--gpumem-json report)")
+    if not settings.outside:
+        for name, value in (("budget_reading", settings.budget_reading == "driver"),
+                            ("driver_sample", bool(settings.driver_sample))):
+            if value and settings.source(name) is not None:
+                raise pytest.UsageError(
+                    f"{settings.source(name)}={settings.text(name)!r} reads the driver, which "
+                    f"{settings.source('outside')}={settings.text('outside')!r} switches off: give one of the two")
     state = State(config, settings)
     config.stash[_KEY] = state
     config.pluginmanager.register(_Recorder(state), "gpumem-recorder")

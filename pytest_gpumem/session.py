@@ -401,8 +401,9 @@ class State:
             "strategy": strategy,
             "strategy_spec": s.strategy,
             "settings": {k: s.values[k] for k in ("budget", "budget_reading", "leaks", "outside", "outside_tolerance",
-                                                  "driver_sample", "faults", "faults_missing")}
-            | {"measure": s.measuring, "check": sorted(self.checks), "stream_policy": s.stream_policy,
+                                                  "faults", "faults_missing")}
+            | {"driver_sample_ms": round(s.driver_sample * 1000), "measure": s.measuring,
+               "check": sorted(self.checks), "stream_policy": s.stream_policy,
                "history": s.history,
                "max_fragmentation": (None if s.max_fragmentation is None else
                                      {"ratio": s.max_fragmentation[0], "slack_bytes": s.max_fragmentation[1]})},

@@ -239,3 +239,24 @@ def test_a_bad_sampling_interval_is_refused_at_start_up(pytester, fake_env, valu
     r = run(pytester, "--gpumem", f"--gpumem-driver-sample={value}")
     assert r.ret == pytest.ExitCode.USAGE_ERROR
     assert f"--gpumem-driver-sample={value!r}: expected" in r.stderr.str()
+
+
+@pytest.mark.parametrize("args", [["--gpumem-budget-reading=driver"], ["--gpumem-driver-sample=5"]])
+def test_reading_the_driver_with_the_reading_off_is_refused(pytester, fake_env, args):
+    pytester.makepyfile(HEAD + "def test_x():\n    pass\n")
+    r = run(pytester, "--gpumem", "--gpumem-outside=off", *args)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    option, value = args[0].split("=")
+    assert (f"{option}={value!r} reads the driver, which --gpumem-outside='off' switches off: give one of the two"
+            in r.stderr.str())
+
+
+def test_the_native_toml_table_takes_a_number_for_the_sampling_interval(pytester, fake_env):
+    if pytest.version_tuple < (9,):
+        pytest.skip("the native [tool.pytest] table is pytest 9's")
+    pytester.makepyfile(HEAD + "def test_x():\n    pass\n")
+    pytester.makepyprojecttoml("[tool.pytest]\ngpumem = true\ngpumem_driver_sample = 5\n")
+    r = run(pytester, "--gpumem-json=out.json")
+    r.assert_outcomes(passed=1)
+    doc = json.loads((pytester.path / "out.json").read_text())
+    assert doc["settings"]["driver_sample_ms"] == 5 and doc["tests"][0]["driver_readings"] >= 1
