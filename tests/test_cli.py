@@ -268,9 +268,10 @@ def test_plot_refuses_mangled_reports_with_a_message(tmp_path, capsys, doc, mess
 
 
 def _fake_group_run(monkeypatch, seen):
-    """bench GROUP without a GPU: the group's run returns a synthetic report."""
-    from cupy_memstrat.bench import workloads
+    """bench GROUP without a GPU: the group's run returns a synthetic report, as if on one."""
+    from cupy_memstrat.bench import alloc, workloads
 
+    monkeypatch.setattr(alloc, "require_real_gpu", lambda: None)
     report = {"benchmark": "workloads", "params": {"descriptions": {}}, "results": {}}
     monkeypatch.setattr(workloads, "run", lambda **kw: seen.append(kw) or report)
     monkeypatch.setattr(workloads, "format_table", lambda rep: "the table")
