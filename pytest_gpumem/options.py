@@ -203,7 +203,7 @@ SETTINGS = (
     Setting("outside_tolerance", "--gpumem-outside-tolerance", "GPUMEM_OUTSIDE_TOLERANCE",
             "gpumem_outside_tolerance", parse_tolerance, 1 << 30,
             "growth of the driver's used memory that no library the plugin reads explains and that is not a "
-            "leak up to SIZE per device: CUDA's own growth (local memory for a kernel's threads, modules "
+            "leak up to SIZE per device: CUDA's own growth (about 0.5 GiB at a first reduction on an H100, modules "
             "loaded, library workspaces) and other processes on the device (default 1GiB)", metavar="SIZE"),
     Setting("driver_sample", "--gpumem-driver-sample", "GPUMEM_DRIVER_SAMPLE", "gpumem_driver_sample",
             parse_interval_ms, 0.0,

@@ -206,10 +206,10 @@ def empty_caches(devices, strategy_name: str) -> None:
 
 def warm_up(device: int) -> None:
     """Make on ``device``, for this thread, what CUDA sets aside once and then keeps, so that
-    it is not counted against the first test that needs it: local memory for CuPy's
-    reductions (a kernel that needs more local memory per thread than any before it makes
-    the driver set that much aside for every thread the device can run and keep it: about
-    0.5 GiB on an H100 at the first sum of a uint8 array, measured), and the library handles
+    it is not counted against the first test that needs it: what CuPy's first reductions
+    make CUDA set aside (measured on an H100: the device's used memory grows by about 0.5 GiB
+    at a process's first sum of a uint8 array, and stays; most likely local memory for every
+    thread the device can run), and the library handles
     CuPy creates on first use (cuBLAS, whose workspace cuSOLVER's handle has too, cuSOLVER,
     cuSPARSE). The small arrays it makes go through CuPy's current allocator and are freed.
     Errors are ignored (no GPU, a library missing)."""
@@ -222,7 +222,7 @@ def warm_up(device: int) -> None:
         with cupy.cuda.Device(device):
             x = cupy.empty(1024, dtype=cupy.uint8)
             x.fill(1)  # a kernel launch
-            int(x.sum())  # CuPy's reductions: the local memory they need is set aside for every thread
+            int(x.sum())  # CuPy's reductions: what CUDA sets aside for them stays
             float(x.astype(cupy.float32).sum())
             cupy.cuda.get_current_stream().synchronize()
             del x

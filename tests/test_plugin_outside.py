@@ -99,7 +99,7 @@ def test_the_tolerance_decides_what_unexplained_growth_is_a_leak(pytester, fake_
     r.stdout.fnmatch_lines(["leaked 1.0 MiB outside the strategy (not explained by a library 1.0 MiB) > limit 0 B*"])
     r = run(pytester, "--gpumem-leaks=fail", "--gpumem-outside-tolerance=512MiB", "-k", "keeps_raw")
     r.assert_outcomes(passed=1)
-    # the default, 1 GiB per device: above the local memory CUDA sets aside at a kernel's first launch
+    # the default, 1 GiB per device: above what CUDA sets aside on its own at a first reduction
     r = run(pytester, "--gpumem-leaks=fail", "--gpumem-json=out.json", "-k", "keeps_raw")
     r.assert_outcomes(passed=1)
     assert _tests(pytester)["test_keeps_raw_memory"]["outside"]["tolerance"] == 1 << 30

@@ -18,7 +18,7 @@ import cupy
 MiB = 1 << 20
 KEEP = []
 
-def test_a_first_sum_is_clean():  # the first reduction of a process: local memory set aside (warm_up)
+def test_a_first_sum_is_clean():  # a process's first reduction: what CUDA sets aside then (warm_up)
     x = cupy.ones(MiB, dtype=cupy.uint8)
     assert int(x.sum()) == MiB
 
@@ -61,7 +61,7 @@ def _tests(inner):
 def test_memory_kept_outside_the_strategy_fails_the_leak_check(inner, strategy):
     inner.makepyfile(CASES)
     # a raw cudaMalloc and a second pool are judged against the tolerance: 64 MiB here, below the
-    # 96 MiB they keep (the default, 1 GiB, is above the local memory a kernel's first launch sets aside)
+    # 96 MiB they keep (the default, 1 GiB, is above what CUDA sets aside on its own at a first reduction)
     r = inner.runpytest_subprocess("-p", "no:cacheprovider", "--gpumem-leaks=fail", f"--gpumem-strategy={strategy}",
                                    "--gpumem-outside-tolerance=64MiB", "--gpumem-json=out.json", "-rA")
     t = _tests(inner)
