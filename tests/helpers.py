@@ -35,3 +35,22 @@ def stream_on_handle(fake, handle, still_running=None):
     if still_running is not None:
         assert fake.busy_destroyed_streams() == still_running, (fake.busy_destroyed_streams(), still_running)
     return stream
+
+
+def dead_stream_allocation(fake, s, size):
+    """The dead-stream pattern on ``fake`` under strategy ``s``: ``size`` bytes allocated on a
+    stream A, written by a long kernel there, freed on A; A dies while its kernel runs, and a new
+    stream B, which gets A's handle, allocates ``size`` bytes. Returns ``(p, q, B)``: A's block,
+    B's block, and B (alive)."""
+    A = fake.stream(non_blocking=True)
+    with A:
+        p = s.raw_malloc(size)
+    fake.launch(A)  # a long kernel writing p
+    with A:
+        s.raw_free(p)
+    a = A.ptr
+    del A
+    B = stream_on_handle(fake, a, still_running=1)
+    with B:
+        q = s.raw_malloc(size)
+    return p, q, B

@@ -347,21 +347,11 @@ def test_a_new_stream_at_a_destroyed_streams_handle_gets_none_of_its_blocks_unsy
     handle would hand the new stream a block that kernel still writes."""
     import gc
 
-    from helpers import stream_on_handle
+    from helpers import dead_stream_allocation
 
     fake, s = _s()
     for _ in range(3):
-        A = fake.stream(non_blocking=True)
-        with A:
-            p = s.raw_malloc(size)
-        fake.launch(A)  # a long kernel writing p
-        with A:
-            s.raw_free(p)
-        a = A.ptr
-        del A
-        B = stream_on_handle(fake, a, still_running=1)
-        with B:
-            q = s.raw_malloc(size)
+        p, q, B = dead_stream_allocation(fake, s, size)
         assert q != p or fake.busy_destroyed_streams() == 0  # A's block only once A's kernel is done
         fake.device_synchronize(0)
         with B:

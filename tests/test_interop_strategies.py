@@ -16,7 +16,7 @@ from cupy_memstrat import MemstratError
 from cupy_memstrat.strategies import RMMStrategy, TorchStrategy
 from cupy_memstrat.strategies.stream_deaths import DeadStreamGuard
 from cupy_memstrat.testing import FakeBackend
-from helpers import stream_on_handle
+from helpers import dead_stream_allocation
 
 MiB = 1 << 20
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -123,17 +123,7 @@ def test_after_a_stream_that_allocated_dies_the_next_allocation_waits_for_its_wo
     still runs (the fake does the same): a cache keyed by handle must not hand out the old
     stream's block before that work is done."""
     s = TorchStrategy(backend=fake)
-    A = fake.stream(non_blocking=True)
-    with A:
-        p = s.raw_malloc(MiB)
-    fake.launch(A)  # a long kernel on A writing p
-    with A:
-        s.raw_free(p)
-    a = A.ptr
-    del A
-    B = stream_on_handle(fake, a, still_running=1)
-    with B:
-        q = s.raw_malloc(MiB)
+    _p, q, B = dead_stream_allocation(fake, s, MiB)
     assert fake.busy_destroyed_streams() == 0  # the allocation waited for A's kernel
     assert s.guard.n_syncs == [1]
     with B:

@@ -17,7 +17,7 @@ import cupy_memstrat
 from cupy_memstrat.strategies.reachable import REACHABLE
 from cupy_memstrat import backends as C
 from cupy_memstrat.testing import FakeBackend
-from helpers import stream_on_handle
+from helpers import dead_stream_allocation, stream_on_handle
 
 MiB = 1 << 20
 POOLING = ["managed", "async", "pool"]
@@ -103,15 +103,7 @@ def test_managed_gives_a_new_stream_with_a_destroyed_streams_handle_none_of_its_
     block A's kernel still writes: the arena leaves with its stream."""
     s = cupy_memstrat.create("managed", backend=fake)
     for _ in range(3):
-        A = fake.stream(non_blocking=True)
-        p = _alloc_on(s, A, size)
-        fake.launch(A)  # a long kernel writing p
-        with A:
-            s.raw_free(p)
-        a = A.ptr
-        del A
-        B = stream_on_handle(fake, a, still_running=1)
-        q = _alloc_on(s, B, size)
+        p, q, B = dead_stream_allocation(fake, s, size)
         assert q != p or fake.busy_destroyed_streams() == 0  # A's block only once A's kernel is done
         fake.device_synchronize(0)
         with B:

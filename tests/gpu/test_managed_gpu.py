@@ -195,7 +195,7 @@ def test_the_guard_refuses_more_than_the_device_has_free_before_asking_cuda(cp, 
 @pytest.mark.gpu_exclusive  # takes most of the device's free memory: run alone (ci/gpu.sh)
 def test_the_guard_counts_memory_allocated_by_others_after_it_held_nothing(cp):
     # the guard's first reading is taken while the device is nearly empty; then another user takes
-    # all but 1.5 GiB. Counting that as the strategy's own chunks made resident (before the fix)
+    # all but 1.5 GiB. A guard that counted that as the strategy's own chunks made resident would
     # let the second 400 MiB through; a new reading whenever it holds no chunk refuses it
     s = cupy_memstrat.create("managed", headroom="1GiB")
     try:
