@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 KIND = "h200"  # the result set the pages show
-GROUPS = ("alloc", "async", "managed", "workloads", "streams", "fragmentation")
+GROUPS = ("alloc", "async", "managed", "workloads", "streams", "fragmentation", "plugin")
 REPLAYS = ("cg-poisson", "cupy-tests", "cupy-tests-limit")
 WORKLOAD_COLUMNS = ("pool", "async", "managed", "device")
 BLOCK = re.compile(r"(<!-- render:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /render -->)", re.S)
@@ -62,10 +62,10 @@ def machine_line(doc: dict) -> str:
 
 
 def bench_table(group: str, page: Path) -> str:
-    from cupy_memstrat.bench import alloc, async_pool, fragmentation, managed, streams, workloads
+    from cupy_memstrat.bench import alloc, async_pool, fragmentation, managed, plugin, streams, workloads
 
     fmt = {"alloc": alloc, "async": async_pool, "managed": managed, "workloads": workloads,
-           "streams": streams, "fragmentation": fragmentation}[group].format_table
+           "streams": streams, "fragmentation": fragmentation, "plugin": plugin}[group].format_table
     doc = _load(f"bench-{group}.json")
     return (f"Measured on {machine_line(doc)} ({_link(f'bench-{group}.json', page)}):\n\n"
             f"```text\n{fmt(doc).rstrip()}\n```\n")

@@ -34,7 +34,7 @@ import pytest
 import cupy_memstrat
 
 from .measure import describe
-from .outside import LIBRARY_NAMES, plain
+from .outside import LIBRARY_NAMES, plain, used_growth
 
 __all__ = [
     "LIMITS",
@@ -297,8 +297,15 @@ class Budget(Limit):
 def _driver_growth(w, d) -> int:
     if w.outside0 is None or w.outside1 is None:
         return 0
-    u0, u1 = w.outside0.driver_used[d], w.outside1.driver_used[d]
-    return max(0, u1 - u0) if u0 is not None and u1 is not None else 0
+    return max(0, used_growth(w.outside0, w.outside1)[0][d])
+
+
+def _whose(out: dict) -> str:
+    """What the outside figures were read from: NVML's count of this process, or the device's
+    used memory (every process on it)."""
+    if set(out.get("driver_source") or ()) == {"process"}:
+        return "this process's memory, as NVML counts it,"
+    return "the device's used memory"
 
 
 def outside_lines(out: dict, tolerance: int) -> list[str]:
@@ -404,7 +411,7 @@ class Leaks(Limit):
         if outside:
             listing += ("\n" if listing else "") + (
                 "GPU memory held outside the strategy after the teardown, gc.collect() and emptying the caches "
-                "(the device's used memory grew by more than the strategy's reserve):\n"
+                f"({_whose(out)} grew by more than the strategy's reserve):\n"
                 + "\n".join(outside_lines(out, plan.outside_tolerance)))
         if plan.leaks == "fail":
             return Problem(self.kind, [msg], listing)

@@ -167,7 +167,7 @@ class Meter:
             outside0=outside0,
         )
         if outside0 is not None and sample and self.sample_interval > 0:
-            w.sampler = _outside.Sampler(s.backend, self.devices, self.sample_interval).start()
+            w.sampler = _outside.Sampler(s.backend, self.devices, self.sample_interval, outside0).start()
         self._open.append(w)
         return w
 
@@ -202,13 +202,13 @@ class Meter:
         (``sample_interval``). Without the outside reading (off), the strategy's peak in use."""
         if w.outside0 is None or w.outside1 is None:
             return list(w.peak)
+        growth, _ = _outside.used_growth(w.outside0, w.outside1)
         out = []
         for d in self.devices:
-            u0, u1 = w.outside0.driver_used[d], w.outside1.driver_used[d]
-            grown = u1 - u0 if u0 is not None and u1 is not None else 0
+            grown = growth[d]
             sampled = w.sampled_peak[d] if w.sampled_peak is not None else None
-            if sampled is not None and u0 is not None:
-                grown = max(grown, sampled - u0)
+            if sampled is not None:
+                grown = max(grown, sampled)
             out.append(max(w.peak[d], w.peak_reserved[d], grown))
         return out
 
@@ -461,7 +461,7 @@ def _outside_figures(r0, r1, devices, strategy_name: str) -> dict:
     def grew(a, b):
         return [(y - x) if x is not None and y is not None else 0 for x, y in zip(a, b)]
 
-    driver = grew(r0.driver_used, r1.driver_used)
+    driver, source = _outside.used_growth(r0, r1)
     strategy = grew(r0.reserved, r1.reserved)
     outside = [max(0, dg - sg) for dg, sg in zip(driver, strategy)]
     libs = {}
@@ -472,5 +472,5 @@ def _outside_figures(r0, r1, devices, strategy_name: str) -> dict:
         libs[name] = {"held": [max(0, a[0] - b[0]) for a, b in zip(after, before)],
                       "in_use": [max(0, a[1] - b[1]) for a, b in zip(after, before)]}
     unexplained = [max(0, outside[d] - sum(lib["held"][d] for lib in libs.values())) for d in devices]
-    return {"driver_growth": driver, "strategy_growth": strategy, "outside": outside, "libraries": libs,
-            "unexplained": unexplained}
+    return {"driver_growth": driver, "driver_source": source, "strategy_growth": strategy, "outside": outside,
+            "libraries": libs, "unexplained": unexplained}

@@ -5,7 +5,9 @@ The strategy counts what CuPy allocates through it. A test can also hold memory 
 never passes through it: a torch tensor, a Numba device array, a raw
 ``cupy.cuda.runtime.malloc``, arrays of another ``cupy.cuda.MemoryPool``. The driver sees
 all of it: ``cudaMemGetInfo`` (through the strategy's backend) gives the device's used
-memory, total minus free, for every process on the device.
+memory, total minus free, for every process on the device. Where NVML lists this process
+with its memory (the strategy's backend: ``process_used``), that count is used instead:
+other processes on the device (pytest-xdist's other workers, other jobs) do not move it.
 
 What the driver's used memory grew by during a test, less what the strategy's reserved
 memory grew by, is memory *outside the strategy*. Part of it is explained by libraries the
@@ -16,8 +18,8 @@ workspaces). Before judging, the caches that hold memory on purpose are emptied:
 CuPy's FFT plan cache, CuPy's default pool (when it is not the strategy), PyTorch's
 cache and cuBLAS workspaces, Numba's pending frees.
 
-Other processes on the same device move the driver's reading too; the tolerance
-(``--gpumem-outside-tolerance``) is for that and for CUDA's own growth.
+Without NVML's count, other processes on the same device move the reading too; the
+tolerance (``--gpumem-outside-tolerance``) is for that and for CUDA's own growth.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
-__all__ = ["Reading", "Sampler", "read", "empty_caches", "warm_up", "plain", "LIBRARY_NAMES"]
+__all__ = ["Reading", "Sampler", "read", "used_growth", "empty_caches", "warm_up", "plain", "LIBRARY_NAMES"]
 
 #: the libraries whose counters the plugin reads, as reports name them
 LIBRARY_NAMES = {"torch": "PyTorch's caching allocator", "numba": "Numba's memory manager"}
@@ -37,9 +39,41 @@ LIBRARY_NAMES = {"torch": "PyTorch's caching allocator", "numba": "Numba's memor
 class Reading:
     """One reading per device (bytes; None where it could not be read)."""
 
-    driver_used: list  # total - free from cudaMemGetInfo
+    driver_used: list  # total - free from cudaMemGetInfo: every process on the device
     reserved: list  # the strategy's bytes reserved
     libraries: dict = field(default_factory=dict)  # name -> per device: (held, in use) or None
+    process_used: list = field(default_factory=list)  # NVML's count of this process's memory
+
+
+def _process_used(backend, device: int):
+    fn = getattr(backend, "process_used", None)  # a backend of one's own may lack it
+    if fn is None:
+        return None
+    try:
+        return fn(device)
+    except Exception:  # noqa: BLE001 - no reading
+        return None
+
+
+def used_growth(r0: Reading, r1: Reading) -> tuple[list, list]:
+    """Per device, what the used memory grew by from ``r0`` to ``r1`` (bytes, negative when it
+    shrank) and whose count it is: ``"process"`` where both readings have NVML's count of
+    this process, which other processes do not move, else ``"device"`` (``cudaMemGetInfo``:
+    every process on the device), and ``(0, None)`` where neither was read twice."""
+    growth, sources = [], []
+    for i, (u0, u1) in enumerate(zip(r0.driver_used, r1.driver_used)):
+        p0 = r0.process_used[i] if i < len(r0.process_used) else None
+        p1 = r1.process_used[i] if i < len(r1.process_used) else None
+        if p0 is not None and p1 is not None:
+            growth.append(p1 - p0)
+            sources.append("process")
+        elif u0 is not None and u1 is not None:
+            growth.append(u1 - u0)
+            sources.append("device")
+        else:
+            growth.append(0)
+            sources.append(None)
+    return growth, sources
 
 
 def plain(value):
@@ -124,32 +158,45 @@ def read(strategy, devices) -> Reading:
         r = fn(devices)
         if r is not None:
             libs[name] = r
-    return Reading(used, reserved, libs)
+    return Reading(used, reserved, libs, [_process_used(b, d) for d in devices])
 
 
 class Sampler:
-    """The driver's used memory read every ``interval`` seconds on a thread of its own, while
-    a test's call runs: the highest reading per device (bytes), for the driver-level peak of
-    memory a test allocates outside the strategy and frees again before its call ends. A
-    reading costs one ``cudaMemGetInfo`` per device; what happens between two readings is not
-    seen."""
+    """The used memory read every ``interval`` seconds on a thread of its own, while a test's
+    call runs: per device, the most it grew above ``start`` (bytes), for the driver-level peak
+    of memory a test allocates outside the strategy and frees again before its call ends.
+    Each device is read the way ``start`` read it: NVML's count of this process where it had
+    one, else ``cudaMemGetInfo``; a reading costs one such call per device. What happens
+    between two readings is not seen."""
 
-    def __init__(self, backend, devices, interval: float):
+    def __init__(self, backend, devices, interval: float, start: Reading):
         self._backend, self._devices, self._interval = backend, list(devices), interval
-        self.peak: list = [None] * len(self._devices)
+        n = len(self._devices)
+        procs = start.process_used or [None] * n
+        self._by_process = [procs[i] is not None for i in range(n)]
+        self._base = [procs[i] if procs[i] is not None else start.driver_used[i] for i in range(n)]
+        self.peak: list = [None] * n
         self.n_readings = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpumem-driver-sampler", daemon=True)
 
     def _read(self) -> None:
         for i, d in enumerate(self._devices):
-            try:
-                free, total = self._backend.mem_get_info(d)
-            except Exception:  # noqa: BLE001 - a device that cannot be read: no reading
+            if self._base[i] is None:
                 continue
-            used = total - free
-            if self.peak[i] is None or used > self.peak[i]:
-                self.peak[i] = used
+            if self._by_process[i]:
+                used = _process_used(self._backend, d)
+            else:
+                try:
+                    free, total = self._backend.mem_get_info(d)
+                    used = total - free
+                except Exception:  # noqa: BLE001 - a device that cannot be read: no reading
+                    used = None
+            if used is None:
+                continue
+            grown = used - self._base[i]
+            if self.peak[i] is None or grown > self.peak[i]:
+                self.peak[i] = grown
         self.n_readings += 1
 
     def _run(self) -> None:
@@ -162,8 +209,8 @@ class Sampler:
         return self
 
     def stop(self) -> list:
-        """Stop (after one last reading); the highest reading per device, None where none was
-        taken."""
+        """Stop (after one last reading); per device the most the used memory grew above the
+        start (bytes), None where no reading was taken."""
         self._stop.set()
         self._thread.join()
         self._read()

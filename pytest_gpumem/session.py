@@ -17,7 +17,7 @@ from cupy_memstrat import checks as _checks
 from . import baseline as _baseline
 from . import report as _report
 from .limits import LIMITS, Case, limits_json, warn_at_test
-from .outside import plain
+from .outside import plain, used_growth
 from .measure import Meter
 
 __all__ = ["GpuMemAllocatorWarning", "State", "METER", "NOTICE", "OOM_SNAPSHOT", "FOREIGN", "is_xdist_controller"]
@@ -306,13 +306,17 @@ class State:
             # the driver's reading beside the strategy's count (--gpumem-outside)
             rec["driver_used_before_bytes_per_device"] = plain(w.outside0.driver_used)
             rec["driver_used_after_bytes_per_device"] = plain(w.outside1.driver_used)
+            rec["process_used_before_bytes_per_device"] = plain(w.outside0.process_used)
+            rec["process_used_after_bytes_per_device"] = plain(w.outside1.process_used)
+            growth, source = used_growth(w.outside0, w.outside1)
+            rec["driver_source_per_device"] = source  # "process" (NVML's count of this process) or "device"
             rec["driver_peak_bytes_per_device"] = plain(meter.driver_peak(w))
             if w.sampler is not None:
                 rec["driver_readings"] = w.sampler.n_readings  # during the call (--gpumem-driver-sample)
             rec["outside_bytes_per_device"] = [
-                max(0, (u1 - u0) - (r1 - r0)) if u0 is not None and u1 is not None else None
-                for u0, u1, r0, r1 in zip(plain(w.outside0.driver_used), plain(w.outside1.driver_used),
-                                          plain(w.outside0.reserved), plain(w.outside1.reserved))]
+                max(0, g - (r1 - r0)) if src is not None else None
+                for g, src, r0, r1 in zip(plain(growth), source, plain(w.outside0.reserved),
+                                          plain(w.outside1.reserved))]
         problems, details = [], []
         change, change_is_error = getattr(w, "allocator_change", None) or (None, False)
         notice = item.stash.get(NOTICE, None)

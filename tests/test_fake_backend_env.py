@@ -109,3 +109,14 @@ def test_backend_from_env_refuses_what_is_not_the_simulated_gpu_by_name():
     with pytest.raises(ValueError, match=r"CUPY_MEMSTRAT_BACKEND='cuda': not the simulated GPU; expected 'fake'"):
         backend_from_env("cuda")
     assert backend_from_env("fake:DEVICES=2, Memory=1GiB").device_count() == 2  # case does not matter
+
+
+def test_nvml_off_makes_a_fake_whose_process_count_is_unread():
+    from cupy_memstrat.backends.sim.env import backend_from_env
+
+    on, off = backend_from_env("fake:memory=1GiB"), backend_from_env("fake: NVML = Off ")
+    on.hold_elsewhere(64 << 20)
+    assert on.process_used(0) == 0 and on.mem_get_info(0)[0] == (1 << 30) - (64 << 20)
+    assert off.process_used(0) is None
+    with pytest.raises(ValueError, match=r"nvml: expected 'on' or 'off', got 'maybe'"):
+        backend_from_env("fake:nvml=maybe")

@@ -260,3 +260,41 @@ def test_the_native_toml_table_takes_a_number_for_the_sampling_interval(pytester
     r.assert_outcomes(passed=1)
     doc = json.loads((pytester.path / "out.json").read_text())
     assert doc["settings"]["driver_sample_ms"] == 5 and doc["tests"][0]["driver_readings"] >= 1
+
+
+MiB = 1 << 20
+
+OTHERS = HEAD + """
+def test_another_process_takes_memory_meanwhile():
+    cupy_memstrat.current().backend.hold_elsewhere(512 * MiB)  # pytest-xdist's next worker, another job
+    a = alloc(MiB)
+    assert a.nbytes == MiB
+
+def test_keeps_raw_memory():
+    KEEP.append(raw(256 * MiB))
+"""
+
+
+def test_nvml_s_count_of_this_process_keeps_other_processes_out_of_the_verdict(pytester, fake_env):
+    pytester.makepyfile(OTHERS)
+    r = run(pytester, "--gpumem-leaks=fail", "--gpumem-outside-tolerance=64MiB", "--gpumem-json=out.json")
+    r.assert_outcomes(passed=1, failed=1)
+    t = _tests(pytester)
+    other, kept = t["test_another_process_takes_memory_meanwhile"], t["test_keeps_raw_memory"]
+    assert other["driver_source_per_device"] == ["process"] and other["leaked_bytes"] == 0
+    assert other["outside_bytes_per_device"] == [0]
+    # the device's reading moved by the other process's 512 MiB; this process's count did not
+    assert other["driver_used_after_bytes_per_device"][0] - other["driver_used_before_bytes_per_device"][0] >= 512 * MiB
+    assert kept["leaked_bytes"] == 256 * MiB and kept["outside_bytes_per_device"] == [256 * MiB]
+
+
+def test_without_nvml_s_count_another_process_s_memory_is_judged_by_the_device_reading(pytester, fake_env, monkeypatch):
+    # the control: where NVML does not list this process (a container), only the device's
+    # reading is left, and another process's growth is above the tolerance
+    monkeypatch.setenv("CUPY_MEMSTRAT_BACKEND", "fake:memory=1GiB,nvml=off")
+    pytester.makepyfile(OTHERS)
+    r = run(pytester, "--gpumem-leaks=fail", "--gpumem-outside-tolerance=64MiB", "--gpumem-json=out.json",
+            "-k", "meanwhile")
+    r.assert_outcomes(failed=1)
+    t = _tests(pytester)["test_another_process_takes_memory_meanwhile"]
+    assert t["driver_source_per_device"] == ["device"] and t["leaked_bytes"] == 512 * MiB

@@ -201,6 +201,45 @@ class RealBackend:
             if cur != device:
                 self.set_device(cur)
 
+    def process_used(self, device: int) -> int | None:
+        """This process's memory on ``device`` as NVML counts it, through
+        ``cuda.bindings.nvml`` (``nvmlDeviceGetComputeRunningProcesses_v3``, the
+        device found by its PCI bus ID); None where it cannot be read
+        (:class:`~cupy_memstrat.backends.DeviceBackend`). NVML is initialised
+        once, on the first call; a device NVML cannot read is not asked again."""
+        handles = self.__dict__.setdefault("_nvml_handles", {})
+        if device not in handles:
+            handles[device] = self._nvml_handle(device)
+        h = handles[device]
+        if h is None:
+            return None
+        try:
+            import numpy
+
+            procs = self._nvml.device_get_compute_running_processes_v3(h)
+            pids = numpy.atleast_1d(numpy.asarray(procs.pid)).tolist()
+            used = numpy.atleast_1d(numpy.asarray(procs.used_gpu_memory)).tolist()
+        except Exception:  # noqa: BLE001 - NVML refused (permissions, a lost GPU): no reading
+            return None
+        for pid, n in zip(pids, used):
+            if int(pid) == os.getpid():
+                # NVML_VALUE_NOT_AVAILABLE (all ones): the driver does not report it here
+                return None if int(n) >= (1 << 64) - 1 else int(n)
+        return None  # not listed: another PID namespace, or no context on the device yet
+
+    def _nvml_handle(self, device: int):
+        """NVML's handle of ``device``, or None where NVML cannot be used."""
+        try:
+            if getattr(self, "_nvml", None) is None:
+                from cuda.bindings import nvml
+
+                nvml.init_v2()
+                self._nvml = nvml
+            return self._nvml.device_get_handle_by_pci_bus_id_v2(self._runtime.deviceGetPCIBusId(device))
+        except Exception:  # noqa: BLE001 - no NVML (cuda-bindings without it, no library), no device
+            self.clear_last_error()
+            return None
+
     def pool_create(self, device: int, max_size: int = 0) -> int:
         """``cudaMemPoolCreate`` through ``cuda.bindings`` (CuPy's wrapper
         cannot set ``maxSize``). Falls back to CuPy's wrapper when

@@ -139,6 +139,14 @@ class DeviceBackend(Protocol):
         back afterwards): waits for its queued work and orders every pending
         stream-ordered free there."""
 
+    def process_used(self, device: int) -> int | None:
+        """The device memory this process holds on ``device`` (bytes), as NVML
+        counts it (``nvmlDeviceGetComputeRunningProcesses``): unlike
+        :meth:`mem_get_info`, other processes on the device do not move it.
+        None where it cannot be read: no NVML, NVML does not list this process
+        (a container with its own process IDs), or the driver does not report
+        a process's memory (some virtualised GPUs). Never raises."""
+
 
 class StreamBackend(Protocol):
     """CuPy's current stream, and what is known of a stream object."""
@@ -497,4 +505,4 @@ def require(backend: Any, protocol: type = CoreBackend) -> None:
 #: the environment variable that chooses a process's backend (:func:`cupy_memstrat.backends.from_env`)
 BACKEND_ENV = "CUPY_MEMSTRAT_BACKEND"
 #: the values ``CUPY_MEMSTRAT_BACKEND`` takes, for error messages
-ENV_VALUES = "'cuda' (the default), 'fake' or 'fake:devices=N,memory=SIZE[/SIZE...],name=NAME'"
+ENV_VALUES = "'cuda' (the default), 'fake' or 'fake:devices=N,memory=SIZE[/SIZE...],name=NAME,nvml=on|off'"

@@ -144,3 +144,25 @@ def test_sampling_the_driver_sees_memory_freed_before_the_call_ends(inner):
                                "--gpumem-json=out.json")  # the control: start and end only
     (rec,) = _tests(inner).values()
     assert rec["outcome"] == "passed", rec
+
+
+def test_nvml_s_count_of_this_process_grows_with_a_raw_malloc_where_nvml_lists_it():
+    # NVML's per-process count, where this machine gives one: it sees a raw cudaMalloc; where
+    # NVML does not list the process (a container with its own process IDs), it is None and
+    # the plugin reads the device's used memory instead (driver_source_per_device "device")
+    import cupy
+
+    from cupy_memstrat.backends import RealBackend
+
+    b = RealBackend()
+    cupy.zeros(1)  # a context on device 0
+    before = b.process_used(0)
+    p = cupy.cuda.runtime.malloc(256 * MiB)
+    try:
+        after = b.process_used(0)
+    finally:
+        cupy.cuda.runtime.free(p)
+    if before is None:
+        assert after is None
+        pytest.skip("NVML does not list this process here: the plugin reads the device's used memory")
+    assert after - before >= 256 * MiB

@@ -39,7 +39,9 @@ class _CoreMixin:
     def _init_core(self, capacities: list, props: dict, versions: dict) -> None:
         devices = len(capacities)
         self._capacity = capacities
-        self._used = [0] * devices
+        self._used = [0] * devices  # every process's bytes, as the device's free memory counts them
+        self._elsewhere = [0] * devices  # of which other processes hold (hold_elsewhere)
+        self._nvml = True  # NVML lists this process (process_used); FakeBackend(nvml=False): not
         self._next = [(d + 1) * _DEVICE_STRIDE for d in range(devices)]
         self._live: dict[int, tuple[int, int]] = {}  # ptr -> (size, device)
         self._lock = threading.Lock()
@@ -93,6 +95,14 @@ class _CoreMixin:
         if not 0 <= device < len(self._capacity):
             self._fail(_codes.ERROR_INVALID_DEVICE)
         return self._capacity[device] - self._used[device], self._capacity[device]
+
+    def process_used(self, device: int) -> int | None:
+        """This process's bytes on ``device`` (NVML's per-process count): the device's used
+        memory less what other processes hold (:meth:`hold_elsewhere`); None for a device
+        that does not exist, and where NVML does not list this process (``nvml=False``)."""
+        if not self._nvml or not 0 <= device < len(self._capacity):
+            return None
+        return self._used[device] - self._elsewhere[device]
 
     def device_properties(self, device: int) -> dict:
         if not 0 <= device < len(self._capacity):
@@ -153,9 +163,21 @@ class _CoreMixin:
         """Whether ``ptr`` is a live allocation of this fake."""
         return ptr in self._live or ptr in self._managed
 
+    def hold_elsewhere(self, nbytes: int, device: int = 0) -> None:
+        """Another process on the device takes ``nbytes`` (releases them, when negative):
+        the device's free memory (``mem_get_info``) and what this process can allocate
+        shrink; this process's own count (``process_used``) does not move."""
+        with self._lock:
+            if self._elsewhere[device] + nbytes < 0 or self._used[device] + nbytes > self._capacity[device]:
+                raise ValueError(f"hold_elsewhere({nbytes}): other processes would hold "
+                                 f"{self._elsewhere[device] + nbytes} bytes of the device's {self._capacity[device]}, "
+                                 f"{self._capacity[device] - self._used[device]} free")
+            self._elsewhere[device] += nbytes
+            self._used[device] += nbytes
+
     def used_bytes(self, device: int = 0) -> int:
-        """Bytes the fake device has handed out (256-byte rounded)."""
-        return self._used[device]
+        """Bytes the fake device has handed out to this process (256-byte rounded)."""
+        return self._used[device] - self._elsewhere[device]
 
     def owner_device(self, ptr: int) -> int:
         """Device that holds ``ptr``; KeyError if it is not live."""

@@ -11,9 +11,10 @@ from .fake import FakeBackend
 def backend_from_env(value: str | None = None) -> FakeBackend:
     """The :class:`FakeBackend` that a ``CUPY_MEMSTRAT_BACKEND`` value asks
     for (``value`` None: the variable's): ``fake``, the fake's defaults, or
-    ``fake:devices=2,memory=1GiB,name=NAME`` (``devices`` from 1 to 64, ASCII
+    ``fake:devices=2,memory=1GiB,name=NAME,nvml=off`` (``devices`` from 1 to 64, ASCII
     digits; ``memory`` one size for every device or ``memory=1GiB/2GiB`` one
-    per device, which also sets ``devices``). Case and spaces around the parts
+    per device, which also sets ``devices``; ``nvml`` ``on`` (the default) or ``off``:
+    whether NVML counts this process's memory, :meth:`FakeBackend.process_used`). Case and spaces around the parts
     do not matter. :func:`cupy_memstrat.backends.get_backend` makes the process's
     backend with it.
 
@@ -48,10 +49,16 @@ def backend_from_env(value: str | None = None) -> FakeBackend:
             kwargs["memory"] = val.split("/") if "/" in val else val
         elif key == "name":
             kwargs["name"] = val
+        elif key == "nvml":
+            if val.lower() not in ("on", "off"):
+                raise ValueError(
+                    f"environment variable {BACKEND_ENV}={raw!r}: nvml: expected 'on' or 'off', got {val!r}"
+                )
+            kwargs["nvml"] = val.lower() == "on"
         else:
             raise ValueError(
                 f"environment variable {BACKEND_ENV}={raw!r}: unknown option {key!r}; "
-                "valid options: devices, memory, name"
+                "valid options: devices, memory, name, nvml"
             )
     if isinstance(kwargs.get("memory"), list):
         kwargs.setdefault("devices", len(kwargs["memory"]))

@@ -49,6 +49,7 @@ class FakeBackend(_CoreMixin, _StreamMixin, _PoolMixin, _ManagedMixin, _VmmMixin
         driver_version: int = 13000,
         runtime_version: int = 13000,
         per_thread_default_stream: bool = False,
+        nvml: bool = True,
     ):
         if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= MAX_DEVICES:
             raise ValueError(f"devices: expected an int from 1 to {MAX_DEVICES}, got {devices!r}")
@@ -64,6 +65,7 @@ class FakeBackend(_CoreMixin, _StreamMixin, _PoolMixin, _ManagedMixin, _VmmMixin
         }
         versions = {"driver": driver_version, "runtime": runtime_version}
         self._init_core([parse_size(m, what="memory") for m in mems], props, versions)
+        self._nvml = bool(nvml)
         self._init_streams(devices, per_thread_default_stream)
         self._init_pools(devices)  # after the streams: a pool's handle comes from the same counter
         self._init_checks()
