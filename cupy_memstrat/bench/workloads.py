@@ -285,6 +285,7 @@ def measure(xp, sp, paths, workloads: dict, *, rounds: int, sync, to_host, say, 
                         strategy.reset_peak(d)
                 if faults is not None:
                     faults.start()
+                moved0 = sum(getattr(strategy, "n_pages_moved", None) or [0])  # expandable's remap
                 t0 = clock()
                 for i in range(reps):
                     if i:
@@ -298,6 +299,9 @@ def measure(xp, sp, paths, workloads: dict, *, rounds: int, sync, to_host, say, 
                     row["faults"] = None if counts is None else {k: round(v / reps) for k, v in counts.items()}
                 hosts[label] = to_host(result)
                 del result
+                moved = getattr(strategy, "n_pages_moved", None)
+                if moved is not None:  # pages expandable moved to grow its range, per run of the sample
+                    row["pages_moved"] = round((sum(moved) - moved0) / reps)
                 if strategy is not None:
                     st = [strategy.stats(d) for d in range(strategy.backend.device_count())]
                     row["peak_bytes_in_use"] = max(row.get("peak_bytes_in_use", 0), *(x.peak_bytes_in_use for x in st))
@@ -508,7 +512,8 @@ def format_table(report: dict) -> str:
             rr = r.get("ratio_in_rounds")
             paired = f"{rr['median']:5.2f}x [{rr['q1']:.2f}-{rr['q3']:.2f}]" if rr else ""
             out.append(f"  {label:28s} {r['seconds']:9.4f} s ({r['ratio_to_first']:5.2f}x)  {paired:>19s}  "
-                       f"{peaks:>22s}  {'' if f is None else f'{f} faults':>12s}  {check}")
+                       f"{peaks:>22s}  {'' if f is None else f'{f} faults':>12s}  {check}"
+                       + (f"; {r['pages_moved']} pages moved per run" if r.get("pages_moved") else ""))
     return "\n".join(out)
 
 
