@@ -272,10 +272,11 @@ class Budget(Limit):
         words = size_words(limits[d], None if share else plan.budget_text)
         what = "peak" if peaks is w.peak else "driver-level peak"
         msg = f"{what} {fmt(peaks[d])}{on} > budget {words}{share} ({plan.budget_source})"
+        grown, source = _driver_growth(w, d)
         if peaks is not w.peak and peaks[d] > w.peak[d]:
             msg += (f"; through the strategy: peak in use {fmt(w.peak[d])}, peak reserved "
-                    f"{fmt(w.peak_reserved[d])}; outside it, the device's used memory grew by "
-                    f"{fmt(_driver_growth(w, d))} by the end of the call")
+                    f"{fmt(w.peak_reserved[d])}; outside it, {_WHOSE[source]} grew by "
+                    f"{fmt(grown)} by the end of the call")
         counts = (f"during the call: {w.n_allocs} allocation{'' if w.n_allocs == 1 else 's'}, "
                   f"{w.n_frees} free{'' if w.n_frees == 1 else 's'}; in use when it began: "
                   f"{fmt(sum(w.base))}")
@@ -284,8 +285,8 @@ class Budget(Limit):
                       "of its call:\n" + describe(w.top_live))
         elif peaks is not w.peak and peaks[d] > max(w.peak[d], w.peak_reserved[d]):
             detail = (counts + "\nthe peak is memory outside the strategy: a library that allocates on its own "
-                      "(PyTorch, Numba, a raw cudaMalloc, another CuPy pool), or CUDA's own growth "
-                      "(docs/pytest.md, 'Memory outside the strategy')")
+                      "(PyTorch, Numba, a raw cudaMalloc, another CuPy pool), or CUDA's own growth"
+                      + _OTHERS[source] + " (docs/pytest.md, 'Memory outside the strategy')")
         elif w.n_allocs:
             detail = (counts + "\n(none of them was still live when the call returned; "
                       "gpumem.measure() blocks narrow the peak down)")
@@ -294,18 +295,26 @@ class Budget(Limit):
         return Problem(self.kind, [msg], detail)
 
 
-def _driver_growth(w, d) -> int:
+#: what the figures outside the strategy were read from (outside.used_growth's sources)
+_WHOSE = {"process": "this process's memory, as NVML counts it,", "device": "the device's used memory",
+          None: "the device's used memory"}
+#: where the device's reading was used, the other processes on it move it too
+_OTHERS = {"process": "", None: "",
+           "device": ", or another process on the device (pytest-xdist's other workers, another job)"}
+
+
+def _driver_growth(w, d) -> tuple[int, str | None]:
+    """What the used memory grew by on device ``d`` during the call (bytes, at least 0), and
+    its source."""
     if w.outside0 is None or w.outside1 is None:
-        return 0
-    return max(0, used_growth(w.outside0, w.outside1)[0][d])
+        return 0, None
+    growth, sources = used_growth(w.outside0, w.outside1)
+    return max(0, growth[d]), sources[d]
 
 
 def _whose(out: dict) -> str:
-    """What the outside figures were read from: NVML's count of this process, or the device's
-    used memory (every process on it)."""
-    if set(out.get("driver_source") or ()) == {"process"}:
-        return "this process's memory, as NVML counts it,"
-    return "the device's used memory"
+    sources = set(out.get("driver_source") or ())
+    return _WHOSE["process" if sources == {"process"} else "device"]
 
 
 def outside_lines(out: dict, tolerance: int) -> list[str]:
@@ -316,11 +325,12 @@ def outside_lines(out: dict, tolerance: int) -> list[str]:
         if held and sum(lib["in_use"]):
             lines.append(f"  {fmt(held):>10}  held by {LIBRARY_NAMES.get(name, name)} for "
                          f"{fmt(sum(lib['in_use']))} still allocated there")
+    sources = out.get("driver_source") or [None] * len(out["unexplained"])
     for d, n in enumerate(out["unexplained"]):
         if n > tolerance:
             lines.append(f"  {fmt(n):>10}  on device {d}, which no library the plugin reads explains: a raw "
-                         "cudaMalloc, another CuPy memory pool, or a library's own cache (the tolerance is "
-                         f"{fmt(tolerance)}, --gpumem-outside-tolerance)")
+                         "cudaMalloc, another CuPy memory pool, or a library's own cache" + _OTHERS[sources[d]]
+                         + f" (the tolerance is {fmt(tolerance)}, --gpumem-outside-tolerance)")
     return lines
 
 

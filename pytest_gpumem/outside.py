@@ -172,7 +172,7 @@ class Sampler:
     def __init__(self, backend, devices, interval: float, start: Reading):
         self._backend, self._devices, self._interval = backend, list(devices), interval
         n = len(self._devices)
-        procs = start.process_used or [None] * n
+        procs = list(start.process_used) + [None] * (n - len(start.process_used))
         self._by_process = [procs[i] is not None for i in range(n)]
         self._base = [procs[i] if procs[i] is not None else start.driver_used[i] for i in range(n)]
         self.peak: list = [None] * n

@@ -120,3 +120,28 @@ def test_nvml_off_makes_a_fake_whose_process_count_is_unread():
     assert off.process_used(0) is None
     with pytest.raises(ValueError, match=r"nvml: expected 'on' or 'off', got 'maybe'"):
         backend_from_env("fake:nvml=maybe")
+
+
+@pytest.mark.parametrize("nbytes, device, error, message", [
+    (1.5, 0, TypeError, r"nbytes: expected an int \(bytes\), got float 1.5"),
+    (True, 0, TypeError, r"nbytes: expected an int \(bytes\), got bool True"),
+    (1, -1, ValueError, "device: expected an int from 0 to 1, got -1"),
+    (1, True, ValueError, "device: expected an int from 0 to 1, got True"),
+    (1, 2, ValueError, "device: expected an int from 0 to 1, got 2"),
+    (-1, 0, ValueError, r"other processes hold 0 bytes on device 0: expected a release of at most 0"),
+    (2 << 30, 0, ValueError, r"device 0 has 1073741824 bytes free"),
+])
+def test_a_bad_hold_elsewhere_is_refused_by_name_and_changes_nothing(nbytes, device, error, message):
+    from cupy_memstrat.testing import FakeBackend
+
+    b = FakeBackend(devices=2, memory="1GiB")
+    with pytest.raises(error, match=message):
+        b.hold_elsewhere(nbytes, device)
+    assert [b.mem_get_info(d)[0] for d in (0, 1)] == [1 << 30, 1 << 30] and b.process_used(1) == 0
+
+
+def test_the_fake_s_nvml_switch_is_a_bool():
+    from cupy_memstrat.testing import FakeBackend
+
+    with pytest.raises(ValueError, match="nvml: expected True or False, got 'off'"):
+        FakeBackend(nvml="off")

@@ -207,6 +207,8 @@ class RealBackend:
         device found by its PCI bus ID); None where it cannot be read
         (:class:`~cupy_memstrat.backends.DeviceBackend`). NVML is initialised
         once, on the first call; a device NVML cannot read is not asked again."""
+        if type(device) is not int:
+            return None
         handles = self.__dict__.setdefault("_nvml_handles", {})
         if device not in handles:
             handles[device] = self._nvml_handle(device)
@@ -230,14 +232,18 @@ class RealBackend:
     def _nvml_handle(self, device: int):
         """NVML's handle of ``device``, or None where NVML cannot be used."""
         try:
+            bus = self._runtime.deviceGetPCIBusId(device)
+        except Exception:  # noqa: BLE001 - no such device: CUDA's error is not left behind
+            self.clear_last_error()
+            return None
+        try:
             if getattr(self, "_nvml", None) is None:
                 from cuda.bindings import nvml
 
                 nvml.init_v2()
                 self._nvml = nvml
-            return self._nvml.device_get_handle_by_pci_bus_id_v2(self._runtime.deviceGetPCIBusId(device))
-        except Exception:  # noqa: BLE001 - no NVML (cuda-bindings without it, no library), no device
-            self.clear_last_error()
+            return self._nvml.device_get_handle_by_pci_bus_id_v2(bus)
+        except Exception:  # noqa: BLE001 - no NVML (cuda-bindings without it, no library)
             return None
 
     def pool_create(self, device: int, max_size: int = 0) -> int:

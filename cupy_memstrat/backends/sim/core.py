@@ -100,9 +100,12 @@ class _CoreMixin:
         """This process's bytes on ``device`` (NVML's per-process count): the device's used
         memory less what other processes hold (:meth:`hold_elsewhere`); None for a device
         that does not exist, and where NVML does not list this process (``nvml=False``)."""
-        if not self._nvml or not 0 <= device < len(self._capacity):
+        if not self._nvml or not self._is_device(device):
             return None
         return self._used[device] - self._elsewhere[device]
+
+    def _is_device(self, device) -> bool:
+        return type(device) is int and 0 <= device < len(self._capacity)
 
     def device_properties(self, device: int) -> dict:
         if not 0 <= device < len(self._capacity):
@@ -166,17 +169,35 @@ class _CoreMixin:
     def hold_elsewhere(self, nbytes: int, device: int = 0) -> None:
         """Another process on the device takes ``nbytes`` (releases them, when negative):
         the device's free memory (``mem_get_info``) and what this process can allocate
-        shrink; this process's own count (``process_used``) does not move."""
+        shrink; this process's own count (``process_used``) does not move.
+
+        Raises:
+            TypeError: ``nbytes`` or ``device`` not an int.
+            ValueError: a device that does not exist, more than the device has free, or more
+                released than other processes hold; nothing changes.
+        """
+        if type(nbytes) is not int:
+            raise TypeError(f"hold_elsewhere: nbytes: expected an int (bytes), got {type(nbytes).__name__} {nbytes!r}")
+        if not self._is_device(device):
+            raise ValueError(f"hold_elsewhere: device: expected an int from 0 to {len(self._capacity) - 1}, "
+                             f"got {device!r}")
         with self._lock:
-            if self._elsewhere[device] + nbytes < 0 or self._used[device] + nbytes > self._capacity[device]:
-                raise ValueError(f"hold_elsewhere({nbytes}): other processes would hold "
-                                 f"{self._elsewhere[device] + nbytes} bytes of the device's {self._capacity[device]}, "
-                                 f"{self._capacity[device] - self._used[device]} free")
+            held, free = self._elsewhere[device], self._capacity[device] - self._used[device]
+            if held + nbytes < 0:
+                raise ValueError(f"hold_elsewhere({nbytes}): other processes hold {held} bytes on device {device}: "
+                                 f"expected a release of at most {held}")
+            if nbytes > free:
+                raise ValueError(f"hold_elsewhere({nbytes}): device {device} has {free} bytes free")
             self._elsewhere[device] += nbytes
             self._used[device] += nbytes
 
     def used_bytes(self, device: int = 0) -> int:
-        """Bytes the fake device has handed out to this process (256-byte rounded)."""
+        """Bytes the fake device has handed out to this process (256-byte rounded).
+
+        Raises:
+            ValueError: a device that does not exist."""
+        if not self._is_device(device):
+            raise ValueError(f"used_bytes: device: expected an int from 0 to {len(self._capacity) - 1}, got {device!r}")
         return self._used[device] - self._elsewhere[device]
 
     def owner_device(self, ptr: int) -> int:

@@ -28,7 +28,7 @@ def backend_from_env(value: str | None = None) -> FakeBackend:
     kind, _, opts = raw.strip().partition(":")
     if kind.strip().lower() != "fake":
         raise ValueError(f"environment variable {BACKEND_ENV}={raw!r}: not the simulated GPU; expected 'fake' or "
-                         "'fake:devices=N,memory=SIZE[/SIZE...],name=NAME'")
+                         "'fake:devices=N,memory=SIZE[/SIZE...],name=NAME,nvml=on|off'")
     kwargs = {}
     for part in filter(None, (p.strip() for p in opts.split(","))):
         key, eq, val = (x.strip() for x in part.partition("="))

@@ -53,6 +53,8 @@ class FakeBackend(_CoreMixin, _StreamMixin, _PoolMixin, _ManagedMixin, _VmmMixin
     ):
         if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= MAX_DEVICES:
             raise ValueError(f"devices: expected an int from 1 to {MAX_DEVICES}, got {devices!r}")
+        if not isinstance(nvml, bool):
+            raise ValueError(f"nvml: expected True or False, got {nvml!r}")
         mems = memory if isinstance(memory, (list, tuple)) else [memory] * devices
         if len(mems) != devices:
             raise ValueError(f"memory: expected {devices} values (one per device), got {len(mems)}")
@@ -65,7 +67,7 @@ class FakeBackend(_CoreMixin, _StreamMixin, _PoolMixin, _ManagedMixin, _VmmMixin
         }
         versions = {"driver": driver_version, "runtime": runtime_version}
         self._init_core([parse_size(m, what="memory") for m in mems], props, versions)
-        self._nvml = bool(nvml)
+        self._nvml = nvml
         self._init_streams(devices, per_thread_default_stream)
         self._init_pools(devices)  # after the streams: a pool's handle comes from the same counter
         self._init_checks()
