@@ -61,13 +61,15 @@ def machine_line(doc: dict) -> str:
             f"cupy-memstrat {p.get('cupy_memstrat')}, Python {p.get('python')}; {m.get('date', '?')[:10]}")
 
 
-def bench_table(group: str, page: Path) -> str:
+def bench_table(group: str, page: Path, name: str | None = None) -> str:
+    """A ``bench GROUP`` table from ``name`` (default ``bench-GROUP.json``), as the command prints it."""
     from cupy_memstrat.bench import alloc, async_pool, fragmentation, managed, plugin, streams, workloads
 
     fmt = {"alloc": alloc, "async": async_pool, "managed": managed, "workloads": workloads,
            "streams": streams, "fragmentation": fragmentation, "plugin": plugin}[group].format_table
-    doc = _load(f"bench-{group}.json")
-    return (f"Measured on {machine_line(doc)} ({_link(f'bench-{group}.json', page)}):\n\n"
+    name = name or f"bench-{group}.json"
+    doc = _load(name)
+    return (f"Measured on {machine_line(doc)} ({_link(name, page)}):\n\n"
             f"```text\n{fmt(doc).rstrip()}\n```\n")
 
 
@@ -206,8 +208,12 @@ def strategy_summary(path: str, page: Path) -> str:
 
 
 RENDER |= {"expandable-summary": lambda page: strategy_summary("expandable", page)}
+# expandable with and without remap, beside CuPy's pool (bench workloads / fragmentation --strategies)
+RENDER |= {f"bench-{g}-remap": (lambda g: lambda page: bench_table(g, page, f"bench-{g}-remap.json"))(g)
+           for g in ("workloads", "fragmentation")}
 RENDER |= {"workloads-summary": workloads_table, "cupy-suite": cupy_suite_table, "overhead": overhead_table}
-PAGES = (ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "expandable.md", ROOT / "README.md")
+PAGES = (ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "expandable.md", ROOT / "docs" / "pytest.md",
+         ROOT / "README.md")
 
 
 def render(text: str, page: Path) -> str:
