@@ -166,7 +166,7 @@ def test_the_plugin_table_gives_the_cost_per_test_over_plain_pytest():
     from cupy_memstrat.bench import plugin
 
     text = plugin.format_table(_plugin_report())
-    assert "200 tests (a 4 MiB array), median of 2 rounds" in text
+    assert "200 tests (a 4 MiB array), 2 rounds; wall s: the median of each setting's sessions" in text
     assert "measured+driver      4.60             +2.500 ms      1.12" in text
     assert "plain, per test (pytest's start-up included): 20.50 ms" in text
 

@@ -104,7 +104,9 @@ def run(*, rounds: int = 5, progress=None, n_tests: int = N_TESTS) -> dict:
 
 def format_table(report: dict) -> str:
     p = report["params"]
-    lines = [f"pytest_gpumem's cost per test: {p['tests']} tests ({p['test']}), median of {p['rounds']} rounds",
+    lines = [f"pytest_gpumem's cost per test: {p['tests']} tests ({p['test']}), {p['rounds']} rounds; wall s: the "
+             "median of each setting's sessions; per test over plain and x plain: the medians of each round's "
+             "difference and ratio to plain (a round's settings run one after another)",
              f"  {'setting':<17}{'wall s':>8}  {'per test over plain':>20}  {'x plain':>8}"]
     for name, secs in report["seconds"].items():
         med = statistics.median(secs)
