@@ -166,3 +166,32 @@ def test_nvml_s_count_of_this_process_grows_with_a_raw_malloc_where_nvml_lists_i
         assert after is None
         pytest.skip("NVML does not list this process here: the plugin reads the device's used memory")
     assert after - before >= 256 * MiB
+
+
+def test_another_process_s_memory_moves_the_device_reading_and_not_nvml_s_count_of_this_one():
+    # the claim behind driver_source "process": another process's allocation (here a child
+    # holding 512 MiB) moves cudaMemGetInfo's used memory, the control, and not NVML's count of
+    # this process
+    import subprocess
+    import sys
+
+    import cupy
+
+    from cupy_memstrat.backends import RealBackend
+
+    b = RealBackend()
+    cupy.zeros(1)
+    if b.process_used(0) is None:
+        pytest.skip("NVML does not list this process here: the plugin reads the device's used memory")
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, cupy; p = cupy.cuda.runtime.malloc(512 << 20); "
+                               "print('held', flush=True); sys.stdin.readline(); cupy.cuda.runtime.free(p)"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        mine0, dev0 = b.process_used(0), b.mem_get_info(0)
+        assert child.stdout.readline().strip() == "held"
+        mine1, dev1 = b.process_used(0), b.mem_get_info(0)
+    finally:
+        child.communicate("\n", timeout=60)
+    assert (dev0[0] - dev1[0]) >= 512 * MiB  # the device's free memory dropped by the child's memory
+    assert mine1 == mine0  # this process's count did not move
